@@ -1,0 +1,47 @@
+"""The ``macpool`` console script: one subcommand per package, each owning its own code."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with ``main(argv) -> int``, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "router": ("router.cli", "run the router (the pool's single OpenAI-compatible endpoint)"),
+    "agent": ("node_agent.cli", "run or calibrate the node agent on a Mac"),
+    "sim": ("simulator.cli", "run a simulated Mac running llama-server"),
+    "bench": ("bench.cli", "load sweeps, seed table, overload and router-cost benchmarks"),
+    "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
+    "top": ("router.top", "live terminal view of the pool"),
+    "dev": ("macpool.dev", "developer tasks: build llama-server, generate a tiny model, run the tests"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: macpool <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "run `macpool <command> --help` for a command's options"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if args[0] == "--version":
+        from macpool import __version__
+
+        print(__version__)
+        return 0
+    entry = SUBCOMMANDS.get(args[0])
+    if entry is None:
+        print(f"macpool: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(entry[0])
+    result: int = module.main(args[1:])
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

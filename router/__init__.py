@@ -1,0 +1,1 @@
+"""The macpool router: the pool's single OpenAI-compatible endpoint."""

