@@ -1,0 +1,83 @@
+"""One llama-server contract suite, two targets: the simulator and the real llama-server.
+
+Every test in this folder takes the ``target`` fixture, parametrised over ``sim`` and
+``llama-server``. Both are started the same way (2 slots, 1,024 tokens of context each, metrics on),
+as in ../shared/reference/llama-server/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.conftest import Server, SpawnFactory
+
+PARALLEL = 2
+CTX_SIZE = 2048  # total; 1,024 per slot
+
+
+@dataclass
+class Target:
+    """A running llama-server-compatible server under test."""
+
+    kind: str  # "sim" or "llama-server"
+    url: str
+    server: Server
+    parallel: int = PARALLEL
+    n_ctx_per_slot: int = CTX_SIZE // PARALLEL
+    model: str = ""
+    # extra fields for a request that keeps a slot busy for a few seconds
+    slow_request: dict[str, Any] = field(default_factory=dict)
+
+
+def _llama_server_binary() -> str | None:
+    path = os.environ.get("MACPOOL_LLAMA_SERVER")
+    if path and os.path.isfile(path):
+        return path
+    from macpool.llama_build import find_llama_server
+
+    found = find_llama_server()
+    return str(found) if found else None
+
+
+def _start_sim(spawn: SpawnFactory) -> Target:
+    server = spawn(
+        "sim", "--preset", "m5max-128g-14b-q4", "--parallel", str(PARALLEL), "--ctx-size", str(CTX_SIZE),
+        "--speed", "20", "--metrics", "--model", "tiny.gguf", name="sim",
+    )
+    return Target("sim", server.url, server, model="tiny.gguf", slow_request={"max_tokens": 900})
+
+
+def _start_llama_server(spawn: SpawnFactory) -> Target:
+    binary = _llama_server_binary()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("llama-server binary missing in CI (macpool dev build-llama-server)")
+        pytest.skip("llama-server not built: run `macpool dev build-llama-server`")
+    from macpool.procs import macpool_argv  # noqa: F401  (kept for symmetry with the sim)
+    from macpool.redis_server import free_port
+
+    tiny_model = __import__("macpool.tiny_model", fromlist=["ensure"])
+    model = tiny_model.ensure("small")
+    port = free_port()
+    argv = [
+        binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(PARALLEL),
+        "-c", str(CTX_SIZE), "--metrics", "--no-webui", "-t", "1",
+    ]
+    server = spawn(argv=argv, port=port, name="llama-server", timeout=60)
+    return Target(
+        "llama-server", server.url, server, model=model.name,
+        slow_request={"max_tokens": 900, "ignore_eos": True},
+    )
+
+
+@pytest.fixture(params=["sim", "llama-server"])
+def target(request: pytest.FixtureRequest, spawn: SpawnFactory) -> Iterator[Target]:
+    if request.param == "sim":
+        yield _start_sim(spawn)
+    else:
+        yield _start_llama_server(spawn)
