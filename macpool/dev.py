@@ -33,9 +33,19 @@ def _ensure_llama_server() -> Path | None:
 def _ensure_build_tools() -> None:
     """cmake/ninja/g++ for the llama-server build; on Debian install them when missing and root."""
     missing = [tool for tool in ("cmake", "ninja", "g++") if shutil.which(tool) is None]
-    if missing and shutil.which("apt-get") and os.geteuid() == 0:
-        subprocess.call(["apt-get", "update", "-qq"])
-        subprocess.call(["apt-get", "install", "-y", "-qq", "cmake", "ninja-build", "g++"])
+    if not missing or llama_build.binary_path().is_file() or shutil.which("apt-get") is None:
+        return
+    if os.geteuid() == 0:
+        prefix: list[str] = []
+    elif shutil.which("sudo") and subprocess.call(["sudo", "-n", "true"], stderr=subprocess.DEVNULL) == 0:
+        prefix = ["sudo", "-n"]
+    else:
+        print(f"note: {', '.join(missing)} missing and no root to apt-get them", file=sys.stderr)
+        return
+    print(f"installing build tools ({', '.join(missing)} missing)", flush=True)
+    apt = [*prefix, "env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]
+    subprocess.call([*apt, "update", "-qq"])
+    subprocess.call([*apt, "install", "-y", "-qq", "cmake", "ninja-build", "g++"])
 
 
 def run_tests(pytest_args: list[str]) -> int:

