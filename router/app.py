@@ -1,0 +1,271 @@
+"""The router's ASGI application: ``create_app(settings)``."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio import Redis
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from macpool.contract import Keys
+from macpool.errors import error_response
+from router.admission import Admission
+from router.auth import KeyRing, bearer_token, digest, load_key_digests
+from router.forward import Call, Forwarder, new_client
+from router.metrics import RouterMetrics
+from router.pool import PoolView
+from router.settings import Settings
+
+log = logging.getLogger("macpool.router")
+
+PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class Services:
+    """What the lifespan opens and the handlers use."""
+
+    redis: Redis
+    client: httpx.AsyncClient
+    pool: PoolView
+    admission: Admission
+    forwarder: Forwarder
+
+
+class Router:
+    """Request handlers over the shared services; the services exist between startup and shutdown."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.metrics = RouterMetrics()
+        self.api_keys = KeyRing(load_key_digests(settings.api_keys_file) if settings.api_keys_file else [])
+        self.admin_key = KeyRing([digest(settings.admin_key)] if settings.admin_key else [])
+        self._services: Services | None = None
+
+    @property
+    def services(self) -> Services:
+        if self._services is None:
+            raise RuntimeError("the router is not started")
+        return self._services
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        redis = Redis.from_url(self.settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+        client = new_client(self.settings)
+        pool = PoolView(self.settings, redis, self.keys)
+        admission = Admission(self.settings, redis, self.keys, pool, self.metrics)
+        forwarder = Forwarder(self.settings, client, pool, admission, self.metrics)
+        try:
+            await pool.start()
+            admission.start()
+            self._services = Services(redis, client, pool, admission, forwarder)
+            redis_at = _redacted(self.settings.redis_url)
+            log.info("router %s serving; redis %s", self.settings.router_id, redis_at)
+            yield
+        finally:
+            self._services = None
+            await admission.stop()
+            await pool.stop()
+            await client.aclose()
+            await redis.aclose()
+
+    def pool_json(self) -> dict[str, Any]:
+        """The /api/pool document (also what the dashboard streams)."""
+        return self.services.pool.to_json()
+
+    # --- proxied endpoints -------------------------------------------------------------------------
+
+    async def proxy(self, request: Request) -> Response:
+        arrived = time.monotonic()
+        if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
+            return error_response(401, "invalid or missing API key", "invalid_api_key")
+        try:
+            body = await _read_body(request, self.settings.max_body_bytes)
+            model, stream = _inspect(body, self.settings.default_model)
+        except BadRequest as exc:
+            return error_response(exc.status, str(exc), exc.code)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        call = Call(
+            path=request.url.path,
+            body=body,
+            model=model,
+            stream=stream,
+            headers=[(k.lower(), v) for k, v in request.headers.raw],
+            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+            arrived=arrived,
+        )
+        return await self.services.forwarder.handle(call)
+
+    # --- read-only endpoints -----------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
+            return error_response(401, "invalid or missing API key", "invalid_api_key")
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "macpool"}
+                for m in self.services.pool.models()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "router_id": self.settings.router_id})
+
+    async def ready(self, request: Request) -> Response:
+        services = self.services
+        try:
+            await services.redis.ping()
+            redis_ok = True
+        except Exception:
+            redis_ok = False
+        ready_nodes = sum(1 for doc in services.pool.fresh_nodes() if services.pool.is_ready(doc))
+        body = {"status": "ready" if redis_ok and ready_nodes else "not_ready",
+                "redis_ok": redis_ok, "nodes_ready": ready_nodes}
+        return JSONResponse(body, status_code=200 if redis_ok and ready_nodes else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        self.services.pool.export(self.metrics)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def api_pool(self, request: Request) -> Response:
+        return JSONResponse(self.pool_json())
+
+    # --- admin -------------------------------------------------------------------------------------
+
+    async def drain(self, request: Request) -> Response:
+        return await self._set_drained(request, drained=True)
+
+    async def undrain(self, request: Request) -> Response:
+        return await self._set_drained(request, drained=False)
+
+    async def _set_drained(self, request: Request, drained: bool) -> Response:
+        if not self.admin_key.enabled:
+            message = "the admin API is disabled (no admin key configured)"
+            return error_response(401, message, "admin_disabled")
+        if not self.admin_key.accepts(bearer_token(request.headers.get("authorization"))):
+            return error_response(401, "invalid or missing admin key", "invalid_admin_key")
+        node_id = request.path_params["node_id"]
+        services = self.services
+        if drained and node_id not in services.pool.snapshot.nodes:
+            return error_response(404, f"node {node_id!r} is not in the pool", "node_not_found")
+        keys = self.keys
+        async with services.redis.pipeline(transaction=True) as pipe:
+            if drained:
+                pipe.sadd(keys.drained, node_id)
+            else:
+                pipe.srem(keys.drained, node_id)
+            pipe.publish(keys.events, f"{'drain' if drained else 'undrain'} {node_id}")
+            await pipe.execute()
+        services.pool.apply(f"{'drain' if drained else 'undrain'} {node_id}")
+        return JSONResponse({"node_id": node_id, "drained": drained})
+
+    # --- wiring ------------------------------------------------------------------------------------
+
+    def routes(self) -> list[BaseRoute]:
+        routes: list[BaseRoute] = [Route(path, self.proxy, methods=["POST"]) for path in PROXIED_PATHS]
+        routes += [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/api/pool", self.api_pool, methods=["GET"]),
+            Route("/admin/nodes/{node_id}/drain", self.drain, methods=["POST"]),
+            Route("/admin/nodes/{node_id}/undrain", self.undrain, methods=["POST"]),
+        ]
+        return routes + _dashboard_routes(self)
+
+
+def create_app(settings: Settings) -> Starlette:
+    """The router application for ``settings``; services open and close with its lifespan."""
+    router = Router(settings)
+    return Starlette(
+        routes=router.routes(),
+        lifespan=router.lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
+
+
+def _dashboard_routes(router: Router) -> list[BaseRoute]:
+    """The dashboard (router/dashboard.py, built separately) plugs in here when it exists."""
+    try:
+        dashboard = importlib.import_module("router.dashboard")
+    except ModuleNotFoundError as exc:
+        if exc.name != "router.dashboard":
+            raise
+        return []
+    routes: list[BaseRoute] = dashboard.routes(router.pool_json, router.settings)
+    return routes
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(413, f"request body over the {limit}-byte limit", "request_too_large")
+    parts = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(413, f"request body over the {limit}-byte limit", "request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _inspect(body: bytes, default_model: str) -> tuple[str, bool]:
+    """Read only ``model`` and ``stream``; the body itself is forwarded untouched."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise BadRequest(400, "the request body is not valid JSON", "invalid_json") from None
+    if not isinstance(payload, dict):
+        raise BadRequest(400, "the request body must be a JSON object", "invalid_request")
+    model = payload.get("model") or default_model
+    if not isinstance(model, str):
+        raise BadRequest(400, "`model` must be a string", "invalid_model")
+    return model, payload.get("stream") is True
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    message = {404: f"no route for {request.url.path}", 405: f"{request.method} is not allowed here"}
+    return error_response(
+        exc.status_code,
+        message.get(exc.status_code, str(exc.detail)),
+        codes.get(exc.status_code, "http_error"),
+        headers=dict(exc.headers) if exc.headers else None,
+    )
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal router error", "internal_error")
+
+
+def _redacted(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest

@@ -1,0 +1,91 @@
+"""``macpool router``: parse flags into one Settings object and serve ``create_app(settings)``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from router.settings import ConfigError, Settings, load_settings
+
+# flag -> (type, help); every flag also has a MACPOOL_<NAME> environment variable and a TOML key
+FLAGS: dict[str, tuple[type, str]] = {
+    "redis-url": (str, "Redis URL shared with the agents and the other router replicas"),
+    "host": (str, "address to listen on"),
+    "port": (int, "port to listen on"),
+    "queue-size": (int, "global bound of the wait queue, across all replicas (0: no queue)"),
+    "queue-timeout": (float, "seconds a request may wait in the queue before 503 queue_timeout"),
+    "lease-seconds": (float, "reservation lease; live requests renew it, a crashed router's expire"),
+    "max-body-bytes": (int, "largest accepted request body (413 above)"),
+    "api-keys-file": (Path, "client API keys, one per line: plaintext or SHA-256 hex digest"),
+    "admin-key": (str, "bearer key for /admin/* (admin API disabled when unset)"),
+    "agent-token": (str, "token sent to the agents in X-Macpool-Token"),
+    "default-model": (str, "model used when a request names none (unset: any node)"),
+    "connect-timeout": (float, "seconds to connect to an agent"),
+    "first-byte-timeout": (float, "seconds from sending a request to its first response byte"),
+    "idle-timeout": (float, "seconds allowed between two chunks of a response"),
+    "max-attempts": (int, "nodes tried per request before giving up (failover before the first byte)"),
+    "key-prefix": (str, "prefix of every Redis key"),
+    "router-id": (str, "this replica's id (default: host-pid-random)"),
+    "refresh-interval": (float, "seconds between full reads of the pool"),
+    "stale-after": (float, "a node whose heartbeat is older than this many seconds is not routed to"),
+    "circuit-failures": (int, "consecutive connect failures that open a node's circuit"),
+    "circuit-cooldown": (float, "seconds an open circuit waits before letting traffic probe the node"),
+    "log-level": (str, "debug, info, warning or error"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="macpool router", description="Run the pool's OpenAI-compatible router.")
+    p.add_argument("--config", type=Path, help="TOML file (top-level keys or a [router] table)")
+    for flag, (type_, help_) in FLAGS.items():
+        p.add_argument(f"--{flag}", type=type_, help=help_)
+    p.add_argument("--access-log", action="store_true", default=None, help="log every request")
+    return p
+
+
+def build_settings(argv: list[str]) -> Settings:
+    args = parser().parse_args(argv)
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    return load_settings(overrides, args.config)
+
+
+def serve(settings: Settings) -> None:
+    from router.app import create_app
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is too much
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        access_log=settings.access_log,
+        log_level=settings.log_level,
+        server_header=False,
+        timeout_graceful_shutdown=5,
+        backlog=4096,
+    )
+    uvicorn.Server(config).run()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        settings = build_settings(argv)
+        if settings.api_keys_file:
+            from router.auth import load_key_digests
+
+            load_key_digests(settings.api_keys_file)  # fail at the edge, not at first request
+    except ConfigError as exc:
+        print(f"macpool router: {exc}", file=sys.stderr)
+        return 2
+    serve(settings)
+    return 0

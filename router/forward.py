@@ -1,0 +1,311 @@
+"""Forwarding one admitted request to a node's agent and relaying the answer byte for byte."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from macpool.errors import error_body, error_response
+from router.admission import Admission, Lease, Rejected
+from router.metrics import RouterMetrics
+from router.pool import ModelNotFound, NoNodes, PoolView
+from router.settings import Settings
+
+log = logging.getLogger("macpool.router")
+
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+    b"trailers", b"transfer-encoding", b"upgrade", b"proxy-connection",
+})
+# never sent upstream: the client's key is for the router, the rest is rebuilt or private
+_DROP_UPSTREAM = HOP_BY_HOP | {
+    b"host", b"content-length", b"authorization", b"x-conversation-id", b"x-request-id",
+}
+# the router's own server/date headers are written by uvicorn
+_DROP_DOWNSTREAM = HOP_BY_HOP | {b"server", b"date", b"x-request-id"}
+_SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+
+def new_client(settings: Settings) -> httpx.AsyncClient:
+    """One pooled client for every upstream call; sized for many concurrent streams."""
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=settings.connect_timeout, read=None, write=30.0, pool=30.0),
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30.0),
+        follow_redirects=False,
+        trust_env=False,
+    )
+    # only what the client sent goes upstream (httpx would add its own Accept-Encoding and User-Agent)
+    for name in ("accept", "accept-encoding", "user-agent"):
+        del client.headers[name]
+    return client
+
+
+@dataclass
+class Call:
+    """What the router knows about one client request."""
+
+    path: str
+    body: bytes
+    model: str
+    stream: bool
+    headers: list[tuple[bytes, bytes]]
+    request_id: str
+    arrived: float
+
+
+class _Retry(Exception):
+    """This node cannot take the request, but another one may."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class Forwarder:
+    def __init__(
+        self,
+        settings: Settings,
+        client: httpx.AsyncClient,
+        pool: PoolView,
+        admission: Admission,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.pool = pool
+        self.admission = admission
+        self.metrics = metrics
+
+    async def handle(self, call: Call) -> Response:
+        """Admit, forward (failing over before the first byte), and hand back a relaying response."""
+        self.pool.requests.mark()
+        tried: set[str] = set()
+        last_failure = ""
+        for _ in range(self.settings.max_attempts):
+            try:
+                docs = self.pool.candidates(call.model)
+                if tried and not [d for d in docs if d.node_id not in tried]:
+                    break
+                lease = await self.admission.acquire(
+                    lambda: [d for d in self.pool.candidates(call.model) if d.node_id not in tried]
+                )
+            except Rejected as rejected:
+                return self.rejection(rejected, call)
+            except NoNodes as exc:
+                return self.rejection(self.admission.reject("no_nodes", str(exc)), call)
+            except ModelNotFound:
+                self.metrics.requests.labels(model="", node="", status="404").inc()
+                message = f"model {call.model!r} is not served by any node"
+                return error_response(404, message, "model_not_found")
+            try:
+                return await self._open(call, lease)
+            except _Retry as retry:
+                tried.add(lease.node.node_id)
+                last_failure = retry.kind
+                await self.admission.release(lease)
+            except BaseException:
+                await self.admission.release(lease)
+                raise
+        if last_failure == "node_full":
+            return self.rejection(self.admission.reject("pool_full", "every node tried was full"), call)
+        self.metrics.requests.labels(model=call.model, node="", status="502").inc()
+        return error_response(502, "no node could be reached", "upstream_unavailable")
+
+    def rejection(self, rejected: Rejected, call: Call) -> Response:
+        self.pool.rejections.mark()
+        self.metrics.rejections.labels(reason=rejected.reason).inc()
+        self.metrics.requests.labels(model=call.model, node="", status="503").inc()
+        headers = {"Retry-After": str(rejected.retry_after), "X-Macpool-Reason": rejected.reason,
+                   "X-Request-ID": call.request_id}
+        return error_response(503, str(rejected), rejected.reason, headers=headers)
+
+    async def _open(self, call: Call, lease: Lease) -> Response:
+        """Send upstream and wait for the first byte; raise _Retry when another node should try."""
+        node = lease.node
+        request = self.client.build_request(
+            "POST", node.url.rstrip("/") + call.path, content=call.body, headers=self._upstream_headers(call)
+        )
+        upstream: httpx.Response | None = None
+        try:
+            with anyio.fail_after(self.settings.first_byte_timeout):
+                upstream = await self.client.send(request, stream=True)
+                self.pool.connected(node.node_id)
+                if upstream.status_code == 503:
+                    kind = await _node_full_kind(upstream)
+                    self._upstream_error(node.node_id, kind)
+                    raise _Retry(kind)
+                chunks = upstream.aiter_raw()
+                first = await anext(chunks, b"")
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self.pool.connect_failed(node.node_id)
+            self._upstream_error(node.node_id, "connect")
+            log.warning("node %s: connect failed (%s)", node.node_id, type(exc).__name__)
+            raise _Retry("connect") from None
+        except TimeoutError:
+            await _close(upstream)
+            await self.admission.release(lease)
+            self._upstream_error(node.node_id, "first_byte_timeout")
+            self.metrics.requests.labels(model=call.model, node=node.node_id, status="504").inc()
+            return error_response(504, "the node did not answer within the first-byte timeout",
+                                  "upstream_timeout")
+        except _Retry:
+            await _close(upstream)
+            raise
+        except httpx.HTTPError as exc:
+            await _close(upstream)
+            await self.admission.release(lease)
+            self._upstream_error(node.node_id, "protocol")
+            log.warning("node %s: %s before the first byte", node.node_id, type(exc).__name__)
+            self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
+            return error_response(502, "the node failed before answering", "upstream_error")
+        self.metrics.ttft.observe(time.monotonic() - call.arrived)
+        if upstream.status_code in (401, 403):
+            # the agent refused the router's token: a deployment error, not the client's
+            await _close(upstream)
+            await self.admission.release(lease)
+            self._upstream_error(node.node_id, "auth")
+            self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
+            return error_response(502, "the node refused the router's agent token", "upstream_auth")
+        return Relay(self, call, lease, upstream, first, chunks)
+
+    def _upstream_headers(self, call: Call) -> list[tuple[bytes, bytes]]:
+        headers = [
+            (k, v) for k, v in call.headers if k not in _DROP_UPSTREAM and not k.startswith(b"x-macpool-")
+        ]
+        headers.append((b"x-request-id", call.request_id.encode()))
+        if self.settings.agent_token:
+            headers.append((b"x-macpool-token", self.settings.agent_token.encode()))
+        return headers
+
+    def _upstream_error(self, node_id: str, kind: str) -> None:
+        self.metrics.upstream_errors.labels(node=node_id, kind=kind).inc()
+
+
+class Relay(Response):
+    """Relays an upstream response to the client chunk by chunk; owns the upstream stream and the lease.
+
+    Whatever ends the relay - the last chunk, an upstream failure, an idle timeout, the client going
+    away, or cancellation - the upstream stream is closed and the lease released, once, in ``finally``.
+    """
+
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        call: Call,
+        lease: Lease,
+        upstream: httpx.Response,
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+    ) -> None:
+        self.forwarder = forwarder
+        self.call = call
+        self.lease = lease
+        self.upstream = upstream
+        self.first = first
+        self.chunks = chunks
+        self.status_code = upstream.status_code
+        content_type = upstream.headers.get("content-type", "")
+        self.streaming = content_type.startswith("text/event-stream") or (
+            call.stream and upstream.status_code == 200
+        )
+        self.outcome = str(upstream.status_code)
+        self.background = None
+
+    def response_headers(self) -> list[tuple[bytes, bytes]]:
+        headers = [(k.lower(), v) for k, v in self.upstream.headers.raw if k.lower() not in _DROP_DOWNSTREAM]
+        if self.streaming:
+            headers = [(k, v) for k, v in headers if k not in (b"content-type", b"cache-control",
+                                                               b"content-length")]
+            headers += [(b"content-type", b"text/event-stream"), *_SSE_HEADERS]
+        headers += [(b"x-request-id", self.call.request_id.encode()),
+                    (b"x-macpool-node", self.lease.node.node_id.encode())]
+        return headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def watch_disconnect() -> None:
+                    while True:
+                        message: Message = await receive()
+                        if message["type"] == "http.disconnect":
+                            if not finished:
+                                self.outcome = "client_closed"
+                                group.cancel_scope.cancel()
+                            return
+
+                finished = False
+                group.start_soon(watch_disconnect)
+                await self._relay(send)
+                finished = True
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _close(self.upstream)
+                await self.forwarder.admission.release(self.lease)
+                metrics = self.forwarder.metrics
+                node_id = self.lease.node.node_id
+                metrics.requests.labels(model=self.call.model, node=node_id, status=self.outcome).inc()
+                metrics.duration.observe(time.monotonic() - self.call.arrived)
+
+    async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.response_headers()})
+        if self.first:
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        idle = self.forwarder.settings.idle_timeout
+        while True:
+            try:
+                with anyio.fail_after(idle):
+                    chunk = await anext(self.chunks, None)
+            except (TimeoutError, httpx.HTTPError) as exc:
+                kind = "idle_timeout" if isinstance(exc, TimeoutError) else "midstream"
+                await self._fail(send, kind)
+                return
+            if chunk is None:
+                break
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _fail(self, send: Send, kind: str) -> None:
+        """After the first byte there is no retry: end a stream with an SSE error event."""
+        node_id = self.lease.node.node_id
+        self.forwarder.metrics.upstream_errors.labels(node=node_id, kind=kind).inc()
+        log.warning("node %s: %s after the first byte (request %s)", node_id, kind, self.call.request_id)
+        self.outcome = kind
+        if not self.streaming:
+            return  # returning without completing the response makes the server drop the connection
+        message = ("the node stopped answering mid-stream" if kind == "idle_timeout"
+                   else "the node failed mid-stream")
+        event = b"data: " + error_body(502, message, f"upstream_{kind}") + b"\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _node_full_kind(upstream: httpx.Response) -> str:
+    """An agent 503 says ``node_full``; any other 503 (llama-server loading, say) is unavailability."""
+    await upstream.aread()
+    try:
+        code = json.loads(upstream.content).get("error", {}).get("code")
+    except (ValueError, AttributeError):
+        code = None
+    reason = upstream.headers.get("x-macpool-reason")
+    return "node_full" if "node_full" in (code, reason) else "unavailable"
+
+
+async def _close(upstream: httpx.Response | None) -> None:
+    if upstream is None:
+        return
+    with anyio.CancelScope(shield=True):
+        try:
+            await upstream.aclose()
+        except Exception as exc:
+            log.debug("closing an upstream response: %s", type(exc).__name__)

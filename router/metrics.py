@@ -1,0 +1,43 @@
+"""The router's Prometheus metrics, on a registry the app owns."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "macpool_requests_total", "Requests by model, node and final status",
+            ["model", "node", "status"], registry=r,
+        )
+        self.rejections = Counter(
+            "macpool_rejections_total", "503 rejections by reason", ["reason"], registry=r
+        )
+        self.queue_depth = Gauge("macpool_queue_depth", "Requests waiting in the global queue", registry=r)
+        self.queue_wait = Histogram(
+            "macpool_queue_wait_seconds", "Time a queued request waited", buckets=_WAIT_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "macpool_ttft_seconds", "Arrival to first upstream byte", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.duration = Histogram(
+            "macpool_request_duration_seconds", "Arrival to end of response",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.upstream_errors = Counter(
+            "macpool_upstream_errors_total", "Upstream failures by node and kind", ["node", "kind"],
+            registry=r,
+        )
+        self.pool_slots = Gauge(
+            "macpool_pool_slots", "Pool slots (total capacity, busy)", ["state"], registry=r
+        )
+        self.nodes = Gauge("macpool_nodes", "Nodes by heartbeat state", ["state"], registry=r)
+        self.saturation = Gauge(
+            "macpool_pool_saturation", "(busy + queued) / capacity of the pool", registry=r
+        )

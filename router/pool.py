@@ -1,0 +1,300 @@
+"""The router's cached view of the pool, kept current by the events channel and a periodic full read.
+
+Requests never read Redis to find candidates: they look at this view. Admission itself is still decided
+atomically in Redis (:mod:`router.admission`), so a slightly stale view can only cost a retry, never an
+over-admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+
+from macpool.contract import Keys, NodeDoc, PoolSnapshot, now_ms, read_pool
+from router.loops import every
+from router.metrics import RouterMetrics
+from router.settings import Settings
+
+log = logging.getLogger("macpool.router")
+
+CircuitState = Literal["closed", "open", "half_open"]
+
+
+class NoNodes(Exception):
+    """No fresh, ready node could take the request."""
+
+
+class ModelNotFound(Exception):
+    """Nodes exist, but none of them serves the requested model."""
+
+
+class RateMeter:
+    """Events per second over a sliding window."""
+
+    def __init__(self, window: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window
+        self.clock = clock
+        self.started = clock()
+        self.events: deque[float] = deque()
+
+    def mark(self) -> None:
+        now = self.clock()
+        self.events.append(now)
+        self._trim(now)
+
+    def rate(self) -> float:
+        now = self.clock()
+        self._trim(now)
+        span = min(self.window, max(now - self.started, 1e-3))
+        return len(self.events) / span
+
+    def _trim(self, now: float) -> None:
+        while self.events and self.events[0] < now - self.window:
+            self.events.popleft()
+
+
+@dataclass
+class Circuit:
+    """Passive health of one node as seen by this router."""
+
+    state: CircuitState = "closed"
+    failures: int = 0
+    opened_at: float = 0.0
+
+
+class PoolView:
+    """Nodes, reservations, drained set and queue depth as last heard from Redis."""
+
+    def __init__(self, settings: Settings, redis: Redis, keys: Keys) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.keys = keys
+        self.snapshot = PoolSnapshot()
+        self.redis_ok = False
+        self.heard: dict[str, float] = {}  # node id -> monotonic time its latest heartbeat arrived
+        self.circuits: dict[str, Circuit] = {}
+        self.freed = RateMeter(window=30.0)
+        self.requests = RateMeter(window=10.0)
+        self.rejections = RateMeter(window=10.0)
+        self.freed_listeners: list[Callable[[str], None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Read the pool once, then follow it; an unreachable Redis is retried by the loops."""
+        try:
+            await self.refresh()
+        except Exception as exc:
+            log.warning("initial pool read failed: %s: %s", type(exc).__name__, exc)
+        self._tasks = [
+            asyncio.create_task(self._listen(), name="pool-events"),
+            asyncio.create_task(every(self.settings.refresh_interval, self.refresh, "pool refresh")),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    async def refresh(self) -> None:
+        """Re-read the whole pool (catches expired heartbeats and anything pub/sub missed)."""
+        try:
+            snapshot = await read_pool(self.redis, self.keys)
+        except Exception:
+            self.redis_ok = False
+            raise
+        self.redis_ok = True
+        for doc in snapshot.nodes.values():
+            self._heard(doc)
+        self.snapshot = snapshot
+        for node_id in list(self.heard):
+            if node_id not in snapshot.nodes:
+                self._forget(node_id)
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self.keys.events)
+                    while True:
+                        message = await pubsub.get_message(timeout=1.0)
+                        if message is not None:
+                            self.apply(_text(message["data"]))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.redis_ok = False
+                log.warning("pool events: %s: %s; resubscribing", type(exc).__name__, exc)
+                await asyncio.sleep(0.5)
+
+    # --- events ------------------------------------------------------------------------------------
+
+    def apply(self, message: str) -> None:
+        """Apply one message of the events channel (see macpool.contract)."""
+        kind, _, rest = message.partition(" ")
+        if kind == "node":
+            try:
+                doc = NodeDoc.decode(rest)
+            except ValidationError:
+                log.warning("pool events: undecodable heartbeat ignored")
+                return
+            self._heard(doc)
+            self.snapshot.nodes[doc.node_id] = doc
+            self.snapshot.reservations.setdefault(doc.node_id, 0)
+        elif kind == "gone":
+            self._forget(rest)
+        elif kind == "freed":
+            self.freed.mark()
+            if self.snapshot.reservations.get(rest, 0) > 0:
+                self.snapshot.reservations[rest] -= 1
+            for listener in self.freed_listeners:
+                listener(rest)
+        elif kind == "drain":
+            self.snapshot.drained.add(rest)
+        elif kind == "undrain":
+            self.snapshot.drained.discard(rest)
+
+    def reserved(self, node_id: str, count: int) -> None:
+        """A reservation answer told us the exact count on a node."""
+        if node_id in self.snapshot.nodes:
+            self.snapshot.reservations[node_id] = count
+
+    def _heard(self, doc: NodeDoc) -> None:
+        previous = self.snapshot.nodes.get(doc.node_id)
+        if previous is None or previous.updated_at_ms != doc.updated_at_ms or doc.node_id not in self.heard:
+            self.heard[doc.node_id] = time.monotonic()
+
+    def _forget(self, node_id: str) -> None:
+        self.snapshot.nodes.pop(node_id, None)
+        self.snapshot.reservations.pop(node_id, None)
+        self.heard.pop(node_id, None)
+        self.circuits.pop(node_id, None)
+
+    # --- choosing ----------------------------------------------------------------------------------
+
+    def fresh_nodes(self) -> list[NodeDoc]:
+        horizon = time.monotonic() - self.settings.stale_after
+        return [doc for doc in self.snapshot.nodes.values() if self.heard.get(doc.node_id, 0.0) >= horizon]
+
+    def is_ready(self, doc: NodeDoc) -> bool:
+        return doc.state == "ready" and doc.capacity > 0 and doc.node_id not in self.snapshot.drained
+
+    def candidates(self, model: str) -> list[NodeDoc]:
+        """Nodes that may take a request for ``model`` ("" = any); raises NoNodes / ModelNotFound."""
+        fresh = self.fresh_nodes()
+        if not fresh:
+            raise NoNodes("no node is in the pool")
+        if model and not any(model in doc.models for doc in fresh):
+            raise ModelNotFound(model)
+        chosen = [
+            doc for doc in fresh
+            if (not model or model in doc.models) and self.is_ready(doc) and self.circuit_allows(doc.node_id)
+        ]
+        if not chosen:
+            raise NoNodes(f"no ready node serves {model!r}" if model else "no node is ready")
+        return chosen
+
+    def models(self) -> list[str]:
+        return sorted({m for doc in self.fresh_nodes() if self.is_ready(doc) for m in doc.models})
+
+    # --- passive health ----------------------------------------------------------------------------
+
+    def circuit_state(self, node_id: str) -> CircuitState:
+        circuit = self.circuits.get(node_id)
+        if circuit is None:
+            return "closed"
+        if circuit.state == "open" and self._may_probe(node_id, circuit):
+            circuit.state = "half_open"
+        return circuit.state
+
+    def circuit_allows(self, node_id: str) -> bool:
+        return self.circuit_state(node_id) != "open"
+
+    def connect_failed(self, node_id: str) -> None:
+        circuit = self.circuits.setdefault(node_id, Circuit())
+        circuit.failures += 1
+        if circuit.state == "half_open" or circuit.failures >= self.settings.circuit_failures:
+            if circuit.state != "open":
+                log.warning("node %s: circuit open after %d connect failures", node_id, circuit.failures)
+            circuit.state = "open"
+            circuit.opened_at = time.monotonic()
+
+    def connected(self, node_id: str) -> None:
+        circuit = self.circuits.pop(node_id, None)
+        if circuit is not None and circuit.state != "closed":
+            log.info("node %s: circuit closed", node_id)
+
+    def _may_probe(self, node_id: str, circuit: Circuit) -> bool:
+        # reopen for traffic only after the cooldown and a heartbeat that arrived after the circuit opened
+        cooled = time.monotonic() - circuit.opened_at >= self.settings.circuit_cooldown
+        return cooled and self.heard.get(node_id, 0.0) > circuit.opened_at
+
+    # --- reporting ---------------------------------------------------------------------------------
+
+    def totals(self) -> dict[str, Any]:
+        fresh = self.fresh_nodes()
+        ready = [doc for doc in fresh if self.is_ready(doc)]
+        capacity = sum(doc.capacity for doc in ready)
+        busy = sum(self.snapshot.reservations.get(doc.node_id, 0) for doc in fresh)
+        queued = self.snapshot.queue_depth
+        demand = busy + queued
+        saturation = demand / capacity if capacity else (1.0 if demand else 0.0)
+        return {
+            "capacity": capacity,
+            "busy": busy,
+            "queued": queued,
+            "nodes_total": len(fresh),
+            "nodes_ready": len(ready),
+            "requests_per_s": round(self.requests.rate(), 3),
+            "rejections_per_s": round(self.rejections.rate(), 3),
+            "saturation": round(saturation, 4),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``/api/pool`` document (the dashboard and ``macpool top`` build on this exact shape)."""
+        nodes = []
+        for doc in sorted(self.fresh_nodes(), key=lambda d: d.node_id):
+            nodes.append({
+                **doc.model_dump(mode="json"),
+                "reserved": self.snapshot.reservations.get(doc.node_id, 0),
+                "drained": doc.node_id in self.snapshot.drained,
+                "circuit": self.circuit_state(doc.node_id),
+            })
+        return {
+            "ts_ms": now_ms(),
+            "router_id": self.settings.router_id,
+            "redis_ok": self.redis_ok,
+            "pool": self.totals(),
+            "nodes": nodes,
+        }
+
+    def export(self, metrics: RouterMetrics) -> None:
+        """Set the pool gauges (called when /metrics is scraped)."""
+        totals = self.totals()
+        metrics.pool_slots.labels(state="total").set(totals["capacity"])
+        metrics.pool_slots.labels(state="busy").set(totals["busy"])
+        metrics.queue_depth.set(totals["queued"])
+        metrics.saturation.set(totals["saturation"])
+        counts: dict[str, int] = dict.fromkeys(("starting", "ready", "draining", "unhealthy", "paging"), 0)
+        for doc in self.fresh_nodes():
+            state: str = "draining" if doc.node_id in self.snapshot.drained else doc.state
+            counts[state] = counts.get(state, 0) + 1
+        for state, count in counts.items():
+            metrics.nodes.labels(state=state).set(count)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,107 @@
+"""The router's one settings object: defaults < TOML file < ``MACPOOL_*`` environment < command-line flags."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+
+from macpool.contract import DEFAULT_PREFIX
+
+
+class ConfigError(ValueError):
+    """A configuration value or file is invalid; the message names the key and the value."""
+
+
+def _default_router_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+class Settings(BaseSettings):
+    """Everything the router process is configured with (see docs/router.md for each knob)."""
+
+    model_config = SettingsConfigDict(env_prefix="MACPOOL_", extra="forbid")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    key_prefix: str = DEFAULT_PREFIX
+    router_id: str = Field(default_factory=_default_router_id)
+
+    # admission
+    queue_size: int = Field(default=64, ge=0)
+    queue_timeout: float = Field(default=2.0, ge=0)
+    lease_seconds: float = Field(default=30.0, gt=0)
+    default_model: str = ""
+
+    # forwarding
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    connect_timeout: float = Field(default=2.0, gt=0)
+    first_byte_timeout: float = Field(default=120.0, gt=0)
+    idle_timeout: float = Field(default=60.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+    agent_token: str = ""
+
+    # pool view and passive health
+    refresh_interval: float = Field(default=1.0, gt=0)
+    stale_after: float = Field(default=5.0, gt=0)
+    circuit_failures: int = Field(default=3, ge=1)
+    circuit_cooldown: float = Field(default=5.0, ge=0)
+
+    # auth
+    api_keys_file: Path | None = None
+    admin_key: str = ""
+
+    # process
+    access_log: bool = False
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+def load_settings(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
+    """Build the settings: flags (``overrides``) beat ``MACPOOL_*`` env, which beats the TOML file."""
+    file_values = read_config_file(config_file) if config_file else {}
+
+    class _Layered(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return init_settings, env_settings, InitSettingsSource(settings_cls, file_values)
+
+    try:
+        layered = _Layered(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(_first_error(exc)) from None
+    return Settings.model_validate(layered.model_dump())
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Top-level keys of a TOML file, or those of its ``[router]`` table when it has one."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+    section = data.get("router", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path}: [router] must be a table")
+    return {key.replace("-", "_"): value for key, value in section.items()}
+
+
+def _first_error(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    key = ".".join(str(part) for part in error["loc"]) or "settings"
+    value = error.get("input")
+    return f"invalid {key}={value!r}: {error['msg']}"
