@@ -1,0 +1,354 @@
+"""``macpool demo``: a whole simulated pool on this machine in one command.
+
+An embedded Redis-protocol server (unless ``--redis-url``), N simulated Macs of mixed sizes, one agent
+per simulated Mac, and the router with its dashboard - each a process group with its log in one
+temporary folder. ``--load`` drives bounded traffic above the pool's capacity so queueing and 503s
+show. Ctrl-C or SIGTERM stops everything; a second one kills what is left at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import secrets
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from macpool.procs import Child, ProcessError, macpool_argv
+from macpool.redis_server import RedisServer, RedisServerError, free_port
+
+# A heterogeneous pool: the seed's big Mac, a mid-size one with a larger model, a small one.
+PRESETS = ("m5max-128g-14b-q4", "m4max-64g-32b-q4", "m2pro-32g-8b-q4")
+READY_TIMEOUT_S = 90.0  # generous: seven Python processes start at once on a small machine
+
+
+class DemoError(RuntimeError):
+    """The demo could not start; the message says which part and where its log is."""
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    nodes: int = 3
+    port: int = 8000
+    host: str = "127.0.0.1"
+    redis_url: str = ""
+    load: bool = False
+    load_seconds: float = 300.0
+    load_factor: float = 1.5
+    speed: float = 1.0
+    admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(12))
+    agent_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    heartbeat_interval: float = 1.0
+
+
+@dataclass
+class Pool:
+    """The processes of one demo, in start order."""
+
+    settings: DemoSettings
+    log_dir: Path
+    redis: RedisServer | None = None
+    children: list[Child] = field(default_factory=list)
+    _closed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    def spawn(self, name: str, *args: str) -> Child:
+        # start() runs in a thread; stop() may come from a signal meanwhile and must see every child
+        with self._lock:
+            if self._closed:
+                raise DemoError("stopped while starting")
+            child = Child(macpool_argv(*args), name=name, log_path=self.log_dir / f"{name}.log")
+            self.children.append(child)
+            return child.start()
+
+    def start(self, say: Callable[[str], None]) -> None:
+        s = self.settings
+        redis_url = s.redis_url
+        if not redis_url:
+            with self._lock:
+                if self._closed:
+                    raise DemoError("stopped while starting")
+                self.redis = RedisServer().start()
+                redis_url = self.redis.url
+            say(f"redis      {redis_url} (embedded)")
+        sims = [free_port() for _ in range(s.nodes)]
+        agents = [free_port() for _ in range(s.nodes)]
+        for i, port in enumerate(sims):
+            preset = PRESETS[i % len(PRESETS)]
+            self.spawn(
+                f"sim-{i + 1}", "sim", "--preset", preset, "--port", str(port), "--speed", str(s.speed)
+            )
+        for i, (sim_port, port) in enumerate(zip(sims, agents, strict=True)):
+            self.spawn(
+                f"agent-{i + 1}", "agent", "run", "--upstream", f"http://127.0.0.1:{sim_port}",
+                "--redis-url", redis_url, "--node-id", f"mac-{i + 1}", "--port", str(port),
+                "--advertise-url", f"http://127.0.0.1:{port}", "--token", s.agent_token,
+                "--heartbeat-interval", str(s.heartbeat_interval),
+            )
+        self.spawn(
+            "router", "router", "--redis-url", redis_url, "--host", s.host, "--port", str(s.port),
+            "--admin-key", s.admin_key, "--agent-token", s.agent_token,
+        )
+        urls = [f"http://127.0.0.1:{p}/health" for p in sims + agents] + [f"{self.router_url}/health"]
+        for child, url in zip(self.children, urls, strict=True):
+            try:
+                child.wait_http(url, timeout=READY_TIMEOUT_S)
+            except ProcessError as exc:
+                raise DemoError(f"{child.name} did not start (log: {child.log_path}): {exc}") from None
+        self._wait_nodes(s.nodes)
+
+    def _wait_nodes(self, count: int) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        ready = 0
+        while time.monotonic() < deadline and not self._closed:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                ready = int(httpx.get(f"{self.router_url}/api/pool", timeout=2).json()["pool"]["nodes_ready"])
+                if ready >= count:
+                    return
+            time.sleep(0.2)
+        raise DemoError(f"only {ready} of {count} nodes joined the pool (logs: {self.log_dir})")
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if not c.alive() and c.returncode() is not None]
+
+    def stop(self) -> None:
+        """Router first (no new work), then agents (they leave the pool), sims, Redis last."""
+        with self._lock:
+            self._closed = True
+        for child in reversed(self.children):
+            child.signal(signal.SIGTERM)
+        for child in reversed(self.children):
+            child.stop(timeout=10)
+        if self.redis is not None:
+            self.redis.close()
+
+    def kill(self) -> None:
+        for child in self.children:
+            with contextlib.suppress(ProcessLookupError, ProcessError):
+                child.kill()
+        if self.redis is not None:
+            self.redis.kill()
+
+
+def models_of(router_url: str) -> list[str]:
+    response = httpx.get(f"{router_url}/v1/models", timeout=5)
+    return [m["id"] for m in response.json().get("data", [])]
+
+
+def banner(pool: Pool, models: list[str]) -> str:
+    s = pool.settings
+    url = pool.router_url
+    model = models[0] if models else "default"
+    body = (
+        f'{{"model": "{model}", "stream": true, "max_tokens": 64, '
+        f'"messages": [{{"role": "user", "content": "Say hello from the pool"}}]}}'
+    )
+    return f"""
+macpool demo: {s.nodes} simulated Macs behind one router{" (with --load)" if s.load else ""}
+  endpoint    {url}/v1   (OpenAI-compatible; models: {", ".join(models) or "-"})
+  dashboard   {url}/dashboard   (admin key for drain/undrain: {s.admin_key})
+  terminal    macpool top --router {url}
+  metrics     {url}/metrics   pool JSON: {url}/api/pool   scale hint: {url}/api/pool/scale
+  logs        {pool.log_dir}
+
+curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  -d '{body}'
+
+python - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="unused")
+stream = client.chat.completions.create(
+    model="{model}", stream=True, max_tokens=64,
+    messages=[{{"role": "user", "content": "Say hello from the pool"}}])
+for chunk in stream:
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+EOF
+
+Ctrl-C stops everything.
+"""
+
+
+# --- load ------------------------------------------------------------------------------------------
+
+@dataclass
+class LoadStats:
+    ok: int = 0
+    rejected: int = 0
+    errors: int = 0
+
+
+async def drive_load(
+    router_url: str, models: list[str], settings: DemoSettings, stop: asyncio.Event
+) -> LoadStats:
+    """Closed-loop streaming clients, about ``load_factor`` x the pool's capacity, for ``load_seconds``."""
+    stats = LoadStats()
+    async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(120, connect=5)) as client:
+        capacity = int((await client.get("/api/pool")).json()["pool"]["capacity"])
+        workers = max(2, math.ceil(capacity * settings.load_factor))
+        deadline = time.monotonic() + settings.load_seconds
+
+        async def worker(n: int) -> None:
+            model = models[n % len(models)] if models else None
+            while not stop.is_set() and time.monotonic() < deadline:
+                body: dict[str, Any] = {
+                    "stream": True, "max_tokens": 48 + (n * 17) % 96,
+                    "messages": [{"role": "user", "content": f"demo load {n}: tell me about unified memory"}],
+                }
+                if model:
+                    body["model"] = model
+                try:
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                        async for _ in response.aiter_bytes():
+                            if stop.is_set():
+                                break
+                    if response.status_code == 503:
+                        stats.rejected += 1
+                        await _pause(stop, 0.3)  # keep the pressure on, without a tight loop
+                    elif response.status_code < 300:
+                        stats.ok += 1
+                    else:
+                        stats.errors += 1
+                        await _pause(stop, 1.0)
+                except httpx.HTTPError:
+                    stats.errors += 1
+                    await _pause(stop, 1.0)
+
+        await asyncio.gather(*(worker(n) for n in range(workers)))
+    return stats
+
+
+async def _pause(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+async def serve(pool: Pool, say: Callable[[str], None]) -> None:
+    """Run until Ctrl-C/SIGTERM; a second signal kills everything at once."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            say("second signal: killing everything now")
+            pool.kill()
+            raise SystemExit(130)
+        say("stopping the pool ...")
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        starting = asyncio.ensure_future(asyncio.to_thread(pool.start, say))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            return
+        stopping.cancel()
+        await starting
+        models = await asyncio.to_thread(models_of, pool.router_url)
+        say(banner(pool, models))
+        say("macpool demo: ready")
+        load: asyncio.Task[LoadStats] | None = None
+        if pool.settings.load:
+            load = asyncio.create_task(drive_load(pool.router_url, models, pool.settings, stop))
+            say(f"load: above capacity for {pool.settings.load_seconds:.0f}s (watch queued and 503/s)")
+        reported: set[str] = set()
+        while not stop.is_set():
+            await _pause(stop, 1.0)
+            for child in pool.dead():
+                if child.name not in reported:
+                    reported.add(child.name)
+                    say(f"warning: {child.name} exited with {child.returncode()} (log: {child.log_path})")
+            if load is not None and load.done():
+                stats = load.result()
+                say(f"load finished: {stats.ok} completed, {stats.rejected} rejected (503), "
+                    f"{stats.errors} errors")
+                load = None
+        if load is not None:
+            await load
+    finally:
+        # stop here, not after asyncio.run: a start still running in its thread ends once its children do
+        await asyncio.to_thread(pool.stop)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def parse(argv: list[str]) -> DemoSettings:
+    p = argparse.ArgumentParser(prog="macpool demo", description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, default=3, help="simulated Macs (default %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="router port (default %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="router address (default %(default)s)")
+    p.add_argument("--redis-url", default="", help="use this Redis instead of the embedded one")
+    p.add_argument("--load", action="store_true", help="drive traffic above capacity so queueing/503s show")
+    p.add_argument(
+        "--load-seconds", type=float, default=300.0, help="how long --load runs, s (default %(default)s)"
+    )
+    p.add_argument("--speed", type=float, default=1.0, help="simulator speed factor (default %(default)s)")
+    p.add_argument("--admin-key", default="", help="admin key for drain/undrain (default: random)")
+    a = p.parse_args(argv)
+    if not 1 <= a.nodes <= 32:
+        raise DemoError(f"--nodes={a.nodes}: must be between 1 and 32")
+    if a.speed <= 0 or a.load_seconds <= 0:
+        raise DemoError("--speed and --load-seconds must be > 0")
+    extra = {"admin_key": a.admin_key} if a.admin_key else {}
+    return DemoSettings(
+        nodes=a.nodes, port=a.port, host=a.host, redis_url=a.redis_url, load=a.load,
+        load_seconds=a.load_seconds, speed=a.speed, **extra,
+    )
+
+
+def _port_taken(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def main(argv: list[str]) -> int:
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    try:
+        settings = parse(argv)
+        if _port_taken(settings.host, settings.port):
+            raise DemoError(f"port {settings.port} is taken on {settings.host}; choose another with --port")
+    except DemoError as exc:
+        print(f"macpool demo: {exc}", file=sys.stderr)
+        return 2
+    pool = Pool(settings, Path(tempfile.mkdtemp(prefix="macpool-demo-")))
+    try:
+        asyncio.run(serve(pool, say))
+    except (DemoError, RedisServerError) as exc:
+        print(f"macpool demo: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        pool.stop()
+        say(f"macpool demo: stopped (logs kept in {pool.log_dir})")
+    return 0

@@ -1,0 +1,79 @@
+"""The pool dashboard: the page, its static files, the live SSE stream and the scale hint.
+
+``routes(pool_json, settings)`` returns the routes the router mounts. Everything the page shows comes
+from one :class:`~router.scale.ScaleWatch` created here (or handed in by the router when it also runs
+the scale webhook in its lifespan), so any number of open pages cost one pool read per interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from router.scale import PoolSource, ScaleConfig, ScaleWatch
+
+log = logging.getLogger("macpool.router.dashboard")
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+STREAM_INTERVAL_S = 0.5
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class Dashboard:
+    """The endpoints, bound to one watch."""
+
+    def __init__(self, watch: ScaleWatch) -> None:
+        self.watch = watch
+
+    async def page(self, request: Request) -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def scale(self, request: Request) -> Response:
+        return JSONResponse(await self.watch.hint(), headers={"Cache-Control": "no-store"})
+
+    async def stream(self, request: Request) -> Response:
+        return StreamingResponse(
+            self._frames(request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _frames(self, request: Request) -> AsyncIterator[bytes]:
+        yield b"retry: 2000\n\n"
+        yield _event("history", {"points": list(self.watch.history)})
+        while not await request.is_disconnected():
+            try:
+                frame = await self.watch.sample()
+                last = self.watch.history[-1] if self.watch.history else None
+                yield _event("pool", {"view": frame.view, "scale": frame.hint.as_dict(), "point": last})
+            except Exception as exc:  # a failed read is shown on the page; the stream goes on
+                log.warning("dashboard sample failed: %s", exc)
+                yield _event("problem", {"message": f"pool view unavailable: {type(exc).__name__}"})
+            await asyncio.sleep(STREAM_INTERVAL_S)
+
+
+def routes(pool_json: PoolSource, settings: Any, watch: ScaleWatch | None = None) -> list[BaseRoute]:
+    """GET /dashboard, /static/..., /api/pool/stream (SSE) and /api/pool/scale.
+
+    Pass ``watch`` when the router runs it in its lifespan (``async with watch.running():``) for the
+    webhook and gap-free history; without it the watch samples only while someone is looking.
+    """
+    dashboard = Dashboard(watch or ScaleWatch(pool_json, ScaleConfig.from_settings(settings)))
+    return [
+        Route("/dashboard", dashboard.page, methods=["GET"]),
+        Route("/api/pool/stream", dashboard.stream, methods=["GET"]),
+        Route("/api/pool/scale", dashboard.scale, methods=["GET"]),
+        Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
+    ]

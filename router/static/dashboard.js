@@ -1,0 +1,182 @@
+// macpool pool dashboard: one SSE stream from the router, no polling, no dependencies.
+"use strict";
+
+const GONE_KEEP_MS = 120000;   // a node that left the pool stays on the page, greyed, this long
+const SPARK_WINDOW_MS = 300000;
+const KEY_STORE = "macpool-admin-key";
+
+const cards = new Map();       // node_id -> {el, doc, goneSince}
+let history = [];
+let lastView = null;
+
+const $ = (id) => document.getElementById(id);
+const fmt = (v, digits = 1) => (v === null || v === undefined || Number.isNaN(v)) ? "-" : Number(v).toFixed(digits);
+
+function nodeState(doc) {
+  const mem = doc.memory || {};
+  if (doc.drained || doc.state === "draining") return "draining";
+  if (doc.state === "unhealthy" || doc.circuit === "open") return "unhealthy";
+  if (doc.state === "paging" || mem.state === "paging" || mem.state === "collapsed") return "paging";
+  if (doc.state === "starting") return "starting";
+  if (mem.state === "near_ceiling" || mem.pressure === "warning" || mem.pressure === "critical") return "near_ceiling";
+  return "healthy";
+}
+
+const STATE_TEXT = {
+  healthy: "healthy", near_ceiling: "near ceiling", paging: "paging", draining: "draining",
+  unhealthy: "unhealthy", starting: "starting", gone: "gone",
+};
+
+function makeCard(id) {
+  const el = $("node-card").content.firstElementChild.cloneNode(true);
+  el.id = "node-" + id;
+  el.dataset.nodeId = id;
+  el.querySelector(".node-id").textContent = id;
+  el.querySelector(".drain").addEventListener("click", () => admin(id, "drain"));
+  el.querySelector(".undrain").addEventListener("click", () => admin(id, "undrain"));
+  $("nodes").appendChild(el);
+  return el;
+}
+
+function setState(el, state) {
+  for (const c of [...el.classList]) if (c.startsWith("st-")) el.classList.remove(c);
+  el.classList.add("st-" + state);
+  el.dataset.state = state;
+  el.querySelector(".node-state").textContent = STATE_TEXT[state] || state;
+}
+
+function renderNode(card, poolCapacity) {
+  const { el, doc } = card;
+  const q = (sel) => el.querySelector(sel);
+  const mem = doc.memory || {};
+  const cap = doc.capacity || 0;
+  const busy = Math.max(doc.in_flight || 0, 0);
+  setState(el, card.goneSince ? "gone" : nodeState(doc));
+  q(".models").textContent = (doc.models || []).join(", ") || "no model";
+  q(".models").title = doc.url || "";
+  q(".circuit").textContent = doc.circuit && doc.circuit !== "closed" ? "circuit " + doc.circuit.replace("_", "-") : "";
+  const slotScale = Math.max(cap, doc.total_slots || 0, busy, 1);
+  q(".bar.slots .fill").style.width = (100 * busy / slotScale) + "%";
+  q(".slots-text").textContent = `${busy} / ${cap}` + (doc.total_slots && doc.total_slots !== cap ? ` (of ${doc.total_slots})` : "");
+
+  const total = Math.max(mem.total_gb || 0, mem.wired_limit_gb || 0, mem.pinned_gb || 0, 0.001);
+  const weights = mem.weights_gb || 0;
+  const working = mem.pinned_gb > weights ? mem.pinned_gb - weights : busy * (mem.per_request_gb || 0);
+  const free = Math.max(total - weights - working, 0);
+  q(".seg-weights").style.width = (100 * weights / total) + "%";
+  q(".seg-work").style.width = (100 * working / total) + "%";
+  q(".seg-free").style.width = (100 * free / total) + "%";
+  const limit = q(".limit");
+  limit.style.display = mem.wired_limit_gb ? "" : "none";
+  limit.style.left = `calc(${100 * (mem.wired_limit_gb || 0) / total}% - 1px)`;
+  q(".bar.memory").title = `weights ${fmt(weights)} GB, in-flight ${fmt(working)} GB, ` +
+    `wired limit ${fmt(mem.wired_limit_gb)} GB of ${fmt(mem.total_gb)} GB, swap ${fmt(mem.swap_used_gb)} GB, pressure ${mem.pressure || "-"}`;
+  q(".mem-text").textContent = `${fmt(weights + working)} / ${fmt(mem.wired_limit_gb)} GB`;
+
+  q(".tps").textContent = fmt(doc.tokens_per_s, 0);
+  q(".ttft").textContent = doc.ttft_p50_ms === null || doc.ttft_p50_ms === undefined ? "-" : fmt(doc.ttft_p50_ms, 0) + " ms";
+  const share = !card.goneSince && poolCapacity > 0 && nodeState(doc) !== "draining" ? cap / poolCapacity : 0;
+  q(".share").textContent = fmt(100 * share, 0) + "%";
+  q(".share").title = "share of the pool's free slots this node takes, so of the queue it drains";
+  q(".reserved").textContent = doc.reserved ?? "-";
+  q(".node > .reason, .reason").textContent = card.goneSince
+    ? `left the pool ${Math.round((Date.now() - card.goneSince) / 1000)}s ago (heartbeat expired or agent stopped)`
+    : (doc.reason || "");
+  q(".drain").disabled = !!card.goneSince || !!doc.drained;
+  q(".undrain").disabled = !!card.goneSince || !doc.drained;
+}
+
+function onPool(msg) {
+  const view = msg.view || {};
+  const pool = view.pool || {};
+  const now = Date.now();
+  lastView = view;
+  $("redis").textContent = view.redis_ok ? "redis ok" : "redis down";
+  $("redis").className = "conn " + (view.redis_ok ? "conn-ok" : "conn-bad");
+  $("router-id").textContent = view.router_id ? "router " + view.router_id : "";
+  $("p-capacity").textContent = pool.capacity ?? "-";
+  $("p-busy").textContent = pool.busy ?? "-";
+  $("p-queued").textContent = pool.queued ?? "-";
+  $("p-rps").textContent = fmt(pool.requests_per_s);
+  $("p-rejections").textContent = fmt(pool.rejections_per_s);
+  $("p-saturation").textContent = fmt(100 * (pool.saturation || 0), 0) + "%";
+  $("p-nodes").textContent = `${pool.nodes_ready ?? "-"} / ${pool.nodes_total ?? "-"}`;
+  const scale = msg.scale || {};
+  $("p-desired").textContent = scale.desired_nodes ?? "-";
+  $("p-reason").textContent = scale.reason ? "scale hint: " + scale.reason : "";
+
+  const seen = new Set();
+  for (const doc of view.nodes || []) {
+    seen.add(doc.node_id);
+    let card = cards.get(doc.node_id);
+    if (!card) { card = { el: makeCard(doc.node_id) }; cards.set(doc.node_id, card); }
+    card.doc = doc;
+    card.goneSince = null;
+  }
+  for (const [id, card] of cards) {
+    if (seen.has(id)) continue;
+    card.goneSince = card.goneSince || now;
+    if (now - card.goneSince > GONE_KEEP_MS) { card.el.remove(); cards.delete(id); }
+  }
+  for (const card of cards.values()) renderNode(card, pool.capacity || 0);
+  $("empty").style.display = cards.size ? "none" : "";
+
+  if (msg.point && (!history.length || msg.point.ts_ms > history[history.length - 1].ts_ms)) history.push(msg.point);
+  drawSparks();
+}
+
+function spark(svg, points, key, floorMax) {
+  const end = points.length ? points[points.length - 1].ts_ms : Date.now();
+  const start = end - SPARK_WINDOW_MS;
+  const shown = points.filter((p) => p.ts_ms >= start);
+  const max = Math.max(floorMax, ...shown.map((p) => p[key] || 0));
+  const coords = shown.map((p) => `${(300 * (p.ts_ms - start) / SPARK_WINDOW_MS).toFixed(1)},${(40 - 38 * (p[key] || 0) / max).toFixed(1)}`);
+  const ref = floorMax === 1 ? `<line x1="0" x2="300" y1="${40 - 38 / max}" y2="${40 - 38 / max}"></line>` : "";
+  svg.innerHTML = ref + `<polyline points="${coords.join(" ")}"></polyline>`;
+  return max;
+}
+
+function drawSparks() {
+  const cutoff = Date.now() - 2 * SPARK_WINDOW_MS;
+  if (history.length && history[0].ts_ms < cutoff) history = history.filter((p) => p.ts_ms >= cutoff);
+  spark($("spark-saturation"), history, "saturation", 1);
+  const max = spark($("spark-rejections"), history, "rejections_per_s", 1);
+  $("spark-rej-max").textContent = `(max ${fmt(max)})`;
+}
+
+async function admin(id, action) {
+  const key = sessionStorage.getItem(KEY_STORE) || $("admin-key").value;
+  const msg = $("admin-msg");
+  if (!key) { msg.textContent = "type the admin key first"; return; }
+  try {
+    const r = await fetch(`admin/nodes/${encodeURIComponent(id)}/${action}`, {
+      method: "POST", headers: { Authorization: "Bearer " + key },
+    });
+    let detail = "";
+    try { const body = await r.json(); detail = body.error ? body.error.message : ""; } catch (_) { /* empty body */ }
+    msg.textContent = r.ok ? `${action} ${id}: done` : `${action} ${id}: HTTP ${r.status} ${detail}`;
+  } catch (err) {
+    msg.textContent = `${action} ${id}: ${err}`;
+  }
+}
+
+function connect() {
+  const source = new EventSource("api/pool/stream");
+  source.addEventListener("open", () => { $("conn").textContent = "live"; $("conn").className = "conn conn-ok"; });
+  source.addEventListener("error", () => { $("conn").textContent = "reconnecting"; $("conn").className = "conn conn-bad"; });
+  source.addEventListener("history", (e) => {
+    const incoming = JSON.parse(e.data).points || [];
+    const last = history.length ? history[history.length - 1].ts_ms : 0;
+    history = incoming.length && incoming[0].ts_ms <= last ? incoming : history.concat(incoming.filter((p) => p.ts_ms > last));
+    drawSparks();
+  });
+  source.addEventListener("pool", (e) => onPool(JSON.parse(e.data)));
+  source.addEventListener("problem", (e) => { $("conn").textContent = JSON.parse(e.data).message; $("conn").className = "conn conn-bad"; });
+}
+
+$("admin-key").value = sessionStorage.getItem(KEY_STORE) || "";
+$("admin-save").addEventListener("click", () => {
+  sessionStorage.setItem(KEY_STORE, $("admin-key").value);
+  $("admin-msg").textContent = $("admin-key").value ? "key kept for this tab" : "key cleared";
+});
+connect();

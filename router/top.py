@@ -1,0 +1,172 @@
+"""``macpool top``: a live terminal view of the pool (GET /api/pool), for operators on ssh."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+GONE_KEEP_S = 60.0
+
+STATE_STYLE = {
+    "healthy": "green",
+    "near ceiling": "yellow",
+    "paging": "dark_orange",
+    "draining": "blue",
+    "unhealthy": "red",
+    "starting": "magenta",
+    "gone": "bright_black",
+}
+
+COLUMNS = (
+    "node", "state", "slots", "busy/cap", "reserved", "memory GB (pinned/limit)", "tok/s", "TTFT p50",
+    "reason",
+)
+
+
+def node_state(doc: dict[str, Any]) -> str:
+    """The dashboard's state label for a node document from /api/pool."""
+    memory = doc.get("memory") or {}
+    if doc.get("drained") or doc.get("state") == "draining":
+        return "draining"
+    if doc.get("state") == "unhealthy" or doc.get("circuit") == "open":
+        return "unhealthy"
+    if doc.get("state") == "paging" or memory.get("state") in ("paging", "collapsed"):
+        return "paging"
+    if doc.get("state") == "starting":
+        return "starting"
+    if memory.get("state") == "near_ceiling" or memory.get("pressure") in ("warning", "critical"):
+        return "near ceiling"
+    return "healthy"
+
+
+def _bar(used: float, total: float, width: int = 10) -> str:
+    if total <= 0:
+        return " " * width
+    filled = max(0, min(width, round(width * used / total)))
+    return "█" * filled + "·" * (width - filled)
+
+
+def _num(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{float(value):.{digits}f}"
+
+
+@dataclass
+class TopView:
+    """Remembers nodes that left the pool so they show as gone for a while."""
+
+    gone: dict[str, tuple[dict[str, Any], float]] = field(default_factory=dict)
+    last_ids: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def update(self, view: dict[str, Any], now: float) -> list[tuple[dict[str, Any], str]]:
+        nodes = {n["node_id"]: n for n in view.get("nodes") or []}
+        for node_id, doc in self.last_ids.items():
+            if node_id not in nodes and node_id not in self.gone:
+                self.gone[node_id] = (doc, now)
+        for node_id in list(self.gone):
+            if node_id in nodes or now - self.gone[node_id][1] > GONE_KEEP_S:
+                del self.gone[node_id]
+        self.last_ids = nodes
+        rows = [(doc, node_state(doc)) for doc in nodes.values()]
+        rows += [(doc, "gone") for doc, _ in self.gone.values()]
+        return sorted(rows, key=lambda row: str(row[0].get("node_id")))
+
+    def render(self, view: dict[str, Any], url: str, now: float) -> RenderableType:
+        pool = view.get("pool") or {}
+        header = Text()
+        header.append("macpool ", style="bold")
+        header.append(f"{url}  router {view.get('router_id', '?')}  ")
+        redis_ok = bool(view.get("redis_ok"))
+        header.append("redis ok" if redis_ok else "redis DOWN", "green" if redis_ok else "bold red")
+        saturation = 100 * float(pool.get("saturation") or 0)
+        totals = Text(
+            f"capacity {pool.get('capacity', 0)}  busy {pool.get('busy', 0)}  "
+            f"queued {pool.get('queued', 0)}  "
+            f"nodes {pool.get('nodes_ready', 0)}/{pool.get('nodes_total', 0)} ready  "
+            f"req/s {_num(pool.get('requests_per_s'))}  saturation {saturation:.0f}%  "
+        )
+        rejections = float(pool.get("rejections_per_s") or 0)
+        totals.append(f"503/s {rejections:.1f}", "bold red" if rejections > 0 else "")
+
+        table = Table(expand=True, header_style="bold", pad_edge=False)
+        for column in COLUMNS:
+            right = column in ("busy/cap", "reserved", "tok/s", "TTFT p50")
+            table.add_column(column, justify="right" if right else "left", no_wrap=column != "reason")
+        for doc, state in self.update(view, now):
+            memory = doc.get("memory") or {}
+            capacity = int(doc.get("capacity") or 0)
+            in_flight = int(doc.get("in_flight") or 0)
+            pinned, limit = float(memory.get("pinned_gb") or 0), float(memory.get("wired_limit_gb") or 0)
+            ttft = doc.get("ttft_p50_ms")
+            table.add_row(
+                str(doc.get("node_id")),
+                Text(state, STATE_STYLE.get(state, "")),
+                _bar(in_flight, max(capacity, 1)),
+                f"{in_flight}/{capacity}",
+                str(doc.get("reserved", "-")),
+                f"{_bar(pinned, limit)} {pinned:.1f}/{limit:.1f}",
+                _num(doc.get("tokens_per_s"), 0),
+                "-" if ttft is None else f"{float(ttft):.0f} ms",
+                "left the pool" if state == "gone" else str(doc.get("reason") or ""),
+                style="dim" if state == "gone" else "",
+            )
+        if not table.rows:
+            table.add_row("(no node in the pool)", *[""] * (len(COLUMNS) - 1))
+        return Group(header, totals, table)
+
+
+def fetch(client: httpx.Client, url: str) -> dict[str, Any]:
+    response = client.get(url.rstrip("/") + "/api/pool", timeout=5.0)
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="macpool top", description=__doc__)
+    parser.add_argument(
+        "--router", default=os.environ.get("MACPOOL_ROUTER_URL", "http://127.0.0.1:8080"),
+        help="router base URL (env MACPOOL_ROUTER_URL; default %(default)s)",
+    )
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    parser.add_argument("--once", action="store_true", help="print one frame and exit")
+    args = parser.parse_args(argv)
+    if args.interval <= 0:
+        print(f"macpool top: invalid --interval={args.interval}: must be > 0", file=sys.stderr)
+        return 2
+    view_state = TopView()
+    console = Console()
+    with httpx.Client() as client:
+        if args.once:
+            try:
+                console.print(view_state.render(fetch(client, args.router), args.router, time.monotonic()))
+            except (httpx.HTTPError, ValueError) as exc:
+                print(f"macpool top: cannot read {args.router}/api/pool: {exc}", file=sys.stderr)
+                return 1
+            return 0
+        return _live(client, console, view_state, args.router, args.interval)
+
+
+def _live(client: httpx.Client, console: Console, view_state: TopView, url: str, interval: float) -> int:
+    with Live(Text("connecting..."), console=console, screen=False, auto_refresh=False) as live:
+        next_at = time.monotonic()
+        try:
+            while True:
+                try:
+                    frame = view_state.render(fetch(client, url), url, time.monotonic())
+                except (httpx.HTTPError, ValueError) as exc:
+                    frame = Text(f"cannot read {url}/api/pool: {exc} (retrying)", style="red")
+                live.update(frame, refresh=True)
+                next_at += interval
+                time.sleep(max(0.0, next_at - time.monotonic()))
+        except KeyboardInterrupt:
+            return 0
