@@ -1,0 +1,213 @@
+"""The agent's lifecycle: startup -> main loop -> shutdown (drain, leave the pool, stop llama-server).
+
+Signal handlers only set flags: the first SIGTERM/SIGINT starts a drain bounded by ``--drain-timeout``;
+a second one forces exit (llama-server is killed on that path too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Generator
+
+import httpx
+import uvicorn
+from redis.asyncio import Redis
+
+from .gateway import create_app
+from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
+from .heartbeat import Heartbeat
+from .memory import make_probe
+from .runtime import Runtime
+from .settings import AgentSettings, ConfigError
+from .supervisor import Supervisor
+
+log = logging.getLogger("macpool.agent")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the agent decides what a signal means."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the gateway's port before anything starts, so a taken port is a one-line error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--host/--port {host}:{port}: cannot listen ({exc.strerror})") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def load_model_shape(settings: AgentSettings) -> tuple[ModelShape | None, int | None]:
+    """The GGUF's attention shape and KV bytes per token; a non-GGUF model file just means no estimate."""
+    if settings.model is None:
+        return None, None
+    try:
+        shape = read_shape(settings.model)
+        return shape, shape.kv_bytes_per_token(*cache_types(settings.llama_args))
+    except GGUFError as exc:
+        log.warning("no KV estimate from the model file: %s", exc)
+        return None, None
+
+
+class Agent:
+    """One node agent: the gateway, the heartbeat and (in supervise mode) llama-server."""
+
+    def __init__(self, settings: AgentSettings, sock: socket.socket) -> None:
+        self.settings = settings
+        self.sock = sock
+        self.runtime = Runtime(settings)
+        self.stop_requested = asyncio.Event()
+        self.force = asyncio.Event()
+        self.supervisor: Supervisor | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def run(self) -> int:
+        """startup -> main loop -> shutdown; returns the exit code."""
+        self._install_signals()
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+        return 0
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self.stop_requested.is_set():
+            log.warning("second signal: forcing exit")
+            self.force.set()
+        self.stop_requested.set()
+
+    async def startup(self) -> None:
+        settings = self.settings
+        timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.runtime.http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        self.redis: Redis = Redis.from_url(
+            settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, health_check_interval=10
+        )
+        shape, kv_per_token = load_model_shape(settings)
+        self.runtime.details["model"] = {
+            "path": str(settings.model) if settings.model else None,
+            "kv_bytes_per_token": kv_per_token,
+            "weights_gb": shape.weights_gb if shape else None,
+        }
+        if settings.supervise:
+            assert settings.model is not None
+            self.supervisor = Supervisor(
+                settings.llama_command,
+                settings.model,
+                settings.parallel,
+                settings.ctx_per_slot,
+                settings.llama_args,
+                settings.llama_log,
+                settings.restart_backoff_max,
+                on_restart=self.runtime.metrics.restarts.inc,
+            )
+            self.runtime.upstream_url = self.supervisor.url
+            self.tasks.append(asyncio.create_task(self.supervisor.run(self.runtime.client())))
+        else:
+            assert settings.upstream is not None
+            self.runtime.upstream_url = settings.upstream.rstrip("/")
+        probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
+        supervisor = self.supervisor
+        self.heartbeat = Heartbeat(
+            self.runtime,
+            self.redis,
+            probe,
+            shape,
+            kv_per_token,
+            supervisor_state=(supervisor.state if supervisor else lambda: None),
+        )
+        self.tasks.append(asyncio.create_task(self.heartbeat.run()))
+        config = uvicorn.Config(
+            create_app(self.runtime),
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+        )
+        self.server = _Server(config)
+        self.server_task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        log.info(
+            "agent %s serving on %s (upstream %s)",
+            settings.node_id,
+            settings.public_url,
+            self.runtime.upstream_url,
+        )
+
+    async def main_loop(self) -> None:
+        stop = asyncio.create_task(self.stop_requested.wait())
+        try:
+            done, _ = await asyncio.wait({stop, self.server_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if self.server_task in done and not self.stop_requested.is_set():
+            self.server_task.result()  # the gateway died on its own: surface why
+
+    async def shutdown(self) -> None:
+        """Drain (bounded), leave the pool, stop the gateway and llama-server. Every step runs."""
+        try:
+            await self._drain()
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.heartbeat.remove(), 3)
+            for task in self.tasks:
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            if self.supervisor is not None:
+                if self.force.is_set():
+                    self.supervisor.kill_now()
+                await self.supervisor.stop()
+            self.server.should_exit = True
+            self.server.force_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server_task, 3)
+            await self.runtime.client().aclose()
+            await self.redis.aclose()
+            log.info("agent %s stopped", self.settings.node_id)
+
+    async def _drain(self) -> None:
+        heartbeat = getattr(self, "heartbeat", None)
+        if heartbeat is None:
+            return
+        heartbeat.draining = True
+        self.runtime.set_state("draining")
+        self.runtime.admitting = False
+        log.info("draining: %d in flight, up to %.0fs", self.runtime.in_flight, self.settings.drain_timeout)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(heartbeat.beat(), 2)
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout
+        while self.runtime.in_flight > 0 and not self.force.is_set():
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("drain timeout: %d requests still in flight", self.runtime.in_flight)
+                break
+            await asyncio.sleep(0.05)
+
+
+def run_agent(settings: AgentSettings) -> int:
+    """Bind, then run the agent's event loop until it stops."""
+    sock = bind_socket(settings.host, settings.port)
+    if settings.port == 0:
+        settings = settings.model_copy(update={"port": sock.getsockname()[1]})
+    try:
+        return asyncio.run(Agent(settings, sock).run())
+    finally:
+        sock.close()

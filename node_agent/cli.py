@@ -1,0 +1,188 @@
+"""``macpool agent run`` and ``macpool agent calibrate``: parse flags, build the settings, run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from .settings import ConfigError, load_settings
+
+PROG = "macpool agent"
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} run",
+        description="Run the node agent: a capped local gateway in front of llama-server, heartbeats into "
+        "Redis. Arguments after `--` go to llama-server unchanged.",
+        argument_default=None,
+    )
+    p.add_argument("--config", type=Path, help="TOML file with the same keys (flags > MACPOOL_* env > file)")
+    mode = p.add_argument_group("llama-server (exactly one of --upstream or --llama-server)")
+    mode.add_argument("--upstream", help="attach: URL of a running llama-server (or `macpool sim`)")
+    mode.add_argument(
+        "--llama-server", dest="llama_server", help="supervise: llama-server path or command line"
+    )
+    mode.add_argument(
+        "-m", "--model", type=Path, help="the GGUF file (required to supervise; sizes the KV cache)"
+    )
+    mode.add_argument("--parallel", type=int, help="llama-server slots (supervise; default 4)")
+    mode.add_argument("--ctx-per-slot", dest="ctx_per_slot", type=int, help="context per slot (default 4096)")
+    mode.add_argument(
+        "--llama-log", dest="llama_log", type=Path, help="append llama-server output to this file"
+    )
+    pool = p.add_argument_group("pool")
+    pool.add_argument("--redis-url", dest="redis_url", help="default redis://127.0.0.1:6379/0")
+    pool.add_argument("--node-id", dest="node_id", help="default: the host name")
+    pool.add_argument("--advertise-url", dest="advertise_url", help="how routers reach this agent")
+    pool.add_argument("--key-prefix", dest="key_prefix", help="Redis key prefix (default macpool:)")
+    pool.add_argument(
+        "--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds (default 1)"
+    )
+    gw = p.add_argument_group("gateway")
+    gw.add_argument("--host", help="listen address (default 127.0.0.1; 0.0.0.0 to serve the LAN)")
+    gw.add_argument("--port", type=int, help="listen port (default 8090)")
+    gw.add_argument("--token", help="require this token in X-Macpool-Token (env MACPOOL_AGENT_TOKEN)")
+    gw.add_argument("--drain-timeout", dest="drain_timeout", type=float, help="seconds (default 30)")
+    gw.add_argument(
+        "--connect-timeout", dest="connect_timeout", type=float, help="upstream, seconds (default 5)"
+    )
+    gw.add_argument(
+        "--read-timeout", dest="read_timeout", type=float, help="upstream silence, s (default 600)"
+    )
+    cap = p.add_argument_group("capacity")
+    cap.add_argument("--cap", type=int, help="configured cap (default: llama-server's total_slots)")
+    cap.add_argument("--calibration", type=Path, help="a `calibrate --json` result or --write-config file")
+    cap.add_argument("--calibrated-cap", dest="calibrated_cap", type=int, help="the calibrated cap, directly")
+    cap.add_argument(
+        "--headroom-gb", dest="headroom_gb", type=float, help="kept free under the wired limit (2)"
+    )
+    cap.add_argument(
+        "--request-overhead-gb",
+        dest="request_overhead_gb",
+        type=float,
+        help="per-request working set beyond the KV cache, for the GGUF estimate (0.25)",
+    )
+    cap.add_argument("--memory-probe", dest="memory_probe", choices=["auto", "macos", "linux", "sim"])
+    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _calibrate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"{PROG} calibrate",
+        description="Drive concurrency up in steps and recommend the cap (the knee of throughput, p50 and "
+        "pinned memory).",
+    )
+    p.add_argument("--upstream", required=True, help="llama-server (or `macpool sim`) URL")
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=256, help="generated tokens per request")
+    p.add_argument("--max-concurrency", type=int, default=24)
+    p.add_argument("--step", type=int, default=1)
+    p.add_argument("--levels", help="explicit comma-separated concurrency levels instead of 1..max by step")
+    p.add_argument("--window", type=int, default=0, help="requests measured per level (default 2 x level)")
+    p.add_argument("--model", help="model name to send (default: the server's)")
+    p.add_argument("--token", help="X-Macpool-Token, when calibrating through an agent")
+    p.add_argument("--json", type=Path, help="write the result (recommended_cap, per_request_gb, rows)")
+    p.add_argument("--plot", type=Path, help="draw throughput, p50 and pinned memory curves (PNG)")
+    p.add_argument("--write-config", type=Path, help="store calibrated_cap in this agent TOML config")
+    return p
+
+
+def _split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+def run(argv: list[str]) -> int:
+    own, extra = _split_extra(argv)
+    args = vars(_run_parser().parse_args(own))
+    config = args.pop("config")
+    if extra:
+        args["llama_args"] = extra
+    settings = load_settings(args, config)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    from .agent import run_agent  # uvicorn and friends only once the configuration is known good
+
+    return run_agent(settings)
+
+
+def calibrate(argv: list[str]) -> int:
+    from . import calibrate as cal
+
+    a = _calibrate_parser().parse_args(argv)
+    try:
+        levels = [int(x) for x in a.levels.split(",")] if a.levels else []
+    except ValueError as exc:
+        raise ConfigError(f"--levels {a.levels!r}: expected integers separated by commas") from exc
+    options = cal.CalibrateOptions(
+        upstream=a.upstream,
+        prompt_tokens=a.prompt_tokens,
+        max_tokens=a.max_tokens,
+        max_concurrency=a.max_concurrency,
+        step=a.step,
+        window_requests=a.window,
+        model=a.model,
+        token=a.token,
+        levels=levels,
+    )
+    from .settings import _check_http_url
+
+    _check_http_url("--upstream", a.upstream)
+    print(f"{'conc':>4} {'tok/s':>8} {'p50 s':>8} {'ratio':>6} {'pinned GB':>9}  state", flush=True)
+    first: list[float] = []
+
+    def progress(row: Any) -> None:
+        first.append(row.p50_latency_s)
+        pinned = "-" if row.peak_pinned_gb is None else f"{row.peak_pinned_gb:.1f}"
+        print(
+            f"{row.concurrency:>4} {row.throughput_tok_s:>8.1f} {row.p50_latency_s:>8.2f} "
+            f"{row.p50_latency_s / first[0]:>5.1f}x {pinned:>9}  {row.state or '-'}",
+            flush=True,
+        )
+
+    import httpx
+
+    try:
+        rows, knee = asyncio.run(cal.sweep(options, progress))
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"--upstream {a.upstream}: {type(exc).__name__} ({exc})") from exc
+    data = cal.result_json(rows, knee, options)
+    per_request = "-" if knee.per_request_gb is None else f"{knee.per_request_gb:.2f} GB"
+    print(
+        f"recommended cap: {knee.recommended_cap} (limited by {knee.limited_by}; per request {per_request})"
+    )
+    if a.json:
+        cal.dump_json(a.json, data)
+    if a.plot:
+        cal.plot(a.plot, rows, knee)
+    if a.write_config:
+        cal.write_config(a.write_config, knee)
+        print(f"wrote calibrated_cap = {knee.recommended_cap} to {a.write_config}")
+    return 0
+
+
+COMMANDS = {"run": run, "calibrate": calibrate}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(f"usage: {PROG} {{run,calibrate}} [options]   ({PROG} run --help)", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,244 @@
+"""The local gateway: a streaming proxy to llama-server with a hard in-flight cap and no local queue.
+
+Over the cap the answer is an immediate 503 ``node_full`` with ``Retry-After``: the router then tries
+another node. The agent token travels in ``X-Macpool-Token`` (the client's ``Authorization`` belongs to
+the router and is passed through untouched).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from macpool.errors import error_response
+
+from .runtime import Runtime
+
+TOKEN_HEADER = "x-macpool-token"
+# never forwarded upstream: hop-by-hop (RFC 9110 7.6.1), what httpx recomputes, and X-Conversation-Id
+# (llama-server keeps generating after a disconnect when it is present)
+_DROP_REQUEST = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "x-conversation-id",
+    }
+)
+_DROP_RESPONSE = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "server",
+        "date",
+    }
+)
+PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
+
+
+def _request_headers(request: Request) -> dict[str, str]:
+    return {
+        name: value
+        for name, value in request.headers.items()
+        if name not in _DROP_REQUEST and not name.startswith("x-macpool-")
+    }
+
+
+def _response_headers(upstream: httpx.Response) -> dict[str, str]:
+    headers = {name: value for name, value in upstream.headers.items() if name.lower() not in _DROP_RESPONSE}
+    if "x-accel-buffering" not in headers and upstream.headers.get("content-type", "").startswith(
+        "text/event-stream"
+    ):
+        headers["x-accel-buffering"] = "no"
+    return headers
+
+
+class ProxyResponse(StreamingResponse):
+    """Streams the upstream body; releases the slot and closes upstream exactly once, on every path."""
+
+    def __init__(
+        self, upstream: httpx.Response, runtime: Runtime, started: float, endpoint: str, release: bool
+    ) -> None:
+        self._upstream = upstream
+        self._runtime = runtime
+        self._started = started
+        self._released = not release
+        self._streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        super().__init__(self._body(), status_code=upstream.status_code, headers=_response_headers(upstream))
+        runtime.metrics.requests.labels(endpoint, str(upstream.status_code)).inc()
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for chunk in self._upstream.aiter_raw():
+                if first and self._streamed:
+                    elapsed = time.perf_counter() - self._started
+                    self._runtime.ttft_samples.append(elapsed)
+                    self._runtime.metrics.ttft.observe(elapsed)
+                first = False
+                yield chunk
+        except httpx.HTTPError:
+            # a mid-stream upstream failure: end the body; the client sees the stream stop
+            self._runtime.metrics.upstream_errors.labels("mid_stream").inc()
+        finally:
+            await self._upstream.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
+
+    async def _release(self) -> None:
+        # the generator may never have started (client gone before the first send): close here too
+        await self._upstream.aclose()
+        if not self._released:
+            self._released = True
+            self._runtime.in_flight -= 1
+            self._runtime.metrics.in_flight.set(self._runtime.in_flight)
+
+
+class Gateway:
+    """The gateway's endpoints over one agent's runtime state (the agent owns clients and lifecycle)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def _authorized(self, request: Request) -> bool:
+        token = self.runtime.settings.token
+        if not token:
+            return True
+        given = request.headers.get(TOKEN_HEADER, "")
+        return hmac.compare_digest(given.encode(), token.encode())
+
+    def _refusal(self) -> Response | None:
+        """Why a new request cannot be admitted now, or None."""
+        state = self.runtime.state
+        if state == "draining":
+            return self._unavailable("node_draining", "this node is draining")
+        if state in ("starting", "unhealthy"):
+            return self._unavailable("node_unavailable", f"this node is {state}")
+        if not self.runtime.admitting or self.runtime.in_flight >= self.runtime.capacity:
+            return self._unavailable("node_full", "this node is at capacity; retry on another node")
+        return None
+
+    def _unavailable(self, code: str, message: str) -> Response:
+        self.runtime.metrics.rejections.labels(code).inc()
+        return error_response(503, message, code, headers={"Retry-After": "1", "X-Macpool-Reason": code})
+
+    async def generate(self, request: Request) -> Response:
+        """A generation request: counts against the cap for as long as its response is open."""
+        runtime = self.runtime
+        if not self._authorized(request):
+            runtime.metrics.rejections.labels("unauthorized").inc()
+            return error_response(401, "missing or wrong agent token", "invalid_agent_token")
+        refusal = self._refusal()
+        if refusal is not None:
+            return refusal
+        runtime.in_flight += 1  # checked and taken with no await in between: atomic on one event loop
+        runtime.metrics.in_flight.set(runtime.in_flight)
+        try:
+            upstream = await self._send(request)
+        except BaseException:
+            runtime.in_flight -= 1
+            runtime.metrics.in_flight.set(runtime.in_flight)
+            raise
+        if isinstance(upstream, Response):
+            runtime.in_flight -= 1
+            runtime.metrics.in_flight.set(runtime.in_flight)
+            return upstream
+        return ProxyResponse(upstream, runtime, time.perf_counter(), request.url.path, release=True)
+
+    async def passthrough(self, request: Request) -> Response:
+        """A read-only request (``GET /v1/models``): proxied, not counted against the cap."""
+        if not self._authorized(request):
+            return error_response(401, "missing or wrong agent token", "invalid_agent_token")
+        upstream = await self._send(request)
+        if isinstance(upstream, Response):
+            return upstream
+        return ProxyResponse(upstream, self.runtime, time.perf_counter(), request.url.path, release=False)
+
+    async def _send(self, request: Request) -> httpx.Response | Response:
+        runtime = self.runtime
+        endpoint = request.url.path
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        client = runtime.client()
+        upstream_request = client.build_request(
+            request.method,
+            runtime.upstream_url + endpoint,
+            params=request.query_params,
+            headers=_request_headers(request),
+            content=body,
+        )
+        try:
+            return await client.send(upstream_request, stream=True)
+        except httpx.HTTPError as exc:
+            runtime.metrics.upstream_errors.labels(type(exc).__name__).inc()
+            runtime.metrics.requests.labels(endpoint, "502").inc()
+            return error_response(502, "the node's llama-server is not reachable", "upstream_unavailable")
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def status(self, request: Request) -> Response:
+        runtime = self.runtime
+        return JSONResponse(
+            {
+                "node": runtime.doc.model_dump(mode="json") if runtime.doc else None,
+                "state": runtime.state,
+                "capacity": runtime.capacity,
+                "in_flight": runtime.in_flight,
+                "admitting": runtime.admitting,
+                **runtime.details,
+            }
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    message = {404: "not found", 405: "method not allowed"}.get(status, "error")
+    return error_response(status, message, {404: "not_found", 405: "method_not_allowed"}.get(status, "error"))
+
+
+def create_app(runtime: Runtime) -> Starlette:
+    """The gateway app over one agent's runtime state."""
+    gateway = Gateway(runtime)
+    routes = [Route(path, gateway.generate, methods=["POST"]) for path in PROXIED]
+    routes += [
+        Route("/v1/models", gateway.passthrough, methods=["GET"]),
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/status", gateway.status, methods=["GET"]),
+        Route("/metrics", gateway.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

@@ -1,0 +1,285 @@
+"""Each interval: look at llama-server and memory, decide capacity, write the node document to Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import httpx
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from macpool import __version__
+from macpool.contract import (
+    Keys,
+    MemoryFigures,
+    NodeDoc,
+    NodeState,
+    heartbeat_ttl_ms,
+    now_ms,
+    write_heartbeat,
+)
+
+from . import capacity
+from .gguf_info import ModelShape
+from .memory import GB, MemoryProbe, MemorySample, ProbeError
+from .runtime import Runtime
+
+log = logging.getLogger("macpool.agent")
+
+
+async def ticker(interval: float) -> AsyncIterator[int]:
+    """Drift-free ticks: tick n is due at start + n x interval; missed ticks are skipped, not bunched."""
+    start = time.monotonic()
+    n = 0
+    while True:
+        yield n
+        n = max(n + 1, int((time.monotonic() - start) / interval) + 1)
+        await asyncio.sleep(max(0.0, start + n * interval - time.monotonic()))
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value} for the unlabelled ``llamacpp:*`` samples."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("llamacpp:"):
+            name, _, value = line.partition(" ")
+            try:
+                values[name] = float(value.split()[0])
+            except (ValueError, IndexError):
+                continue
+    return values
+
+
+@dataclass
+class UpstreamView:
+    """What llama-server said on its last poll."""
+
+    healthy: bool = False
+    reachable: bool = False
+    total_slots: int = 0
+    ctx_per_slot: int = 0
+    build: str = ""
+    models: list[str] = field(default_factory=list)
+    tokens_total: float | None = None
+    tokens_at: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView) -> None:
+    """Refresh ``view`` in place; a failure marks the upstream unhealthy and keeps the last figures."""
+    try:
+        health = await client.get(base + "/health", timeout=2.0)
+    except httpx.HTTPError:
+        view.healthy = view.reachable = False
+        return
+    view.reachable = True
+    view.healthy = health.status_code == 200
+    if not view.healthy:
+        return
+    props, models, metrics = await asyncio.gather(
+        client.get(base + "/props", timeout=2.0),
+        client.get(base + "/v1/models", timeout=2.0),
+        client.get(base + "/metrics", timeout=2.0),
+        return_exceptions=True,
+    )
+    if isinstance(props, httpx.Response) and props.status_code == 200:
+        data = props.json()
+        view.total_slots = int(data.get("total_slots", 0))
+        view.ctx_per_slot = int(data.get("default_generation_settings", {}).get("n_ctx", 0))
+        view.build = str(data.get("build_info", ""))
+    if isinstance(models, httpx.Response) and models.status_code == 200:
+        names: list[str] = []
+        for entry in models.json().get("data", []):
+            for name in [entry.get("id"), *entry.get("aliases", [])]:
+                if isinstance(name, str) and name and name not in names:
+                    names.append(name)
+        view.models = names
+    if isinstance(metrics, httpx.Response) and metrics.status_code == 200:
+        _update_rate(view, parse_metrics(metrics.text).get("llamacpp:tokens_predicted_total"))
+
+
+def _update_rate(view: UpstreamView, total: float | None) -> None:
+    """Tokens/s from the counter's delta over wall time, smoothed (restarts reset the counter)."""
+    now = time.monotonic()
+    if total is None:
+        return
+    if view.tokens_total is not None and total >= view.tokens_total and now > view.tokens_at:
+        rate = (total - view.tokens_total) / (now - view.tokens_at)
+        view.tokens_per_s = 0.7 * view.tokens_per_s + 0.3 * rate
+    view.tokens_total, view.tokens_at = total, now
+
+
+@dataclass
+class Heartbeat:
+    """One agent's heartbeat: observation, the capacity decision, and the Redis write."""
+
+    runtime: Runtime
+    redis: Redis
+    probe: MemoryProbe
+    model_shape: ModelShape | None
+    kv_bytes_per_token: int | None
+    supervisor_state: Callable[[], NodeState | None]  # "starting"/"unhealthy" while llama-server is not up
+    started_at_ms: int = field(default_factory=now_ms)
+    upstream: UpstreamView = field(default_factory=UpstreamView)
+    pressure: capacity.PressureGuard = field(default_factory=capacity.PressureGuard)
+    was_ready: bool = False
+    draining: bool = False
+    redis_ok: bool = True
+    _redis_retry_at: float = 0.0
+    _redis_backoff: float = 0.0
+
+    def __post_init__(self) -> None:
+        settings = self.runtime.settings
+        self.keys = Keys(settings.key_prefix)
+        self.ttl_ms = heartbeat_ttl_ms(settings.heartbeat_interval)
+        self.pressure.recover_beats = settings.pressure_recover_beats
+
+    async def run(self) -> None:
+        async for _ in ticker(self.runtime.settings.heartbeat_interval):
+            try:
+                await self.beat()
+            except Exception:  # one failed iteration must not end the loop
+                log.exception("heartbeat iteration failed")
+
+    async def beat(self) -> None:
+        """Observe, decide and publish once."""
+        doc = await self.observe()
+        await self.publish(doc)
+
+    async def observe(self) -> NodeDoc:
+        runtime = self.runtime
+        sample: MemorySample | None
+        poll = poll_upstream(runtime.client(), runtime.upstream_url, self.upstream)
+        sampled = await asyncio.gather(poll, self.probe.sample(), return_exceptions=True)
+        if isinstance(sampled[0], BaseException):
+            raise sampled[0]
+        sample = sampled[1] if isinstance(sampled[1], MemorySample) else None
+        if isinstance(sampled[1], BaseException) and not isinstance(sampled[1], ProbeError | OSError):
+            raise sampled[1]
+        doc = self._decide(sample)
+        runtime.doc = doc
+        return doc
+
+    def _decide(self, sample: MemorySample | None) -> NodeDoc:
+        runtime, settings, view = self.runtime, self.runtime.settings, self.upstream
+        per_request = self._per_request_gb(sample, view.ctx_per_slot)
+        weights = self._weights_gb(sample)
+        memory_cap: int | None = None
+        pressure_reason = ""
+        figures = MemoryFigures(weights_gb=weights, per_request_gb=per_request or 0.0)
+        if sample is not None:
+            figures = MemoryFigures(
+                total_gb=round(sample.total_gb, 3),
+                wired_limit_gb=round(sample.wired_limit_gb, 3),
+                weights_gb=round(weights, 3),
+                pinned_gb=round(sample.pinned_gb, 3),
+                per_request_gb=round(per_request or 0.0, 4),
+                swap_used_gb=round(sample.swap_used_gb, 3),
+                pressure=sample.pressure,
+                state=capacity.memory_state(sample),
+            )
+            if per_request:
+                budget = sample.wired_limit_gb - sample.external_gb
+                memory_cap = capacity.memory_cap(budget, weights, settings.headroom_gb, per_request)
+            if self.pressure.update(sample):
+                pressure_reason = self.pressure.reason
+            runtime.metrics.pinned.set(sample.pinned_gb * GB)
+            runtime.metrics.wired_limit.set(sample.wired_limit_gb * GB)
+        configured = settings.cap if settings.cap is not None else (view.total_slots or None)
+        decision = capacity.decide(
+            configured, memory_cap, settings.calibrated_cap, runtime.in_flight, pressure_reason
+        )
+        state, reason = self._state(decision)
+        runtime.capacity = decision.capacity
+        runtime.admitting = state == "ready"
+        runtime.set_state(state)
+        runtime.metrics.capacity.set(decision.capacity)
+        runtime.details["memory_probe"] = self.probe.name
+        runtime.details["redis_ok"] = self.redis_ok
+        return NodeDoc(
+            node_id=settings.node_id,
+            url=settings.public_url,
+            models=view.models,
+            capacity=decision.capacity,
+            in_flight=runtime.in_flight,
+            total_slots=view.total_slots,
+            state=state,
+            reason=reason,
+            memory=figures,
+            capacity_breakdown=decision.breakdown,
+            tokens_per_s=round(view.tokens_per_s, 2),
+            ttft_p50_ms=runtime.ttft_p50_ms(),
+            ctx_per_slot=view.ctx_per_slot,
+            llama_build=view.build,
+            agent_version=__version__,
+            started_at_ms=self.started_at_ms,
+            updated_at_ms=now_ms(),
+        )
+
+    def _state(self, decision: capacity.Decision) -> tuple[NodeState, str]:
+        if self.draining:
+            return "draining", "draining: finishing in-flight requests, admitting nothing new"
+        supervised = self.supervisor_state()
+        if supervised is not None:
+            return supervised, f"llama-server is {supervised}"
+        if not self.upstream.healthy:
+            if not self.upstream.reachable:
+                state: NodeState = "unhealthy" if self.was_ready else "starting"
+                return state, "llama-server is not reachable"
+            return "starting", "llama-server is loading"
+        self.was_ready = True
+        if decision.breakdown.pressure_limited:
+            return "paging", decision.reason
+        return "ready", decision.reason
+
+    def _per_request_gb(self, sample: MemorySample | None, ctx_per_slot: int) -> float | None:
+        settings = self.runtime.settings
+        if settings.calibrated_per_request_gb:
+            return settings.calibrated_per_request_gb
+        if sample is not None and sample.per_request_gb:
+            return sample.per_request_gb
+        ctx = ctx_per_slot or settings.ctx_per_slot
+        if self.kv_bytes_per_token is not None:
+            return self.kv_bytes_per_token * ctx / GB + settings.request_overhead_gb
+        return None
+
+    def _weights_gb(self, sample: MemorySample | None) -> float:
+        if sample is not None and sample.weights_gb is not None:
+            return sample.weights_gb
+        return self.model_shape.weights_gb if self.model_shape else 0.0
+
+    async def publish(self, doc: NodeDoc) -> None:
+        """Write to Redis; while it is down, back off (keep serving under the cap) and re-register after."""
+        if time.monotonic() < self._redis_retry_at:
+            return
+        try:
+            await write_heartbeat(self.redis, self.keys, doc, self.ttl_ms)
+        except (RedisError, OSError) as exc:
+            self.runtime.metrics.heartbeat_failures.inc()
+            self._redis_backoff = min(max(self._redis_backoff * 2, 0.5), 10.0)
+            self._redis_retry_at = time.monotonic() + self._redis_backoff
+            if self.redis_ok:
+                log.warning(
+                    "redis unreachable (%s); serving under the local cap, retrying", type(exc).__name__
+                )
+            self.redis_ok = False
+            return
+        if not self.redis_ok:
+            log.info("redis is back; node %s re-registered", doc.node_id)
+        self.redis_ok = True
+        self._redis_backoff = 0.0
+
+    async def remove(self) -> None:
+        try:
+            await self.remove_node()
+        except (RedisError, OSError) as exc:
+            log.warning("could not remove the node key on shutdown (%s); it expires with its TTL", exc)
+
+    async def remove_node(self) -> None:
+        from macpool.contract import remove_node
+
+        await remove_node(self.redis, self.keys, self.runtime.settings.node_id)

@@ -1,0 +1,203 @@
+"""The agent's one settings object: flags > environment (``MACPOOL_*``) > TOML file (``--config``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import AliasChoices, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from macpool.contract import DEFAULT_PREFIX
+
+ProbeKind = Literal["auto", "macos", "linux", "sim"]
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and the value."""
+
+
+class AgentSettings(BaseSettings):
+    """Everything `macpool agent run` needs, built once at the CLI edge and passed down."""
+
+    model_config = SettingsConfigDict(env_prefix="MACPOOL_", extra="ignore", populate_by_name=True)
+
+    # where llama-server is: attach to a running one, or supervise our own
+    upstream: str | None = None
+    llama_server: str | None = None
+    model: Path | None = None
+    parallel: int = Field(default=4, ge=1)
+    ctx_per_slot: int = Field(default=4096, ge=16)
+    llama_args: list[str] = Field(default_factory=list)
+    llama_log: Path | None = None
+
+    # the pool
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    node_id: str = Field(default_factory=socket.gethostname)
+    advertise_url: str | None = None
+    key_prefix: str = DEFAULT_PREFIX
+    heartbeat_interval: float = Field(default=1.0, gt=0)
+
+    # the gateway
+    host: str = "127.0.0.1"
+    port: int = Field(default=8090, ge=0, le=65535)
+    token: str | None = Field(default=None, validation_alias=AliasChoices("MACPOOL_AGENT_TOKEN"))
+    connect_timeout: float = Field(default=5.0, gt=0)
+    read_timeout: float = Field(default=600.0, gt=0)  # longest silence between two upstream chunks
+    drain_timeout: float = Field(default=30.0, ge=0)
+
+    # honest capacity
+    cap: int | None = Field(default=None, ge=0)
+    calibration: Path | None = None
+    calibrated_cap: int | None = Field(default=None, ge=0)
+    calibrated_per_request_gb: float | None = Field(default=None, gt=0)
+    headroom_gb: float = Field(default=2.0, ge=0)
+    request_overhead_gb: float = Field(default=0.25, ge=0)
+    memory_probe: ProbeKind = "auto"
+    pressure_recover_beats: int = Field(default=3, ge=1)
+    restart_backoff_max: float = Field(default=30.0, gt=0)
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+    @property
+    def supervise(self) -> bool:
+        return self.llama_server is not None
+
+    @property
+    def llama_command(self) -> list[str]:
+        """``--llama-server`` as argv: a path, or a whole command line (shlex-split)."""
+        return shlex.split(self.llama_server or "")
+
+    @property
+    def public_url(self) -> str:
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def check(self) -> None:
+        """Fail before start, with one line naming the bad key, for anything that cannot work."""
+        if (self.upstream is None) == (self.llama_server is None):
+            raise ConfigError("give exactly one of --upstream URL (attach) or --llama-server CMD (supervise)")
+        if self.upstream is not None:
+            _check_http_url("--upstream", self.upstream)
+        if self.advertise_url is not None:
+            _check_http_url("--advertise-url", self.advertise_url)
+        if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(f"--redis-url {self.redis_url!r}: expected redis://, rediss:// or unix://")
+        if self.supervise:
+            argv = self.llama_command
+            if not argv:
+                raise ConfigError("--llama-server is empty")
+            if shutil.which(argv[0]) is None:
+                raise ConfigError(f"--llama-server {argv[0]!r}: no such executable")
+            if self.model is None:
+                raise ConfigError("--model FILE.gguf is required with --llama-server")
+        if self.model is not None and not self.model.is_file():
+            raise ConfigError(f"--model {str(self.model)!r}: no such file")
+        if self.calibration is not None and not self.calibration.is_file():
+            raise ConfigError(f"--calibration {str(self.calibration)!r}: no such file")
+
+
+def _check_http_url(flag: str, url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{flag} {url!r}: expected http://host:port")
+    try:
+        _ = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {url!r}: bad port") from exc
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The ``--config`` file: the same keys as the flags, with underscores (``redis_url = "..."``)."""
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--config {str(path)!r}: no such file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {str(path)!r}: {exc}") from exc
+    section = data.get("agent", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"--config {str(path)!r}: [agent] must be a table")
+    return {key.replace("-", "_"): value for key, value in section.items()}
+
+
+def read_calibration(path: Path) -> dict[str, Any]:
+    """A ``calibrate --json`` result, or a TOML file written by ``calibrate --write-config``."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--calibration {str(path)!r}: {exc.strerror}") from exc
+    try:
+        data: Any = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--calibration {str(path)!r}: not valid JSON/TOML ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"--calibration {str(path)!r}: expected an object")
+    data = data.get("agent", data)
+    cap = data.get("recommended_cap", data.get("calibrated_cap"))
+    per_request = data.get("per_request_gb", data.get("calibrated_per_request_gb"))
+    if cap is None and per_request is None:
+        raise ConfigError(f"--calibration {str(path)!r}: has neither recommended_cap nor per_request_gb")
+    out: dict[str, Any] = {}
+    if cap is not None:
+        out["calibrated_cap"] = cap
+    if per_request:
+        out["calibrated_per_request_gb"] = per_request
+    return out
+
+
+def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> AgentSettings:
+    """Merge the three sources (flags win, then ``MACPOOL_*``, then the file) and check the result."""
+    file_values = read_toml(config_file) if config_file else {}
+
+    class _WithFile(AgentSettings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, InitSettingsSource(settings_cls, file_values))
+
+    try:
+        merged = _WithFile(**{k: v for k, v in flags.items() if v is not None})
+        settings = AgentSettings.model_validate(merged.model_dump())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        key = ".".join(str(part) for part in first["loc"]) or "settings"
+        raise ConfigError(f"{key}: {first['msg']} (got {first.get('input')!r})") from exc
+    if settings.calibration is not None:
+        settings.check()
+        calibrated = read_calibration(settings.calibration)
+        explicit = {k for k in ("calibrated_cap", "calibrated_per_request_gb") if flags.get(k) is not None}
+        settings = settings.model_copy(update={k: v for k, v in calibrated.items() if k not in explicit})
+    settings.check()
+    return settings

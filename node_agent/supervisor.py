@@ -1,0 +1,184 @@
+"""Run llama-server on loopback, wait for it to be healthy, restart it on crash, stop it on every exit path.
+
+llama-server runs in its own process group (so stopping it stops anything it started) and, on Linux,
+with a parent-death signal, so even a ``kill -9`` of the agent leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from macpool.contract import NodeState
+from macpool.redis_server import free_port
+
+log = logging.getLogger("macpool.agent")
+
+STABLE_AFTER_S = 30.0  # a run this long resets the restart backoff
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL me when the agent dies (Linux only)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Supervisor:
+    """One supervised llama-server. ``state()`` is None once it answers /health 200."""
+
+    def __init__(
+        self,
+        command: list[str],
+        model: Path,
+        parallel: int,
+        ctx_per_slot: int,
+        extra_args: list[str],
+        log_path: Path | None = None,
+        backoff_max: float = 30.0,
+        on_restart: Callable[[], None] | None = None,
+    ) -> None:
+        self.command = command
+        self.model = model
+        self.parallel = parallel
+        self.ctx_per_slot = ctx_per_slot
+        self.extra_args = extra_args
+        self.log_path = log_path
+        self.backoff_max = backoff_max
+        self.on_restart = on_restart
+        self.port = free_port()
+        self.process: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self._state: NodeState | None = "starting"
+        self._stopping = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def state(self) -> NodeState | None:
+        return self._state
+
+    def argv(self) -> list[str]:
+        return [
+            *self.command,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--parallel",
+            str(self.parallel),
+            "--ctx-size",
+            str(self.parallel * self.ctx_per_slot),
+            "--metrics",
+            "-m",
+            str(self.model),
+            *self.extra_args,
+        ]
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        """Start, watch and restart until cancelled; the process is stopped on every exit path."""
+        backoff = 0.5
+        try:
+            while not self._stopping:
+                started = time.monotonic()
+                await self._start()
+                code = await self._watch(client)
+                if self._stopping:
+                    return
+                self._state = "unhealthy"
+                self.restarts += 1
+                if self.on_restart:
+                    self.on_restart()
+                if time.monotonic() - started > STABLE_AFTER_S:
+                    backoff = 0.5
+                log.warning("llama-server exited with %s; restarting in %.1fs", code, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_max)
+        finally:
+            await self.stop()
+
+    async def _start(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115, ASYNC230 (the child inherits it)
+        try:
+            if not _port_free(self.port):
+                self.port = free_port()
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            if out:
+                out.close()
+        log.info("llama-server started (pid %d) on %s", self.process.pid, self.url)
+
+    async def _watch(self, client: httpx.AsyncClient) -> int:
+        """Wait for /health 200 (state starting/unhealthy until then), then for the process to exit."""
+        assert self.process is not None
+        exited = asyncio.ensure_future(self.process.wait())
+        try:
+            while not exited.done() and self._state is not None:
+                try:
+                    response = await client.get(self.url + "/health", timeout=1.0)
+                    if response.status_code == 200:
+                        self._state = None
+                        log.info("llama-server is healthy")
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.wait({exited}, timeout=0.2)
+            return await exited
+        finally:
+            exited.cancel()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM the process group, then SIGKILL after ``grace`` seconds. Safe to call more than once."""
+        self._stopping = True
+        process = self.process
+        if process is None:
+            return
+        if process.returncode is None:
+            _killpg(process.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), grace)
+            except TimeoutError:
+                _killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+        _killpg(process.pid, signal.SIGKILL)  # anything left in its group
+
+    def kill_now(self) -> None:
+        """Synchronous last resort (forced exit): SIGKILL the group."""
+        if self.process is not None:
+            _killpg(self.process.pid, signal.SIGKILL)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

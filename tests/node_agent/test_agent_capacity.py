@@ -1,0 +1,74 @@
+"""Capacity arithmetic, the pressure guard's hysteresis, and the calibrate knee on described machines."""
+
+from __future__ import annotations
+
+from node_agent.calibrate import find_knee
+from node_agent.capacity import PressureGuard, decide, memory_cap
+from node_agent.loadgen import LevelResult
+from node_agent.memory import MemorySample
+
+
+def test_memory_cap_floors_and_never_goes_negative() -> None:
+    assert memory_cap(36, 8, 2, 2.6) == 10
+    assert memory_cap(36, 8, 2, 2.0) == 13
+    assert memory_cap(8, 8, 2, 1.0) == 0
+
+
+def test_decide_takes_the_smallest_known_term() -> None:
+    decision = decide(configured=24, memory=10, calibrated=8, in_flight=3)
+    assert decision.capacity == 8
+    assert "calibrated" in decision.reason
+    assert decide(None, None, None, 0).capacity == 0
+    assert decide(16, None, None, 0).capacity == 16
+
+
+def test_pressure_admits_nothing_new() -> None:
+    decision = decide(configured=24, memory=10, calibrated=8, in_flight=5, pressure_reason="memory paging")
+    assert decision.capacity == 5
+    assert decision.breakdown.pressure_limited
+
+
+def _sample(pinned: float, swap: float = 0.0, pressure: str = "normal") -> MemorySample:
+    return MemorySample(total_gb=128, wired_limit_gb=36, pinned_gb=pinned, swap_used_gb=swap, pressure=pressure)  # type: ignore[arg-type]
+
+
+def test_pressure_guard_enters_at_once_and_leaves_after_calm_beats() -> None:
+    guard = PressureGuard(recover_beats=3)
+    assert not guard.update(_sample(20))
+    assert guard.update(_sample(35.5))  # pinned near the wired limit
+    assert "wired limit" in guard.reason
+    assert guard.update(_sample(20))
+    assert guard.update(_sample(20))
+    assert not guard.update(_sample(20))
+    assert guard.update(_sample(20, swap=0.5))  # swap growing
+    assert PressureGuard().update(_sample(10, pressure="warning"))
+
+
+def _rows(machine: list[tuple[int, float, float, float | None]], limit: float | None) -> list[LevelResult]:
+    return [
+        LevelResult(c, thr, p50, p50 / 4, pinned, limit, None, 2 * c, 0)
+        for c, thr, p50, pinned in machine
+    ]
+
+
+def test_knee_of_the_seed_table() -> None:
+    seed = [(1, 82, 1.0, 11), (4, 190, 1.7, 19), (8, 240, 3.1, 30), (12, 210, 6.4, 41), (16, 70, 18, 48)]
+    knee = find_knee(_rows(seed, 36))
+    assert knee.recommended_cap == 8
+    assert knee.per_request_gb is not None and 2 < knee.per_request_gb < 3
+
+
+def test_knee_without_memory_figures_uses_latency_and_throughput() -> None:
+    # a real llama-server: no /sim/memory; the latency bends at 6 while throughput still creeps up
+    curve = [(c, 50 * c**0.5, 1 + 0.1 * c, None) for c in range(1, 7)]
+    curve += [(7, 135, 3.0, None), (8, 136, 5.0, None)]
+    knee = find_knee(_rows(curve, None))
+    assert knee.recommended_cap == 6
+    assert knee.limited_by == "latency"
+    assert knee.per_request_gb is None
+
+
+def test_knee_of_a_machine_that_never_bends() -> None:
+    curve = [(c, 40.0 * c, 1 + 0.05 * c, 5 + c) for c in range(1, 5)]
+    knee = find_knee(_rows(curve, 64))
+    assert (knee.recommended_cap, knee.limited_by) == (4, "none")
