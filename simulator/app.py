@@ -1,0 +1,599 @@
+"""The simulator's HTTP surface: llama-server's endpoints and shapes, plus /sim/* for tests and tools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from simulator import shapes, tokens
+from simulator.engine import Engine, Runner, Task
+from simulator.machine import Machine, MemoryState
+from simulator.settings import Resolved, SimSettings, build_info
+
+JSON = "application/json; charset=utf-8"
+_PRESSURE = {
+    MemoryState.HEALTHY: "normal",
+    MemoryState.NEAR_CEILING: "warning",
+    MemoryState.PAGING: "critical",
+    MemoryState.COLLAPSED: "critical",
+}
+
+
+class BadRequest(Exception):
+    """A request llama-server would answer with 400 (body already shaped)."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__(body.decode())
+        self.body = body
+
+
+def json_response(body: bytes | Any, status: int = 200) -> Response:
+    data = body if isinstance(body, bytes) else shapes.dumps(body)
+    return Response(data, status_code=status, media_type=JSON)
+
+
+def parse_error(raw: bytes, exc: json.JSONDecodeError) -> bytes:
+    """An nlohmann::json-like parse error message."""
+    if exc.pos >= len(exc.doc.rstrip()):
+        detail = "unexpected end of input; expected '[', '{', or a literal"
+    else:
+        detail = f"{exc.msg.lower()}"
+    message = (
+        f"[json.exception.parse_error.101] parse error at line {exc.lineno}, column {exc.colno + 1}: "
+        f"syntax error while parsing value - {detail}"
+    )
+    return shapes.error(400, message, "invalid_request_error")
+
+
+def invalid(message: str) -> BadRequest:
+    return BadRequest(shapes.error(400, message, "invalid_request_error"))
+
+
+class LlamaHeaders:
+    """Adds llama-server's ``Server`` and CORS headers to every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"server"]
+                headers += [(b"server", b"llama.cpp"), (b"access-control-allow-origin", b"")]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class TaskResponse(Response):
+    """Serves one task: headers once there is output (as llama-server does), then the body.
+
+    The client is watched for the whole life of the task: a disconnect (while deferred, prefilling or
+    generating) cancels the task and frees its slot at once.
+    """
+
+    def __init__(
+        self, body: AsyncIterator[bytes], stream: bool, on_close: Callable[[], None]
+    ) -> None:
+        super().__init__(status_code=200)
+        self.parts = body
+        self.stream = stream
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def serve() -> None:
+                    await self._serve(send)
+                    group.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(serve)
+                group.start_soon(watch)
+        finally:
+            self.on_close()
+
+    async def _serve(self, send: Send) -> None:
+        if not self.stream:
+            body = b"".join([part async for part in self.parts])
+            headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        started = False
+        async for part in self.parts:
+            if not started:
+                headers = [(b"x-accel-buffering", b"no"), (b"content-type", b"text/event-stream")]
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                started = True
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + shapes.dumps(obj) + b"\n\n"
+
+
+async def progress(task: Task) -> AsyncIterator[tuple[int, int]]:
+    """Yields ``(first, last)`` token ranges as the engine produces them, until the task ends."""
+    assert task.wake is not None
+    sent = 0
+    while True:
+        await task.wake.wait()
+        task.wake.clear()
+        if task.n_decoded > sent or task.finished:
+            yield sent, task.n_decoded
+            sent = task.n_decoded
+        if task.finished:
+            return
+
+
+class SimServer:
+    """One simulated Mac: the machine, the engine and its runner, and the HTTP handlers."""
+
+    def __init__(self, settings: SimSettings, machine: Machine) -> None:
+        self.settings = settings
+        self.machine = machine
+        self.resolved = Resolved(settings, machine)
+        self.engine = Engine(machine, self.resolved.n_slots, self.resolved.n_ctx_slot)
+        self.runner = Runner(self.engine, settings.speed)
+        self.started = time.monotonic()
+        self.fingerprint = build_info()
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        loop_task = asyncio.create_task(self.runner.run(), name="sim-engine")
+        try:
+            yield
+        finally:
+            loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop_task
+
+    def loading(self) -> bool:
+        return time.monotonic() - self.started < self.settings.load_seconds
+
+    # --- routes -------------------------------------------------------------------------------------------
+    def routes(self) -> list[Route]:
+        r = self.guard
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/health", self.health, methods=["GET"]),
+            Route("/slots", r(self.slots), methods=["GET"]),
+            Route("/metrics", r(self.metrics), methods=["GET"]),
+            Route("/props", r(self.props), methods=["GET"]),
+            Route("/models", r(self.models), methods=["GET"]),
+            Route("/v1/models", r(self.models), methods=["GET"]),
+            Route("/v1/chat/completions", r(self.chat), methods=["POST"]),
+            Route("/chat/completions", r(self.chat), methods=["POST"]),
+            Route("/v1/completions", r(self.completions), methods=["POST"]),
+            Route("/completion", r(self.native), methods=["POST"]),
+            Route("/completions", r(self.native), methods=["POST"]),
+            Route("/v1/embeddings", r(self.embeddings), methods=["POST"]),
+            Route("/embeddings", r(self.embeddings), methods=["POST"]),
+            Route("/sim/memory", self.sim_memory, methods=["GET"]),
+            Route("/sim/stats", self.sim_stats, methods=["GET"]),
+            Route("/sim/reset", self.sim_reset, methods=["POST"]),
+            Route("/sim/pressure", self.sim_pressure, methods=["POST"]),
+        ]
+
+    def guard(
+        self, handler: Callable[[Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """llama-server answers every model endpoint with 503 while loading, and 400 for bad bodies."""
+
+        async def guarded(request: Request) -> Response:
+            if self.loading():
+                return self.loading_response()
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                return json_response(exc.body, 400)
+            except tokens.PromptError as exc:
+                return json_response(invalid(str(exc)).body, 400)
+
+        return guarded
+
+    @staticmethod
+    def loading_response() -> Response:
+        return json_response(shapes.error_mtc(503, "Loading model", "unavailable_error"), 503)
+
+    async def health(self, request: Request) -> Response:
+        if self.loading():
+            return self.loading_response()
+        return json_response({"status": "ok"})
+
+    async def slots(self, request: Request) -> Response:
+        fail = request.query_params.get("fail_on_no_slot") not in (None, "", "0", "false")
+        if fail and all(s.task is not None for s in self.engine.slots):
+            return json_response(shapes.error(503, "no slot available", "unavailable_error"), 503)
+        return json_response([self.slot_json(i) for i in range(len(self.engine.slots))])
+
+    def slot_json(self, index: int) -> dict[str, Any]:
+        slot = self.engine.slots[index]
+        out: dict[str, Any] = {"id": slot.id, "n_ctx": slot.n_ctx, "speculative": False}
+        task = slot.task
+        out["is_processing"] = task is not None
+        if task is None:
+            return out
+        limit = task.n_predict if task.finish_on_limit == "length" else -1
+        out.update(
+            id_task=task.id,
+            n_prompt_tokens=task.n_prompt,
+            n_prompt_tokens_processed=task.n_past - task.n_cache,
+            n_prompt_tokens_cache=task.n_cache,
+            params=shapes.slot_params(limit, False, True),
+            next_token=[{
+                "has_next_token": True, "has_new_line": False,
+                "n_remain": max(-1, task.n_predict - task.n_decoded) if limit >= 0 else -1,
+                "n_decoded": task.n_decoded,
+            }],
+        )
+        return out
+
+    async def metrics(self, request: Request) -> Response:
+        if not self.settings.metrics:
+            message = "This server does not support metrics endpoint. Start it with `--metrics`"
+            return json_response(shapes.error(501, message, "not_supported_error"), 501)
+        c = self.engine.counters
+        prompt_rate = c.bucket_prompt_tokens / c.bucket_prompt_seconds if c.bucket_prompt_seconds else 0.0
+        predicted_rate = (
+            c.bucket_predicted_tokens / c.bucket_predicted_seconds if c.bucket_predicted_seconds else 0.0
+        )
+        c.bucket_prompt_tokens = c.bucket_predicted_tokens = 0
+        c.bucket_prompt_seconds = c.bucket_predicted_seconds = 0.0
+        busy_per_decode = c.n_busy_slots_total / c.n_decode_total if c.n_decode_total else 0.0
+        rows: list[tuple[str, str, str, float]] = [
+            ("counter", "prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
+             c.prompt_tokens_total),
+            ("counter", "prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
+             c.prompt_tokens_cached_total),
+            ("counter", "prompt_seconds_total", "Total time spent processing prompts",
+             c.prompt_seconds_total),
+            ("counter", "tokens_predicted_total", "Number of generation tokens processed",
+             c.tokens_predicted_total),
+            ("counter", "tokens_predicted_seconds_total", "Total time spent generating tokens",
+             c.tokens_predicted_seconds_total),
+            ("counter", "n_decode_total",
+             "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+             c.n_decode_total),
+            ("counter", "n_tokens_max", "Largest observed sequence length (prompt + generation)",
+             c.n_tokens_max),
+            ("counter", "spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
+            ("counter", "spec_decode_num_accepted_tokens_total",
+             "Speculative: Total draft tokens accepted by the target model", 0),
+            ("counter", "spec_decode_num_drafts_total",
+             "Speculative: Total speculative decoding verification steps", 0),
+            ("gauge", "prompt_tokens_seconds", "Average prompt throughput in tokens/s", prompt_rate),
+            ("gauge", "predicted_tokens_seconds", "Average generation throughput in tokens/s",
+             predicted_rate),
+            ("gauge", "requests_processing", "Number of requests processing", len(self.engine.running)),
+            ("gauge", "requests_deferred", "Number of requests deferred", len(self.engine.deferred)),
+            ("gauge", "n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+             busy_per_decode),
+        ]
+        lines = []
+        for kind, name, help_, value in rows:
+            lines += [f"# HELP llamacpp:{name} {help_}", f"# TYPE llamacpp:{name} {kind}"]
+            shown = f"{value:g}" if isinstance(value, float) else str(value)
+            lines.append(f"llamacpp:{name} {shown}")
+        headers = {"Process-Start-Time-Unix": str(int(time.time() - (time.monotonic() - self.started)))}
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4", headers=headers)
+
+    async def props(self, request: Request) -> Response:
+        r = self.resolved
+        return json_response({
+            "default_generation_settings": {"params": shapes.SLOT_PARAMS, "n_ctx": r.n_ctx_slot},
+            "total_slots": r.n_slots,
+            "model_alias": r.model_name,
+            "model_ftype": "Q4_K - Medium",
+            "model_path": r.model_path,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "media_marker": "<__media_macpoolsim__>",
+            "endpoint_slots": True,
+            "endpoint_props": False,
+            "endpoint_metrics": self.settings.metrics,
+            "ui": False,
+            "ui_settings": {},
+            "chat_template": tokens.CHAT_TEMPLATE,
+            "chat_template_caps": {
+                "supports_object_arguments": False, "supports_parallel_tool_calls": False,
+                "supports_preserve_reasoning": False, "supports_reasoning_effort": False,
+                "supports_string_content": True, "supports_system_role": True, "supports_tool_calls": False,
+                "supports_tools": False, "supports_typed_content": False,
+            },
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "build_info": self.fingerprint,
+            "is_sleeping": False,
+            "cors_proxy_enabled": False,
+        })
+
+    async def models(self, request: Request) -> Response:
+        name = self.resolved.model_name
+        return json_response({
+            "models": [{
+                "name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
+                "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+                "details": {
+                    "parent_model": "", "format": "gguf", "family": "", "families": [""],
+                    "parameter_size": "", "quantization_level": "",
+                },
+            }],
+            "object": "list",
+            "data": [{
+                "id": name, "aliases": [name], "tags": [], "object": "model",
+                "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+                "created": int(time.time()), "owned_by": "llamacpp",
+                "meta": {
+                    "vocab_type": 2, "n_vocab": 151936, "n_ctx": self.resolved.n_ctx_slot,
+                    "n_ctx_train": 32768, "n_embd": 5120, "n_params": 14_000_000_000,
+                    "size": int(self.machine.weights_gb * 2**30), "ftype": "Q4_K - Medium",
+                },
+            }],
+        })
+
+    # --- generation ---------------------------------------------------------------------------------------
+    @staticmethod
+    async def body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise BadRequest(parse_error(raw, exc)) from exc
+        except UnicodeDecodeError as exc:
+            raise invalid("request body is not UTF-8") from exc
+        if not isinstance(data, dict):
+            raise invalid("request body must be a JSON object")
+        return data
+
+    def new_task(self, body: dict[str, Any], prompt: str) -> Task:
+        n_prompt = tokens.count(prompt)
+        n_ctx = self.resolved.n_ctx_slot
+        if n_prompt > n_ctx:
+            message = f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), " \
+                "try increasing it"
+            raise BadRequest(shapes.error(
+                400, message, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=n_ctx,
+            ))
+        if n_prompt == 0:
+            raise invalid("the prompt is empty")
+        limit = -1
+        for key in ("n_predict", "max_completion_tokens", "max_tokens"):
+            value = body.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise invalid(f"'{key}' must be an integer")
+            limit = value
+            break
+        if limit == 0:
+            limit = 1  # llama-server still evaluates one token
+        if limit > 0:
+            task = Task(prompt=prompt, n_prompt=n_prompt, n_predict=limit)
+        elif body.get("ignore_eos") is True:
+            task = Task(prompt=prompt, n_prompt=n_prompt, n_predict=n_ctx)  # until the context is full
+        else:
+            task = Task(prompt, n_prompt, self.machine.default_n_predict, finish_on_limit="stop")
+        self.runner.submit(task)
+        return task
+
+    def model_field(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        return model if isinstance(model, str) and model else self.resolved.model_name
+
+    @staticmethod
+    def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+        options = body.get("stream_options")
+        include = isinstance(options, dict) and options.get("include_usage") is True
+        return body.get("stream") is True, include
+
+    def respond(self, task: Task, parts: AsyncIterator[bytes], stream: bool) -> Response:
+        return TaskResponse(parts, stream, on_close=lambda: self.runner.cancel(task))
+
+    async def chat(self, request: Request) -> Response:
+        body = await self.body(request)
+        prompt = tokens.render_chat(body.get("messages"))
+        stream, include_usage = self.stream_flags(body)
+        shaper = shapes.Shaper(self.model_field(body), self.fingerprint, include_usage)
+        task = self.new_task(body, prompt)
+
+        async def streamed() -> AsyncIterator[bytes]:
+            first = True
+            async for lo, hi in progress(task):
+                out = [sse(shaper.chat_role_chunk())] if first and include_usage else []
+                first = False
+                out += [sse(shaper.chat_content_chunk(tokens.piece(k))) for k in range(lo, hi)]
+                if task.finished:
+                    out += [sse(chunk) for chunk in shaper.chat_final_chunks(task)]
+                    out.append(b"data: [DONE]\n\n")
+                yield b"".join(out)
+
+        async def whole() -> AsyncIterator[bytes]:
+            async for _ in progress(task):
+                pass
+            yield shapes.dumps(shaper.chat_response(task, tokens.filler(task.n_decoded)))
+
+        return self.respond(task, streamed() if stream else whole(), stream)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self.body(request)
+        prompt = tokens.prompt_text(body.get("prompt"))
+        stream, _ = self.stream_flags(body)
+        shaper = shapes.Shaper(self.model_field(body), self.fingerprint)
+        task = self.new_task(body, prompt)
+
+        async def streamed() -> AsyncIterator[bytes]:
+            async for lo, hi in progress(task):
+                out = [sse(shaper.text_chunk(tokens.piece(k))) for k in range(lo, hi)]
+                if task.finished:
+                    out += [sse(shaper.text_final_chunk(task)), b"data: [DONE]\n\n"]
+                yield b"".join(out)
+
+        async def whole() -> AsyncIterator[bytes]:
+            async for _ in progress(task):
+                pass
+            yield shapes.dumps(shaper.text_response(task, tokens.filler(task.n_decoded)))
+
+        return self.respond(task, streamed() if stream else whole(), stream)
+
+    async def native(self, request: Request) -> Response:
+        body = await self.body(request)
+        prompt = tokens.prompt_text(body.get("prompt"))
+        stream, _ = self.stream_flags(body)
+        ignore_eos = body.get("ignore_eos") is True
+        shaper = shapes.Shaper(self.model_field(body), self.fingerprint)
+        task = self.new_task(body, prompt)
+        limit = task.n_predict if task.finish_on_limit == "length" else -1
+
+        def final(text: str) -> dict[str, Any]:
+            return shaper.native_final(task, text, prompt, limit, ignore_eos, stream)
+
+        async def streamed() -> AsyncIterator[bytes]:
+            async for lo, hi in progress(task):
+                out = []
+                for k in range(lo, hi):
+                    chunk = shaper.native_chunk(tokens.piece(k), tokens.token_id(k), task)
+                    chunk["tokens_predicted"] = k + 1
+                    out.append(sse(chunk))
+                if task.finished:
+                    out.append(sse(final("")))
+                yield b"".join(out)
+
+        async def whole() -> AsyncIterator[bytes]:
+            async for _ in progress(task):
+                pass
+            yield shapes.dumps(final(tokens.filler(task.n_decoded)))
+
+        return self.respond(task, streamed() if stream else whole(), stream)
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await self.body(request)
+        raw = body.get("input", body.get("content"))
+        inputs = [raw] if isinstance(raw, str) else raw
+        if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
+            raise invalid("'input' must be a string or an array of strings")
+        data = [
+            {"embedding": embed(text), "index": i, "object": "embedding"} for i, text in enumerate(inputs)
+        ]
+        n = sum(tokens.count(text) for text in inputs)
+        return json_response({
+            "model": self.model_field(body), "object": "list",
+            "usage": {"prompt_tokens": n, "total_tokens": n}, "data": data,
+        })
+
+    # --- /sim -------------------------------------------------------------------------------------------
+    def memory_json(self) -> dict[str, Any]:
+        m = self.machine
+        pinned = self.engine.pinned_gb()
+        state = m.state(pinned)
+        return {
+            "total_gb": m.total_gb,
+            "wired_limit_gb": m.wired_limit_gb,
+            "weights_gb": m.weights_gb,
+            "pinned_gb": round(pinned, 3),
+            "per_request_gb": round(m.per_request_gb(), 3),
+            "state": state.value,
+            "external_gb": self.engine.external_gb,
+            "swap_used_gb": round(max(0.0, pinned - m.wired_limit_gb), 3),
+            "pressure": _PRESSURE[state],
+        }
+
+    async def sim_memory(self, request: Request) -> Response:
+        return json_response(self.memory_json())
+
+    async def sim_stats(self, request: Request) -> Response:
+        c = self.engine.counters
+        return json_response({
+            "processing": len(self.engine.running),
+            "deferred": len(self.engine.deferred),
+            "max_concurrent": c.max_concurrent,
+            "completed": c.completed,
+            "cancelled": c.cancelled,
+            "speed": self.runner.speed,
+            "sim_time_s": round(self.runner.sim_now(), 6),
+            "tokens_predicted_total": c.tokens_generated,
+            "peak_pinned_gb": round(c.peak_pinned_gb, 3),
+            "worst_state": c.worst_state,
+        })
+
+    async def sim_reset(self, request: Request) -> Response:
+        self.engine.reset_stats()
+        return await self.sim_stats(request)
+
+    async def sim_pressure(self, request: Request) -> Response:
+        try:
+            body = await self.body(request)
+        except BadRequest as exc:
+            return json_response(exc.body, 400)
+        value = body.get("external_gb")
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0 or math.isnan(value):
+            return json_response(invalid("'external_gb' must be a number >= 0").body, 400)
+        self.engine.external_gb = float(value)
+        return json_response(self.memory_json())
+
+
+def embed(text: str, dims: int = 64) -> list[float]:
+    """A deterministic unit vector derived from the text's hash."""
+    digest = hashlib.sha256(text.encode()).digest()
+    raw = [(digest[i % len(digest)] ^ (i * 31 & 0xFF)) / 255.0 - 0.5 for i in range(dims)]
+    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
+    return [round(x / norm, 6) for x in raw]
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return json_response(shapes.error_mtc(404, "File Not Found", "not_found_error"), 404)
+
+
+async def not_allowed(request: Request, exc: Exception) -> Response:
+    return json_response(shapes.error_mtc(405, "Method Not Allowed", "invalid_request_error"), 405)
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    return json_response(shapes.error(500, f"internal error: {type(exc).__name__}", "server_error"), 500)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    if status == 404:
+        return await not_found(request, exc)
+    if status == 405:
+        return await not_allowed(request, exc)
+    detail = str(getattr(exc, "detail", ""))
+    return json_response(shapes.error_mtc(status, detail, "invalid_request_error"), status)
+
+
+def create_app(settings: SimSettings, machine: Machine | None = None) -> ASGIApp:
+    """The simulator app for ``settings`` (the machine is loaded from them unless given)."""
+    server = SimServer(settings, machine or settings.load_machine())
+    app = Starlette(
+        routes=server.routes(),
+        lifespan=server.lifespan,
+        exception_handlers={HTTPException: http_error, Exception: server_error},
+    )
+    return LlamaHeaders(app)

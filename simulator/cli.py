@@ -1,0 +1,101 @@
+"""``macpool sim``: run a simulated Mac running llama-server (accepts llama-server's common flags)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import uvicorn
+from pydantic import ValidationError
+
+from simulator.machine import MachineError, preset_names
+from simulator.settings import SimSettings
+
+# llama-server flags an agent may pass that mean nothing to the simulator: name -> takes a value
+IGNORED_FLAGS: dict[str, bool] = {
+    "--no-webui": False, "--cont-batching": False, "-cb": False, "--no-cont-batching": False,
+    "--jinja": False, "--flash-attn": False, "-fa": False, "--no-mmap": False, "--mlock": False,
+    "--verbose": False, "-v": False, "--log-disable": False, "--embedding": False, "--embeddings": False,
+    "--slots": False, "--no-slots": False, "--no-warmup": False,
+    "-t": True, "--threads": True, "-tb": True, "--threads-batch": True, "-ngl": True, "--n-gpu-layers": True,
+    "--gpu-layers": True, "-b": True, "--batch-size": True, "-ub": True, "--ubatch-size": True,
+    "--timeout": True, "-to": True, "--threads-http": True, "--cache-type-k": True, "-ctk": True,
+    "--cache-type-v": True, "-ctv": True, "--chat-template": True, "--reasoning-format": True,
+    "--seed": True, "-s": True, "-n": True, "--n-predict": True, "--keep": True, "--api-key": True,
+}
+
+
+class UsageError(Exception):
+    """Bad command-line input: one line on stderr, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="macpool sim", description="A simulated Mac running llama-server.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", help=f"machine preset: {', '.join(preset_names())}")
+    source.add_argument("--machine", type=Path, help="machine description JSON file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("-np", "--parallel", type=int, help="slots (default: the machine's)")
+    p.add_argument("-c", "--ctx-size", type=int, help="total context, split across slots")
+    p.add_argument("-m", "--model", help="model path or name (reported as llama-server does)")
+    p.add_argument("-a", "--alias", help="model alias")
+    p.add_argument("--metrics", action="store_true", help="enable /metrics")
+    p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second")
+    p.add_argument("--load-seconds", type=float, default=0.0, help="answer 503 'Loading model' this long")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def strip_ignored(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in IGNORED_FLAGS:
+            skip = IGNORED_FLAGS[name] and "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
+    args = build_parser().parse_args(strip_ignored(argv))
+    values = {
+        "host": args.host, "port": args.port, "preset": args.preset, "machine_file": args.machine,
+        "parallel": args.parallel, "ctx_size": args.ctx_size, "model": args.model, "alias": args.alias,
+        "metrics": args.metrics, "speed": args.speed, "load_seconds": args.load_seconds,
+    }
+    try:
+        settings = SimSettings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise UsageError(f"--{'-'.join(str(p) for p in first['loc'])}: {first['msg']}") from exc
+    return settings, args.log_level
+
+
+def main(argv: list[str]) -> int:
+    try:
+        settings, log_level = parse_settings(argv)
+        machine = settings.load_machine()
+    except (UsageError, MachineError) as exc:
+        print(f"macpool sim: {exc}", file=sys.stderr)
+        return 2
+    from simulator.app import create_app
+
+    app = create_app(settings, machine)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=log_level, server_header=False,
+        access_log=False, timeout_graceful_shutdown=3,
+    )
+    uvicorn.Server(config).run()
+    return 0

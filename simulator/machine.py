@@ -1,0 +1,133 @@
+"""The machine description: a Mac's unified memory and decode/prefill speed, as a small physical model.
+
+Every figure the simulator reports is derived from these parameters (see docs/simulator.md):
+
+- pinned memory = weights + base + external + sum over in-flight sequences of
+  ``seq_overhead_gb + kv_mb_per_token/1024 * tokens_in_kv``;
+- a step (one llama_decode call) costs ``t0 + t1 * decode_batch + prefill_tokens / prefill_tok_s`` seconds,
+  multiplied by the paging penalty ``1 + (overflow_gb / paging_scale_gb) ** paging_exponent`` once pinned
+  memory passes the wired limit.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PRESET_PACKAGE = "simulator.presets"
+
+
+class MachineError(ValueError):
+    """A machine description that cannot be loaded."""
+
+
+class MemoryState(StrEnum):
+    HEALTHY = "healthy"
+    NEAR_CEILING = "near_ceiling"
+    PAGING = "paging"
+    COLLAPSED = "collapsed"
+
+
+# how bad each state is, for "worst state seen" summaries
+STATE_ORDER = {s.value: i for i, s in enumerate(MemoryState)}
+
+
+class Machine(BaseModel):
+    """One Mac + one model, as the simulator sees it. All sizes in GB (2**30 bytes), times in seconds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str = ""
+    model_name: str = Field(description="model file name reported by /props and /v1/models")
+    total_gb: float = Field(gt=0, description="unified memory size")
+    wired_limit_gb: float = Field(gt=0, description="most memory the GPU may pin before the system pages")
+    weights_gb: float = Field(ge=0)
+    base_gb: float = Field(ge=0, description="compute buffers and runtime that do not grow with load")
+    seq_overhead_gb: float = Field(ge=0, description="fixed working set of one in-flight sequence")
+    kv_mb_per_token: float = Field(ge=0, description="working set growth per token held (prompt + generated)")
+    decode_t0_ms: float = Field(gt=0, description="fixed cost of one decode step (streaming the weights)")
+    decode_t1_ms: float = Field(ge=0, description="added cost per sequence in the decode batch")
+    prefill_tok_s: float = Field(gt=0, description="marginal prompt-processing rate inside a step")
+    n_batch: int = Field(2048, gt=0, description="most tokens one step processes (llama-server -b)")
+    near_ceiling_fraction: float = Field(0.8, gt=0, le=1)
+    paging_scale_gb: float = Field(gt=0)
+    paging_exponent: float = Field(gt=0)
+    collapse_overflow_gb: float = Field(gt=0, description="overflow past the wired limit that means collapse")
+    ctx_per_slot: int = Field(8192, gt=0, description="default per-slot context (llama-server -c / -np)")
+    default_parallel: int = Field(4, gt=0)
+    typical_prompt_tokens: int = Field(4096, gt=0, description="prompt size per_request_gb is quoted at")
+    typical_output_tokens: int = Field(256, ge=0)
+    default_n_predict: int = Field(256, gt=0, description="tokens generated when a request sets no limit")
+
+    # --- memory -------------------------------------------------------------------------------------------
+    def sequence_gb(self, tokens: int) -> float:
+        return self.seq_overhead_gb + self.kv_mb_per_token * tokens / 1024.0
+
+    def per_request_gb(self) -> float:
+        """The working set one more typical request adds (what an agent divides its headroom by)."""
+        return self.sequence_gb(self.typical_prompt_tokens + self.typical_output_tokens)
+
+    def fixed_gb(self, external_gb: float = 0.0) -> float:
+        return self.weights_gb + self.base_gb + external_gb
+
+    def state(self, pinned_gb: float) -> MemoryState:
+        overflow = pinned_gb - self.wired_limit_gb
+        if overflow >= self.collapse_overflow_gb:
+            return MemoryState.COLLAPSED
+        if overflow > 0:
+            return MemoryState.PAGING
+        if pinned_gb >= self.near_ceiling_fraction * self.wired_limit_gb:
+            return MemoryState.NEAR_CEILING
+        return MemoryState.HEALTHY
+
+    def paging_penalty(self, pinned_gb: float) -> float:
+        overflow = pinned_gb - self.wired_limit_gb
+        if overflow <= 0:
+            return 1.0
+        return 1.0 + float((overflow / self.paging_scale_gb) ** self.paging_exponent)
+
+    # --- time ---------------------------------------------------------------------------------------------
+    def step_seconds(self, decode_batch: int, prefill_tokens: int, pinned_gb: float) -> float:
+        compute = (self.decode_t0_ms + self.decode_t1_ms * decode_batch) / 1000.0
+        compute += prefill_tokens / self.prefill_tok_s
+        return compute * self.paging_penalty(pinned_gb)
+
+    def with_changes(self, **changes: object) -> Machine:
+        return self.model_validate({**self.model_dump(), **changes})
+
+
+def preset_names() -> list[str]:
+    folder = resources.files(PRESET_PACKAGE)
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_preset(name: str) -> Machine:
+    path = resources.files(PRESET_PACKAGE) / f"{name}.json"
+    if not path.is_file():
+        raise MachineError(f"unknown preset {name!r} (known: {', '.join(preset_names())})")
+    return _parse(path.read_text(), f"preset {name!r}")
+
+
+def load_machine(path: Path) -> Machine:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MachineError(f"cannot read machine file {str(path)!r}: {exc.strerror}") from exc
+    return _parse(text, f"machine file {str(path)!r}")
+
+
+def _parse(text: str, what: str) -> Machine:
+    try:
+        data = json.loads(text)
+        return Machine.model_validate(data)
+    except json.JSONDecodeError as exc:
+        raise MachineError(f"{what} is not valid JSON: {exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise MachineError(f"{what}: {where}: {first['msg']}") from exc

@@ -1,0 +1,126 @@
+"""The simulator's tokenizer: one token per 4 characters, so prompt sizes are predictable.
+
+- A text of ``n`` characters (Unicode code points) is ``ceil(n / 4)`` tokens; token ``i`` is characters
+  ``4i .. 4i+3``. Two texts share as many leading tokens as they share whole 4-character blocks.
+- Chat messages are rendered with the ChatML template llama-server reports in /props
+  (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``).
+- A prompt given as a list of token ids (llama.cpp's native /completion) is one token per id.
+- Generated text is deterministic filler: token ``k`` of every answer is the ``k``-th 4-character block of a
+  fixed text, so the output depends only on its length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHARS_PER_TOKEN = 4
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n  {{- '<|im_start|>' + message.role + '\n' + message.content + "
+    "'<|im_end|>\n' -}}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\n' -}}\n{%- endif -%}"
+)
+_FILLER = (
+    "The quick brown fox jumps over the lazy dog while the simulated Mac keeps every slot busy and "
+    "the unified memory pool fills one sequence at a time. "
+)
+# pad to a whole number of tokens so every generated token is exactly 4 characters
+_FILLER += " " * (-len(_FILLER) % CHARS_PER_TOKEN)
+_FILLER_TOKENS = len(_FILLER) // CHARS_PER_TOKEN
+
+
+class PromptError(ValueError):
+    """A request whose prompt or messages cannot be read."""
+
+
+def count(text: str) -> int:
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def common_prefix_tokens(a: str, b: str) -> int:
+    """Number of leading tokens two texts share (binary search on slice equality: C speed)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo // CHARS_PER_TOKEN
+
+
+def piece(k: int) -> str:
+    """The text of generated token ``k`` (0-based)."""
+    i = (k % _FILLER_TOKENS) * CHARS_PER_TOKEN
+    return _FILLER[i : i + CHARS_PER_TOKEN]
+
+
+def filler(n_tokens: int, start: int = 0) -> str:
+    return "".join(piece(k) for k in range(start, start + n_tokens))
+
+
+def token_id(k: int) -> int:
+    return 300 + (k % _FILLER_TOKENS)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif isinstance(part, str):
+                parts.append(part)
+            else:
+                raise PromptError("unsupported content part (only text parts are simulated)")
+        return "".join(parts)
+    raise PromptError("message content must be a string or a list of text parts")
+
+
+def render_chat(messages: Any) -> str:
+    """Apply the ChatML template with the generation prompt."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' must be a non-empty array")
+    out = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise PromptError("each message needs a string 'role'")
+        out.append(f"<|im_start|>{message['role']}\n{_content_text(message.get('content'))}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def prompt_text(prompt: Any) -> str:
+    """A /completion or /v1/completions prompt: a string, a list of token ids, or a one-element list."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return prompt[0]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return "".join(f"{t % 65536:04x}" for t in prompt)
+    raise PromptError("'prompt' must be a string or an array of token ids")
+
+
+def make_prompt(n_tokens: int, salt: str = "") -> str:
+    """A user text of about ``n_tokens`` tokens whose first token differs per ``salt`` (defeats the cache)."""
+    head = f"[{salt}] " if salt else ""
+    body_chars = max(0, n_tokens * CHARS_PER_TOKEN - len(head))
+    base = "Summarise the following notes on unified memory and batching. "
+    text = (base * (body_chars // len(base) + 1))[:body_chars]
+    return head + text
+
+
+def chat_messages(n_tokens: int, salt: str = "") -> list[dict[str, str]]:
+    """Chat messages whose rendered prompt is ``n_tokens`` tokens under this tokenizer."""
+    overhead = len("<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n")
+    user_tokens = max(1, n_tokens - overhead // CHARS_PER_TOKEN)
+    text = make_prompt(user_tokens, salt)
+    # trim so the rendered prompt lands exactly on n_tokens (when possible)
+    target_chars = n_tokens * CHARS_PER_TOKEN - overhead
+    if 0 < target_chars <= len(text):
+        text = text[:target_chars]
+    return [{"role": "user", "content": text}]

@@ -1,0 +1,176 @@
+"""llama-server's HTTP surface: the same assertions hold for the simulator and the real server."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.contract.conftest import Target
+
+METRIC_NAMES = [
+    "prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total", "tokens_predicted_total",
+    "tokens_predicted_seconds_total", "n_decode_total", "prompt_tokens_seconds", "predicted_tokens_seconds",
+    "requests_processing", "requests_deferred",
+]
+
+
+def get(target: Target, path: str) -> httpx.Response:
+    return httpx.get(target.url + path, timeout=30)
+
+
+def test_health_is_ok_with_llama_headers(target: Target) -> None:
+    response = get(target, "/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+    assert response.headers["server"] == "llama.cpp"
+
+
+def test_idle_slots(target: Target) -> None:
+    slots = get(target, "/slots").json()
+    assert [s["id"] for s in slots] == list(range(target.parallel))
+    for slot in slots:
+        assert slot["n_ctx"] == target.n_ctx_per_slot
+        assert slot["is_processing"] is False
+
+
+def test_props_and_models(target: Target) -> None:
+    props = get(target, "/props").json()
+    assert props["total_slots"] == target.parallel
+    assert props["default_generation_settings"]["n_ctx"] == target.n_ctx_per_slot
+    assert isinstance(props["model_path"], str) and props["model_path"]
+    assert isinstance(props["build_info"], str)
+    models = get(target, "/v1/models").json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == target.model
+    assert models["data"][0]["object"] == "model"
+
+
+def test_metrics_names(target: Target) -> None:
+    response = get(target, "/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    values = parse_metrics(response.text)
+    for name in METRIC_NAMES:
+        assert f"llamacpp:{name}" in values, name
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of an SSE body, checking the framing on the way."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block[:80]
+        events.append(block[len("data: "):])
+    return events
+
+
+CHAT = {"messages": [{"role": "user", "content": "Say hello to the pool."}]}
+STREAMS = {
+    "chat": ("/v1/chat/completions", CHAT, True),
+    "completions": ("/v1/completions", {"prompt": "Say hello to the pool."}, True),
+    "native": ("/completion", {"prompt": "Say hello to the pool."}, False),
+}
+
+
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_stream_framing(target: Target, kind: str) -> None:
+    path, body, done_marker = STREAMS[kind]
+    request = {**body, "stream": True, "max_tokens": 4, "n_predict": 4, "ignore_eos": True}
+    response = httpx.post(target.url + path, json=request, timeout=60)
+    assert response.status_code == 200
+    assert response.headers.get("x-accel-buffering") == "no"
+    events = sse_events(response)
+    if done_marker:
+        assert events[-1] == "[DONE]"
+        events = events[:-1]
+    else:
+        assert "[DONE]" not in events
+    chunks = [json.loads(e) for e in events]
+    final = chunks[-1]
+    if kind == "native":
+        assert all(c["stop"] is False for c in chunks[:-1])
+        assert final["stop"] is True and final["tokens_predicted"] == 4
+        assert final["timings"]["predicted_n"] == 4
+        return
+    assert len({c["id"] for c in chunks}) == 1
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert "timings" in final
+    if kind == "chat":
+        assert final["object"] == "chat.completion.chunk" and final["id"].startswith("chatcmpl-")
+        assert final["choices"][0]["delta"] == {}
+    else:
+        assert final["usage"]["completion_tokens"] == 4
+
+
+def test_chat_stream_with_usage(target: Target) -> None:
+    request = {**CHAT, "stream": True, "max_tokens": 3, "ignore_eos": True,
+               "stream_options": {"include_usage": True}}
+    response = httpx.post(target.url + "/v1/chat/completions", json=request, timeout=60)
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 3
+    assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 3
+    assert "timings" in usage_chunk
+
+
+def test_chat_non_streaming(target: Target) -> None:
+    request = {**CHAT, "max_tokens": 5, "ignore_eos": True}
+    response = httpx.post(target.url + "/v1/chat/completions", json=request, timeout=60)
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["role"] == "assistant"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5
+    assert "cached_tokens" in body["usage"]["prompt_tokens_details"]
+    timings = body["timings"]
+    assert timings["predicted_n"] == 5
+    assert timings["cache_n"] + timings["prompt_n"] == body["usage"]["prompt_tokens"]
+
+
+def test_prompt_longer_than_slot_context(target: Target) -> None:
+    prompt = "pool " * (target.n_ctx_per_slot * 2)
+    response = httpx.post(target.url + "/completion", json={"prompt": prompt, "n_predict": 2}, timeout=60)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "exceed_context_size_error"
+    assert error["n_ctx"] == target.n_ctx_per_slot
+    assert error["n_prompt_tokens"] > target.n_ctx_per_slot
+    assert error["message"].startswith(f"request ({error['n_prompt_tokens']} tokens) exceeds")
+
+
+def test_malformed_json(target: Target) -> None:
+    response = httpx.post(
+        target.url + "/v1/chat/completions", content=b'{"messages": [', timeout=30,
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("[json.exception.parse_error")
+
+
+def test_unknown_path(target: Target) -> None:
+    response = get(target, "/nope")
+    assert response.status_code == 404
+    assert response.json() == {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
+
