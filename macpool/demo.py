@@ -31,7 +31,16 @@ from macpool.redis_server import RedisServer, RedisServerError, free_port
 
 # A heterogeneous pool: the seed's big Mac, a mid-size one with a larger model, a small one.
 PRESETS = ("m5max-128g-14b-q4", "m4max-64g-32b-q4", "m2pro-32g-8b-q4")
+DEMO_MODEL = "macpool-demo"  # every simulated Mac serves it, so the whole pool shares the load
 READY_TIMEOUT_S = 90.0  # generous: seven Python processes start at once on a small machine
+
+
+def demo_presets() -> list[str]:
+    """The mix above, less any preset this simulator build does not ship."""
+    from simulator.machine import preset_names
+
+    known = set(preset_names())
+    return [p for p in PRESETS if p in known] or sorted(known)
 
 
 class DemoError(RuntimeError):
@@ -89,10 +98,12 @@ class Pool:
             say(f"redis      {redis_url} (embedded)")
         sims = [free_port() for _ in range(s.nodes)]
         agents = [free_port() for _ in range(s.nodes)]
+        presets = demo_presets()
         for i, port in enumerate(sims):
-            preset = PRESETS[i % len(PRESETS)]
+            preset = presets[i % len(presets)]
             self.spawn(
-                f"sim-{i + 1}", "sim", "--preset", preset, "--port", str(port), "--speed", str(s.speed)
+                f"sim-{i + 1}", "sim", "--preset", preset, "--alias", DEMO_MODEL, "--port", str(port),
+                "--speed", str(s.speed),
             )
         for i, (sim_port, port) in enumerate(zip(sims, agents, strict=True)):
             self.spawn(

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -27,10 +28,8 @@ STATE_STYLE = {
     "gone": "bright_black",
 }
 
-COLUMNS = (
-    "node", "state", "slots", "busy/cap", "reserved", "memory GB (pinned/limit)", "tok/s", "TTFT p50",
-    "reason",
-)
+COLUMNS = ("node", "state", "slots", "resv", "memory GB", "tok/s", "TTFT", "reason")
+REASON_MIN_WIDTH = 120  # narrower terminals drop the reason column rather than squash the figures
 
 
 def node_state(doc: dict[str, Any]) -> str:
@@ -80,7 +79,7 @@ class TopView:
         rows += [(doc, "gone") for doc, _ in self.gone.values()]
         return sorted(rows, key=lambda row: str(row[0].get("node_id")))
 
-    def render(self, view: dict[str, Any], url: str, now: float) -> RenderableType:
+    def render(self, view: dict[str, Any], url: str, now: float, width: int = 200) -> RenderableType:
         pool = view.get("pool") or {}
         header = Text()
         header.append("macpool ", style="bold")
@@ -97,30 +96,31 @@ class TopView:
         rejections = float(pool.get("rejections_per_s") or 0)
         totals.append(f"503/s {rejections:.1f}", "bold red" if rejections > 0 else "")
 
-        table = Table(expand=True, header_style="bold", pad_edge=False)
-        for column in COLUMNS:
-            right = column in ("busy/cap", "reserved", "tok/s", "TTFT p50")
+        columns = COLUMNS if width >= REASON_MIN_WIDTH else COLUMNS[:-1]
+        table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
+        for column in columns:
+            right = column in ("resv", "tok/s", "TTFT")
             table.add_column(column, justify="right" if right else "left", no_wrap=column != "reason")
         for doc, state in self.update(view, now):
             memory = doc.get("memory") or {}
             capacity = int(doc.get("capacity") or 0)
-            in_flight = int(doc.get("in_flight") or 0)
+            # the router's reservations lead the agent's heartbeat: show the larger
+            in_flight = max(int(doc.get("in_flight") or 0), int(doc.get("reserved") or 0))
             pinned, limit = float(memory.get("pinned_gb") or 0), float(memory.get("wired_limit_gb") or 0)
             ttft = doc.get("ttft_p50_ms")
-            table.add_row(
+            cells: list[RenderableType] = [
                 str(doc.get("node_id")),
                 Text(state, STATE_STYLE.get(state, "")),
-                _bar(in_flight, max(capacity, 1)),
-                f"{in_flight}/{capacity}",
+                f"{_bar(in_flight, max(capacity, 1), 8)} {in_flight:>2}/{capacity:<2}",
                 str(doc.get("reserved", "-")),
-                f"{_bar(pinned, limit)} {pinned:.1f}/{limit:.1f}",
+                f"{_bar(pinned, limit, 8)} {pinned:5.1f}/{limit:.0f}",
                 _num(doc.get("tokens_per_s"), 0),
-                "-" if ttft is None else f"{float(ttft):.0f} ms",
+                "-" if ttft is None else f"{float(ttft):.0f}ms",
                 "left the pool" if state == "gone" else str(doc.get("reason") or ""),
-                style="dim" if state == "gone" else "",
-            )
+            ]
+            table.add_row(*cells[: len(columns)], style="dim" if state == "gone" else "")
         if not table.rows:
-            table.add_row("(no node in the pool)", *[""] * (len(COLUMNS) - 1))
+            table.add_row("(no node in the pool)", *[""] * (len(columns) - 1))
         return Group(header, totals, table)
 
 
@@ -148,7 +148,8 @@ def main(argv: list[str]) -> int:
     with httpx.Client() as client:
         if args.once:
             try:
-                console.print(view_state.render(fetch(client, args.router), args.router, time.monotonic()))
+                view = fetch(client, args.router)
+                console.print(view_state.render(view, args.router, time.monotonic(), console.width))
             except (httpx.HTTPError, ValueError) as exc:
                 print(f"macpool top: cannot read {args.router}/api/pool: {exc}", file=sys.stderr)
                 return 1
@@ -162,7 +163,7 @@ def _live(client: httpx.Client, console: Console, view_state: TopView, url: str,
         try:
             while True:
                 try:
-                    frame = view_state.render(fetch(client, url), url, time.monotonic())
+                    frame = view_state.render(fetch(client, url), url, time.monotonic(), console.width)
                 except (httpx.HTTPError, ValueError) as exc:
                     frame = Text(f"cannot read {url}/api/pool: {exc} (retrying)", style="red")
                 live.update(frame, refresh=True)

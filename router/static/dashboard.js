@@ -50,7 +50,8 @@ function renderNode(card, poolCapacity) {
   const q = (sel) => el.querySelector(sel);
   const mem = doc.memory || {};
   const cap = doc.capacity || 0;
-  const busy = Math.max(doc.in_flight || 0, 0);
+  // the router's reservations lead the agent's heartbeat by up to an interval: show the larger
+  const busy = Math.max(doc.in_flight || 0, doc.reserved || 0);
   setState(el, card.goneSince ? "gone" : nodeState(doc));
   q(".models").textContent = (doc.models || []).join(", ") || "no model";
   q(".models").title = doc.url || "";
@@ -59,7 +60,9 @@ function renderNode(card, poolCapacity) {
   q(".bar.slots .fill").style.width = (100 * busy / slotScale) + "%";
   q(".slots-text").textContent = `${busy} / ${cap}` + (doc.total_slots && doc.total_slots !== cap ? ` (of ${doc.total_slots})` : "");
 
-  const total = Math.max(mem.total_gb || 0, mem.wired_limit_gb || 0, mem.pinned_gb || 0, 0.001);
+  // scale to a little past the wired limit (the part that matters), not to all of unified memory
+  const span = mem.wired_limit_gb ? mem.wired_limit_gb * 1.25 : (mem.total_gb || 0);
+  const total = Math.max(Math.min(span, mem.total_gb || span), mem.pinned_gb || 0, 0.001);
   const weights = mem.weights_gb || 0;
   const working = mem.pinned_gb > weights ? mem.pinned_gb - weights : busy * (mem.per_request_gb || 0);
   const free = Math.max(total - weights - working, 0);

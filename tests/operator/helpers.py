@@ -1,0 +1,40 @@
+"""Shared pieces of the operator tests: the running pool's handle and a poll-until-true helper."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+Server = Any  # tests/conftest.py's Server: .child, .url, .port
+
+ADMIN_KEY = "operator-test-admin"
+AGENT_TOKEN = "operator-test-token"
+HEARTBEAT_S = 1.0  # the node key lives about three of these
+
+
+@dataclass
+class Pool:
+    router: Server
+    agents: dict[str, Server] = field(default_factory=dict)
+    sims: dict[str, Server] = field(default_factory=dict)
+
+    def view(self) -> dict[str, object]:
+        data: dict[str, object] = httpx.get(f"{self.router.url}/api/pool", timeout=5).json()
+        return data
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``check`` until true; generous timeouts, no timed assertions."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,0 +1,104 @@
+"""The pool dashboard in a real headless Chromium against a real pool (Redis, sims, agents, router)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.operator.helpers import HEARTBEAT_S, Pool, wait_until
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+@pytest.fixture
+def page(tmp_path: Path) -> Iterator[Any]:
+    """A Chromium page through playwright; in CI a missing browser fails, locally it skips."""
+    if not Path(CHROMIUM).is_file() or shutil.which("chromium") is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} missing in CI (macpool dev test installs it)")
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            pytest.fail("playwright missing in CI (it is in the test extra)")
+        pytest.skip("playwright not installed (pip install playwright)")
+    with sync_playwright() as p:
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+            args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 820},
+        )
+        try:
+            yield context.new_page()
+        finally:
+            context.close()
+
+
+def _load(router_url: str, stop: threading.Event) -> None:
+    """A few long streams so the slot and memory bars have something to show (bounded)."""
+    body = {"model": "op-model", "stream": True, "max_tokens": 400,
+            "messages": [{"role": "user", "content": "fill the dashboard"}]}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(3):
+            if stop.is_set():
+                return
+            try:
+                with client.stream("POST", f"{router_url}/v1/chat/completions", json=body) as response:
+                    for _ in response.iter_bytes():
+                        if stop.is_set():
+                            return
+            except httpx.HTTPError:
+                return
+
+
+def _node_states(page: Any) -> dict[str, str]:
+    states: dict[str, str] = page.evaluate(
+        "() => Object.fromEntries([...document.querySelectorAll('.node')]"
+        ".map(e => [e.dataset.nodeId, e.dataset.state]))"
+    )
+    return states
+
+
+@pytest.mark.slow
+def test_dashboard_shows_every_node_and_a_killed_one_goes(pool: Callable[..., Pool], page: Any) -> None:
+    running = pool(nodes=3)
+    stop = threading.Event()
+    loaders = [threading.Thread(target=_load, args=(running.router.url, stop)) for _ in range(6)]
+    for t in loaders:
+        t.start()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        page.goto(f"{running.router.url}/dashboard")
+        wait_until(lambda: set(_node_states(page)) == set(running.agents), 30, "every node on the page")
+        wait_until(lambda: page.inner_text("#conn") == "live", 30, "the SSE stream to be live")
+        wait_until(lambda: page.inner_text("#p-capacity") not in ("", "-"), 30, "pool capacity in the header")
+        wait_until(lambda: int(page.inner_text("#p-busy")) > 0, 30, "busy slots from the load")
+        assert page.inner_text("#p-desired").strip().isdigit()
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+        victim = "mac-2"
+        running.agents[victim].child.kill()  # SIGKILL: no clean deregistration, only the TTL
+        ttl_s = 3 * HEARTBEAT_S
+        gone = lambda: _node_states(page).get(victim, "gone") == "gone"  # noqa: E731
+        wait_until(gone, ttl_s + 20, f"{victim} shown gone (or removed)")
+        assert all(state != "gone" for node, state in _node_states(page).items() if node != victim)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-node-gone.png"), full_page=True)
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(30)
+    assert not errors, errors

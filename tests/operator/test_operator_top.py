@@ -1,0 +1,33 @@
+"""``macpool top --once`` renders a real pool."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+
+from macpool.procs import macpool_argv
+from tests.operator.helpers import Pool
+
+
+def test_top_once_renders_every_node_and_the_totals(pool: Callable[..., Pool]) -> None:
+    running = pool(nodes=2)
+    result = subprocess.run(
+        macpool_argv("top", "--router", running.router.url, "--once"),
+        capture_output=True, text=True, timeout=60, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    for node_id in running.agents:
+        assert node_id in result.stdout
+    assert "capacity 16" in result.stdout  # two simulated Macs of 8 slots each
+    assert "503/s" in result.stdout
+    assert "healthy" in result.stdout
+
+
+def test_top_once_says_what_is_wrong_when_the_router_is_not_there() -> None:
+    result = subprocess.run(
+        macpool_argv("top", "--router", "http://127.0.0.1:9", "--once"),
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    assert "cannot read http://127.0.0.1:9/api/pool" in result.stderr
+    assert "Traceback" not in result.stderr
