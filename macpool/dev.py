@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -48,6 +49,17 @@ def _ensure_build_tools() -> None:
     subprocess.call([*apt, "install", "-y", "-qq", "cmake", "ninja-build", "g++"])
 
 
+def _ensure_chromium() -> None:
+    """Debian's chromium and the playwright package for the dashboard test (never `playwright install`)."""
+    if shutil.which("chromium") is None and shutil.which("apt-get") and os.geteuid() == 0:
+        print("installing chromium for the dashboard test", flush=True)
+        apt = ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]
+        subprocess.call([*apt, "update", "-qq"])
+        subprocess.call([*apt, "install", "-y", "-qq", "chromium"])
+    if importlib.util.find_spec("playwright") is None:
+        subprocess.call([sys.executable, "-m", "pip", "install", "-q", "playwright"])
+
+
 def run_tests(pytest_args: list[str]) -> int:
     """ruff, mypy, then the whole pytest suite (building llama-server first, cached)."""
     py = sys.executable
@@ -58,6 +70,7 @@ def run_tests(pytest_args: list[str]) -> int:
         if _run(step, argv) != 0:
             return 1
     _ensure_build_tools()
+    _ensure_chromium()
     binary = _ensure_llama_server()
     env = dict(os.environ)
     if binary is not None:

@@ -1,0 +1,162 @@
+"""The deploy files say only true things: real subcommands and flags, consistent ports and env,
+Prometheus rules and Grafana panels over metrics the router really exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+import yaml
+
+from macpool.procs import macpool_argv
+from node_agent.settings import AgentSettings
+from router.settings import Settings as RouterSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+METRIC = re.compile(r"\bmacpool_[a-z0-9_]+")
+FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
+
+
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return data
+
+
+def macpool_services() -> dict[str, dict[str, Any]]:
+    return {name: svc for name, svc in compose()["services"].items() if svc.get("image") == "macpool:latest"}
+
+
+@cache
+def help_text(*subcommand: str) -> str:
+    result = subprocess.run(macpool_argv(*subcommand, "--help"), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"macpool {' '.join(subcommand)} --help failed: {result.stderr}"
+    return result.stdout
+
+
+def split_command(command: list[str]) -> tuple[tuple[str, ...], list[str]]:
+    words = 2 if command[:2] == ["agent", "run"] else 1
+    return tuple(command[:words]), command[words:]
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def env_names(settings_cls: type[Any]) -> set[str]:
+    names = {f"MACPOOL_{name.upper()}" for name in settings_cls.model_fields}
+    for field in settings_cls.model_fields.values():
+        alias = field.validation_alias
+        for choice in getattr(alias, "choices", []):
+            names.add(str(choice))
+    return names
+
+
+def test_every_compose_service_runs_a_real_subcommand_with_real_flags() -> None:
+    services = macpool_services()
+    assert {"router", "agent-1", "agent-2", "agent-3", "sim-1", "sim-2", "sim-3"} <= set(services)
+    for name, svc in services.items():
+        subcommand, args = split_command(svc["command"])
+        assert subcommand[0] in ("router", "agent", "sim"), name
+        text = help_text(*subcommand)
+        for arg in args:
+            match = FLAG.match(arg)
+            if match:
+                assert re.search(rf"(^|\s|,){re.escape(match.group())}\b", text), f"{name}: {arg} not a flag"
+
+
+def test_compose_ports_env_and_urls_agree() -> None:
+    services = compose()["services"]
+    ours = macpool_services()
+    router_env, agent_env = env_names(RouterSettings), env_names(AgentSettings)
+    listen: dict[str, int] = {}
+    for name, svc in ours.items():
+        subcommand, args = split_command(svc["command"])
+        port = int(flag_value(args, "--port"))
+        listen[name] = port
+        published = [str(p).rsplit(":", 1)[-1] for p in svc.get("ports", [])]
+        exposed = [str(p) for p in svc.get("expose", [])] + published
+        assert str(port) in exposed, f"{name}: port {port} not exposed"
+        assert flag_value(args, "--host") == "0.0.0.0", f"{name} must listen beyond loopback in a container"
+        known = router_env if subcommand[0] == "router" else agent_env
+        for key in svc.get("environment", {}):
+            assert key in known, f"{name}: {key} is no setting of macpool {subcommand[0]}"
+        redis = svc.get("environment", {}).get("MACPOOL_REDIS_URL")
+        if subcommand[0] in ("router", "agent"):
+            assert urlparse(redis).hostname in services, f"{name}: redis host unknown"
+    tokens = {svc["environment"]["MACPOOL_AGENT_TOKEN"] for svc in ours.values() if "environment" in svc}
+    assert len(tokens) == 1, "the router and every agent must share one agent token"
+    for name, svc in ours.items():
+        _, args = split_command(svc["command"])
+        for flag in ("--upstream", "--advertise-url"):
+            if flag in args:
+                url = urlparse(flag_value(args, flag))
+                assert url.hostname in listen and url.port == listen[url.hostname], f"{name}: {flag} {url}"
+        if "--advertise-url" in args:
+            assert urlparse(flag_value(args, "--advertise-url")).hostname == name
+    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.compose.yml").read_text())
+    for job in prometheus["scrape_configs"]:
+        for target in job["static_configs"][0]["targets"]:
+            host, port = target.rsplit(":", 1)
+            assert listen.get(host) == int(port), f"prometheus target {target} matches no service"
+
+
+@pytest.fixture
+def exported_metrics(redis_url: str, spawn: Callable[..., Any]) -> set[str]:
+    """Every sample name a real router's /metrics can carry (from its # TYPE lines)."""
+    router = spawn("router", "--redis-url", redis_url, name="router")
+    text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    names: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            names.add(name)
+            if kind == "histogram":
+                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+            if kind == "counter" and not name.endswith("_total"):
+                names.add(f"{name}_total")
+    assert "macpool_pool_saturation" in names
+    return names
+
+
+def test_prometheus_rules_and_grafana_name_only_exported_metrics(exported_metrics: set[str]) -> None:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
+    assert {"MacpoolPoolSaturated", "MacpoolNodePaging", "MacpoolNodeGone", "MacpoolRejecting"} <= alerts
+    grafana = json.loads((DEPLOY / "grafana" / "macpool-dashboard.json").read_text())
+    exprs += [t["expr"] for panel in grafana["panels"] for t in panel.get("targets", [])]
+    assert len(exprs) > 10
+    for expr in exprs:
+        for name in METRIC.findall(expr):
+            assert name in exported_metrics, f"{name} (in {expr!r}) is not exported by the router"
+
+
+def test_other_deploy_files_parse() -> None:
+    for path in (DEPLOY / "k8s").glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc["apiVersion"] and doc["kind"], path
+    yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    unit = (DEPLOY / "linux" / "macpool-router.service").read_text()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    _, args = split_command(exec_start.split()[2:])
+    for arg in args:
+        if FLAG.match(arg):
+            assert arg in help_text("router")
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
+    if shutil.which("haproxy"):
+        check = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "haproxy" / "haproxy.cfg")],
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr

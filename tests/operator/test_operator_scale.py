@@ -1,0 +1,86 @@
+"""The scale hint: demand over typical node capacity, with time-based hysteresis; the webhook."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from macpool.redis_server import free_port
+from router.scale import ScaleAdvisor, ScaleConfig, ScaleWatch
+
+
+def view(busy: int, queued: int = 0, rejections: float = 0.0, requests: float = 1.0) -> dict[str, Any]:
+    """An /api/pool document of two ready 8-slot nodes."""
+    docs = [{"node_id": f"n{i}", "capacity": 8, "state": "ready", "drained": False} for i in range(2)]
+    pool = {
+        "capacity": 16, "busy": busy, "queued": queued, "nodes_total": 2, "nodes_ready": 2,
+        "requests_per_s": requests, "rejections_per_s": rejections, "saturation": (busy + queued) / 16,
+    }
+    return {"ts_ms": 0, "pool": pool, "nodes": docs}
+
+
+def test_scale_up_needs_the_demand_to_last_and_down_needs_longer() -> None:
+    advisor = ScaleAdvisor(ScaleConfig(up_delay_s=10, down_delay_s=60))
+    assert advisor.observe(view(busy=8), now=0).desired_nodes == 2
+    # 16 busy + 8 queued + 4/s turned away x (16 busy / 4 req/s = 4 s each) = 40 slots over 8 x 0.8
+    hot = view(busy=16, queued=8, rejections=4.0, requests=4.0)
+    assert advisor.observe(hot, now=1).desired_nodes == 2  # a burst is not a trend
+    hint = advisor.observe(hot, now=12)
+    assert hint.desired_nodes == 7
+    assert "scale up" in hint.reason
+    assert advisor.observe(view(busy=4), now=13).desired_nodes == 7  # quiet for a moment: hold
+    assert advisor.observe(view(busy=4), now=40).desired_nodes == 7
+    assert advisor.observe(view(busy=4), now=74).desired_nodes == 1
+    # in the band between 50% and 80% of the current nodes nothing moves, however long it lasts
+    band = ScaleAdvisor(ScaleConfig(up_delay_s=0, down_delay_s=0))
+    band.observe(view(busy=10), now=0)
+    assert [band.observe(view(busy=10), now=t).desired_nodes for t in range(1, 5)] == [2, 2, 2, 2]
+
+
+def test_watch_posts_the_hint_once_per_change_after_the_debounce() -> None:
+    received: list[dict[str, Any]] = []
+
+    async def hook(request: Request) -> Response:
+        received.append(json.loads(await request.body()))
+        return Response(status_code=204 if len(received) > 1 else 500)  # first attempt fails: retried
+
+    async def scenario() -> None:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/hook", hook, methods=["POST"])]),
+                                               port=port, log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        for _ in range(500):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        current = {"v": view(busy=4)}
+        config = ScaleConfig(up_delay_s=0, down_delay_s=0, webhook_url=f"http://127.0.0.1:{port}/hook",
+                             webhook_debounce_s=0.2, sample_interval_s=0.05)
+        watch = ScaleWatch(lambda: current["v"], config)
+        try:
+            async with watch.running():
+                await asyncio.sleep(0.5)
+                current["v"] = view(busy=30, queued=10)
+                for _ in range(200):
+                    if watch.webhook is not None and watch.webhook.delivered[-1:] and \
+                            watch.webhook.delivered[-1]["desired_nodes"] == 7:
+                        break
+                    await asyncio.sleep(0.05)
+        finally:
+            server.should_exit = True
+            await serving
+
+    asyncio.run(scenario())
+    desired = [doc["desired_nodes"] for doc in received]
+    assert desired[-1] == 7
+    assert set(received[-1]) >= {"current_nodes", "desired_nodes", "saturation", "reason"}
+    # the first hint (1 node for 4 busy) failed once with 500 and was retried; then one POST for 7;
+    # nothing repeats while the figure holds
+    assert desired == [1, 1, 7]
