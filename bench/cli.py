@@ -1,0 +1,30 @@
+"""``macpool bench <name>``: each benchmark is a module with ``main(argv) -> int``, named in one table."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module, one-line help). Add a benchmark by adding a row.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "sweep": ("bench.sweep", "step concurrency up against one server and record the curve"),
+    "seed-table": ("bench.seed_table", "reproduce the seed's measured table on the simulated M5 Max"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: macpool bench <name> [options]", "", "benchmarks:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in BENCHMARKS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    entry = BENCHMARKS.get(argv[0])
+    if entry is None:
+        print(f"macpool bench: unknown benchmark {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    result: int = importlib.import_module(entry[0]).main(argv[1:])
+    return result
