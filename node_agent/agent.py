@@ -122,6 +122,7 @@ class Agent:
                 on_restart=self.runtime.metrics.restarts.inc,
             )
             self.runtime.upstream_url = self.supervisor.url
+            self.runtime.details["llama_server"] = self.supervisor.describe
             self.tasks.append(asyncio.create_task(self.supervisor.run(self.runtime.client())))
         else:
             assert settings.upstream is not None

@@ -112,6 +112,8 @@ def run(argv: list[str]) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream poll is noise
+    logging.getLogger("asyncio").setLevel(logging.ERROR)  # "socket.send() raised" after a client left
     from .agent import run_agent  # uvicorn and friends only once the configuration is known good
 
     return run_agent(settings)

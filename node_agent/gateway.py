@@ -217,7 +217,7 @@ class Gateway:
                 "capacity": runtime.capacity,
                 "in_flight": runtime.in_flight,
                 "admitting": runtime.admitting,
-                **runtime.details,
+                **{key: value() if callable(value) else value for key, value in runtime.details.items()},
             }
         )
 

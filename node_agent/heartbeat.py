@@ -199,7 +199,7 @@ class Heartbeat:
         runtime.set_state(state)
         runtime.metrics.capacity.set(decision.capacity)
         runtime.details["memory_probe"] = self.probe.name
-        runtime.details["redis_ok"] = self.redis_ok
+        runtime.details["upstream"] = {"healthy": view.healthy, "reachable": view.reachable}
         return NodeDoc(
             node_id=settings.node_id,
             url=settings.public_url,
@@ -267,10 +267,12 @@ class Heartbeat:
                     "redis unreachable (%s); serving under the local cap, retrying", type(exc).__name__
                 )
             self.redis_ok = False
+            self.runtime.details["redis_ok"] = False
             return
         if not self.redis_ok:
             log.info("redis is back; node %s re-registered", doc.node_id)
         self.redis_ok = True
+        self.runtime.details["redis_ok"] = True
         self._redis_backoff = 0.0
 
     async def remove(self) -> None:

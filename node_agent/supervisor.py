@@ -71,6 +71,10 @@ class Supervisor:
     def state(self) -> NodeState | None:
         return self._state
 
+    def describe(self) -> dict[str, object]:
+        pid = self.process.pid if self.process and self.process.returncode is None else None
+        return {"pid": pid, "url": self.url, "restarts": self.restarts, "argv": self.argv()}
+
     def argv(self) -> list[str]:
         return [
             *self.command,

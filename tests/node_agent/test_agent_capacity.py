@@ -5,7 +5,7 @@ from __future__ import annotations
 from node_agent.calibrate import find_knee
 from node_agent.capacity import PressureGuard, decide, memory_cap
 from node_agent.loadgen import LevelResult
-from node_agent.memory import MemorySample
+from node_agent.memory import MemorySample, Pressure
 
 
 def test_memory_cap_floors_and_never_goes_negative() -> None:
@@ -28,8 +28,10 @@ def test_pressure_admits_nothing_new() -> None:
     assert decision.breakdown.pressure_limited
 
 
-def _sample(pinned: float, swap: float = 0.0, pressure: str = "normal") -> MemorySample:
-    return MemorySample(total_gb=128, wired_limit_gb=36, pinned_gb=pinned, swap_used_gb=swap, pressure=pressure)  # type: ignore[arg-type]
+def _sample(pinned: float, swap: float = 0.0, pressure: Pressure = "normal") -> MemorySample:
+    return MemorySample(
+        total_gb=128, wired_limit_gb=36, pinned_gb=pinned, swap_used_gb=swap, pressure=pressure
+    )
 
 
 def test_pressure_guard_enters_at_once_and_leaves_after_calm_beats() -> None:
@@ -46,8 +48,7 @@ def test_pressure_guard_enters_at_once_and_leaves_after_calm_beats() -> None:
 
 def _rows(machine: list[tuple[int, float, float, float | None]], limit: float | None) -> list[LevelResult]:
     return [
-        LevelResult(c, thr, p50, p50 / 4, pinned, limit, None, 2 * c, 0)
-        for c, thr, p50, pinned in machine
+        LevelResult(c, thr, p50, p50 / 4, pinned, limit, None, 2 * c, 0) for c, thr, p50, pinned in machine
     ]
 
 

@@ -11,7 +11,9 @@ from gguf import GGUFWriter
 from node_agent.gguf_info import GGUFError, cache_types, read_shape
 
 
-def write_gguf(path: Path, layers: int, heads: int, kv_heads: int, embd: int, key_length: int | None = None) -> Path:
+def write_gguf(
+    path: Path, layers: int, heads: int, kv_heads: int, embd: int, key_length: int | None = None
+) -> Path:
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(layers)
     writer.add_head_count(heads)

@@ -1,0 +1,23 @@
+"""The ``agent`` fixture: a running ``macpool agent run`` with fast heartbeats against the test Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import Server, SpawnFactory
+from tests.node_agent.helpers import INTERVAL, AgentFactory
+
+
+@pytest.fixture
+def agent(spawn: SpawnFactory, redis_url: str) -> AgentFactory:
+    """``agent("--upstream", url, node_id="n1")``: a running agent with fast heartbeats."""
+
+    def _agent(*args: str, node_id: str = "n1", redis: str | None = None, **kwargs: Any) -> Server:
+        return spawn(
+            "agent", "run", "--redis-url", redis or redis_url, "--node-id", node_id,
+            "--heartbeat-interval", INTERVAL, *args, name=f"agent-{node_id}", **kwargs,
+        )
+
+    return _agent

@@ -1,0 +1,63 @@
+"""Helpers for the agent's tests: poll, read node documents from Redis, read the simulator's figures."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from macpool.contract import Keys, NodeDoc
+from tests.conftest import Server
+
+INTERVAL = "0.3"  # fast heartbeats keep the tests short
+SIM_COMMAND = f"{sys.executable} -m macpool.cli sim --preset m5max-128g-14b-q4 --speed 20"
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+    """Poll until ``predicate()`` is truthy; return its value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def read_node(redis_url: str, node_id: str) -> NodeDoc | None:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        raw = client.hget(Keys().node(node_id), "doc")
+    finally:
+        client.close()
+    return NodeDoc.decode(raw) if raw else None
+
+
+def node_ttl_ms(redis_url: str, node_id: str) -> int:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.pttl(Keys().node(node_id)))
+    finally:
+        client.close()
+
+
+def sim_stats(url: str) -> dict[str, Any]:
+    import httpx
+
+    data: dict[str, Any] = httpx.get(url + "/sim/stats", timeout=5).json()
+    return data
+
+
+def status(url: str) -> dict[str, Any]:
+    import httpx
+
+    data: dict[str, Any] = json.loads(httpx.get(url + "/status", timeout=5).text)
+    return data
+
+
+AgentFactory = Callable[..., Server]
