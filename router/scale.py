@@ -102,8 +102,10 @@ def demand_of(pool: dict[str, Any]) -> tuple[float, float]:
     queued = _num(pool, "queued")
     rejections = _num(pool, "rejections_per_s")
     requests = _num(pool, "requests_per_s")
-    # Little's law: a turned-away request would have held a slot for busy/requests seconds.
-    hold_s = busy / requests if requests > 0 and busy > 0 else 1.0
+    # Little's law: a turned-away request would have held a slot for busy / admitted-rate seconds
+    # (the router's requests_per_s counts every arrival, the rejected ones too).
+    admitted = requests - rejections
+    hold_s = busy / admitted if admitted > 0 and busy > 0 else 1.0
     rejected = rejections * hold_s
     return busy + queued + rejected, rejected
 

@@ -29,8 +29,8 @@ def view(busy: int, queued: int = 0, rejections: float = 0.0, requests: float = 
 def test_scale_up_needs_the_demand_to_last_and_down_needs_longer() -> None:
     advisor = ScaleAdvisor(ScaleConfig(up_delay_s=10, down_delay_s=60))
     assert advisor.observe(view(busy=8), now=0).desired_nodes == 2
-    # 16 busy + 8 queued + 4/s turned away x (16 busy / 4 req/s = 4 s each) = 40 slots over 8 x 0.8
-    hot = view(busy=16, queued=8, rejections=4.0, requests=4.0)
+    # 16 busy + 8 queued + 4/s turned away x (16 busy / 4 admitted/s = 4 s each) = 40 slots over 8 x 0.8
+    hot = view(busy=16, queued=8, rejections=4.0, requests=8.0)
     assert advisor.observe(hot, now=1).desired_nodes == 2  # a burst is not a trend
     hint = advisor.observe(hot, now=12)
     assert hint.desired_nodes == 7
