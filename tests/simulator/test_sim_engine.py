@@ -1,0 +1,96 @@
+"""The engine without HTTP: slots, the deferred FIFO, the prompt cache, cancellation."""
+
+from __future__ import annotations
+
+from simulator import tokens
+from simulator.engine import Engine, Task
+from simulator.machine import load_preset
+
+
+def engine(slots: int = 2, n_ctx: int = 4096) -> Engine:
+    return Engine(load_preset("m5max-128g-14b-q4"), slots, n_ctx)
+
+
+def task(text: str, n_predict: int = 4) -> Task:
+    return Task(prompt=text, n_prompt=tokens.count(text), n_predict=n_predict)
+
+
+def run_until_done(e: Engine, *tasks: Task) -> None:
+    while not all(t.finished for t in tasks):
+        e.step()
+
+
+def test_tasks_beyond_the_slots_wait_in_fifo_order() -> None:
+    e = engine(slots=1)
+    first, second, third = task("a" * 40), task("b" * 40), task("c" * 40)
+    for t in (first, second, third):
+        e.submit(t)
+    assert [t.slot is not None for t in (first, second, third)] == [True, False, False]
+    assert list(e.deferred) == [second, third]
+    run_until_done(e, first)
+    assert second.slot is not None and third.slot is None
+    run_until_done(e, second, third)
+    assert e.counters.completed == 3 and e.counters.max_concurrent == 1
+
+
+def test_prompt_cache_skips_the_shared_prefix() -> None:
+    e = engine()
+    text = "The same long system prompt. " * 40
+    one = task(text)
+    e.submit(one)
+    run_until_done(e, one)
+    again = task(text)
+    e.submit(again)
+    assert again.slot is one.slot
+    assert again.n_cache == again.n_prompt - 1  # llama-server always evaluates the last prompt token
+    # a follow-up turn: the old prompt plus the answer is cached
+    follow = task(text + tokens.filler(4) + " and now something new, please")
+    run_until_done(e, again)
+    e.submit(follow)
+    assert follow.n_cache >= one.n_prompt + 4 - 1
+    assert e.counters.prompt_tokens_cached_total == again.n_cache
+
+
+def test_slot_choice_prefers_the_longest_shared_prefix() -> None:
+    e = engine()
+    a, b = task("alpha " * 100), task("bravo " * 100)
+    e.submit(a)
+    e.submit(b)
+    run_until_done(e, a, b)
+    again_b = task("bravo " * 100 + "more")
+    e.submit(again_b)
+    assert again_b.slot is b.slot
+
+
+def test_cancel_frees_the_slot_and_admits_the_next() -> None:
+    e = engine(slots=1)
+    running, waiting = task("x" * 400, n_predict=1000), task("y" * 40)
+    e.submit(running)
+    e.submit(waiting)
+    e.step()
+    e.cancel(running)
+    assert running.cancelled and waiting.slot is not None
+    assert e.counters.cancelled == 1
+    e.cancel(running)  # idempotent
+    assert e.counters.cancelled == 1
+
+
+def test_generation_stops_at_the_context() -> None:
+    e = engine(slots=1, n_ctx=64)
+    t = task("z" * 200, n_predict=1000)  # 50 prompt tokens, 14 left
+    e.submit(t)
+    run_until_done(e, t)
+    assert t.finish_reason == "length" and t.n_decoded == 14
+
+
+def test_memory_grows_with_tokens_held() -> None:
+    e = engine()
+    idle = e.pinned_gb()
+    t = task("w" * 4000, n_predict=50)
+    e.submit(t)
+    e.step()
+    mid = e.pinned_gb()
+    run_until_done(e, t)
+    assert idle < mid
+    assert e.pinned_gb() == idle  # a finished sequence no longer pins memory
+    assert e.counters.peak_pinned_gb > mid

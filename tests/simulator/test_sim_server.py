@@ -1,0 +1,157 @@
+"""The simulator as a process: /sim endpoints, the prompt cache, cancellation, speed, loading, the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from macpool.procs import macpool_argv
+from tests.conftest import Server, SpawnFactory
+
+SimFactory = Callable[..., Server]
+MEMORY_KEYS = {
+    "total_gb", "wired_limit_gb", "weights_gb", "pinned_gb", "per_request_gb", "state", "external_gb",
+    "swap_used_gb", "pressure",
+}
+STATS_KEYS = {
+    "processing", "deferred", "max_concurrent", "completed", "cancelled", "speed", "sim_time_s",
+    "tokens_predicted_total",
+}
+
+
+def poll(probe: Callable[[], bool], within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if probe():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def chat(url: str, text: str, **extra: Any) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 4, **extra}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def test_memory_pressure_and_stats(sim: SimFactory) -> None:
+    server = sim("--parallel", "4", "--speed", "50")
+    memory = httpx.get(server.url + "/sim/memory").json()
+    assert set(memory) == MEMORY_KEYS
+    assert memory["state"] == "healthy" and memory["pressure"] == "normal"
+    assert memory["pinned_gb"] > memory["weights_gb"]
+    headroom = memory["wired_limit_gb"] - memory["pinned_gb"]
+
+    squeezed = httpx.post(server.url + "/sim/pressure", json={"external_gb": headroom + 1}).json()
+    assert squeezed["state"] == "paging" and squeezed["pressure"] == "critical"
+    assert squeezed["swap_used_gb"] > 0
+    cleared = httpx.post(server.url + "/sim/pressure", json={"external_gb": 0}).json()
+    assert cleared["pinned_gb"] == memory["pinned_gb"] and cleared["state"] == "healthy"
+    assert httpx.post(server.url + "/sim/pressure", json={"external_gb": -1}).status_code == 400
+
+    chat(server.url, "hello")
+    stats = httpx.get(server.url + "/sim/stats").json()
+    assert set(stats) >= STATS_KEYS
+    assert stats["completed"] == 1 and stats["max_concurrent"] == 1 and stats["tokens_predicted_total"] == 4
+    reset = httpx.post(server.url + "/sim/reset").json()
+    assert reset["completed"] == 0 and reset["max_concurrent"] == 0
+
+
+def test_prompt_cache_hit_is_reported(sim: SimFactory) -> None:
+    server = sim("--parallel", "2", "--speed", "50", "--metrics")
+    text = "A long shared system prompt for the cache. " * 30
+    first = chat(server.url, text)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    second = chat(server.url, text)
+    n_prompt = second["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt - 1
+    assert second["timings"]["cache_n"] == n_prompt - 1 and second["timings"]["prompt_n"] == 1
+    metrics = httpx.get(server.url + "/metrics").text
+    assert f"llamacpp:prompt_tokens_cached_total {n_prompt - 1}" in metrics
+
+
+def test_disconnect_cancels_the_task(sim: SimFactory) -> None:
+    server = sim("--parallel", "1", "--speed", "1")
+    body = {"prompt": "a story", "n_predict": 5000, "stream": True}
+    with httpx.stream("POST", server.url + "/completion", json=body, timeout=60) as response:
+        for _ in response.iter_bytes():
+            break
+
+    def cancelled() -> bool:
+        stats = httpx.get(server.url + "/sim/stats").json()
+        return bool(stats["cancelled"] == 1 and stats["processing"] == 0)
+
+    assert poll(cancelled)
+    assert not any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
+
+
+def test_speed_compresses_time(sim: SimFactory) -> None:
+    server = sim("--parallel", "1", "--speed", "50")
+    start_wall = time.monotonic()
+    result = chat(server.url, "go", max_tokens=200)
+    wall_ms = (time.monotonic() - start_wall) * 1000
+    simulated_ms = result["timings"]["prompt_ms"] + result["timings"]["predicted_ms"]
+    assert simulated_ms > 5 * wall_ms  # 50x nominal; generous for a loaded machine
+
+
+def test_loading_then_ready(spawn: SpawnFactory) -> None:
+    server = spawn("sim", "--preset", "m2pro-32g-8b-q4", "--load-seconds", "1.5", ready_path=None)
+
+    def answering() -> bool:
+        try:
+            return httpx.get(server.url + "/health").status_code in (200, 503)
+        except httpx.HTTPError:
+            return False
+
+    assert poll(answering)
+    loading = httpx.get(server.url + "/health")
+    if loading.status_code == 503:  # unless the machine was too slow to see it
+        error = {"message": "Loading model", "type": "unavailable_error", "code": 503}
+        assert loading.json() == {"error": error}
+    assert poll(lambda: httpx.get(server.url + "/health").status_code == 200)
+
+
+def test_llama_server_flags_and_model_name(sim: SimFactory) -> None:
+    server = sim(
+        "--host", "127.0.0.1", "-np", "3", "-c", "6000", "--metrics", "-m", "/models/qwen-14b-q4.gguf",
+        "--no-webui", "--cont-batching", "-t", "4", "-ngl", "99", "--jinja", preset="m5max-128g-14b-q4",
+    )
+    props = httpx.get(server.url + "/props").json()
+    assert props["total_slots"] == 3 and props["default_generation_settings"]["n_ctx"] == 2000
+    assert props["model_path"] == "/models/qwen-14b-q4.gguf"
+    assert props["build_info"].startswith("sim-")
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "qwen-14b-q4.gguf"
+
+
+def test_default_context_is_the_presets_per_slot(sim: SimFactory) -> None:
+    server = sim("--parallel", "2", preset="m4max-64g-32b-q4")
+    slots = httpx.get(server.url + "/slots").json()
+    assert [s["n_ctx"] for s in slots] == [8192, 8192]
+    assert httpx.get(server.url + "/metrics").status_code == 501  # like llama-server without --metrics
+
+
+def test_embeddings_are_deterministic(sim: SimFactory) -> None:
+    server = sim("--speed", "50")
+    body = {"input": ["one", "two"]}
+    first = httpx.post(server.url + "/v1/embeddings", json=body).json()
+    second = httpx.post(server.url + "/v1/embeddings", json=body).json()
+    assert first["data"] == second["data"] and len(first["data"]) == 2
+    assert first["data"][0]["embedding"] != first["data"][1]["embedding"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(macpool_argv("sim", *args), capture_output=True, text=True, timeout=60)
+
+
+def test_bad_flags_exit_2_with_one_line() -> None:
+    for args in (["--preset", "nope"], ["--speed", "0"], ["--bogus"], ["--parallel", "x"]):
+        result = run_cli(*args)
+        assert result.returncode == 2, args
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.stderr
