@@ -102,8 +102,8 @@ class Pool:
         for i, port in enumerate(sims):
             preset = presets[i % len(presets)]
             self.spawn(
-                f"sim-{i + 1}", "sim", "--preset", preset, "--alias", DEMO_MODEL, "--port", str(port),
-                "--speed", str(s.speed),
+                f"sim-{i + 1}", "sim", "--preset", preset, "--alias", DEMO_MODEL, "--metrics",
+                "--port", str(port), "--speed", str(s.speed),
             )
         for i, (sim_port, port) in enumerate(zip(sims, agents, strict=True)):
             self.spawn(

@@ -130,10 +130,12 @@ function onPool(msg) {
 
 function spark(svg, points, key, floorMax) {
   const end = points.length ? points[points.length - 1].ts_ms : Date.now();
-  const start = end - SPARK_WINDOW_MS;
+  // up to the last five minutes; a young history fills the width instead of hugging the right edge
+  const start = Math.max(end - SPARK_WINDOW_MS, points.length ? points[0].ts_ms : end);
+  const span = Math.max(end - start, 1000);
   const shown = points.filter((p) => p.ts_ms >= start);
   const max = Math.max(floorMax, ...shown.map((p) => p[key] || 0));
-  const coords = shown.map((p) => `${(300 * (p.ts_ms - start) / SPARK_WINDOW_MS).toFixed(1)},${(40 - 38 * (p[key] || 0) / max).toFixed(1)}`);
+  const coords = shown.map((p) => `${(300 * (p.ts_ms - start) / span).toFixed(1)},${(40 - 38 * (p[key] || 0) / max).toFixed(1)}`);
   const ref = floorMax === 1 ? `<line x1="0" x2="300" y1="${40 - 38 / max}" y2="${40 - 38 / max}"></line>` : "";
   svg.innerHTML = ref + `<polyline points="${coords.join(" ")}"></polyline>`;
   return max;

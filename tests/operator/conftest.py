@@ -21,7 +21,8 @@ def pool(redis_url: str, spawn: SpawnFactory) -> Callable[..., Pool]:
         presets = sorted(preset_names())
         sims = {
             f"mac-{i + 1}": spawn(
-                "sim", "--preset", presets[i % len(presets)], "--alias", "op-model", "--speed", str(speed),
+                "sim", "--preset", presets[i % len(presets)], "--alias", "op-model", "--metrics",
+                "--speed", str(speed),
                 name=f"sim-{i + 1}", timeout=60,
             )
             for i in range(nodes)

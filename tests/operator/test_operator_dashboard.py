@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.operator.helpers import HEARTBEAT_S, Pool, wait_until
+from tests.operator.helpers import ADMIN_KEY, HEARTBEAT_S, Pool, wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -89,6 +89,13 @@ def test_dashboard_shows_every_node_and_a_killed_one_goes(pool: Callable[..., Po
         assert page.inner_text("#p-desired").strip().isdigit()
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+
+        page.fill("#admin-key", ADMIN_KEY)
+        page.click("#admin-save")
+        page.click("#node-mac-1 .drain")
+        wait_until(lambda: _node_states(page).get("mac-1") == "draining", 30, "mac-1 drained from the page")
+        page.click("#node-mac-1 .undrain")
+        wait_until(lambda: _node_states(page).get("mac-1") == "healthy", 30, "mac-1 undrained from the page")
 
         victim = "mac-2"
         running.agents[victim].child.kill()  # SIGKILL: no clean deregistration, only the TTL

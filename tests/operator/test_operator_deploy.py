@@ -20,6 +20,7 @@ import yaml
 from macpool.procs import macpool_argv
 from node_agent.settings import AgentSettings
 from router.settings import Settings as RouterSettings
+from simulator.machine import preset_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -103,6 +104,8 @@ def test_compose_ports_env_and_urls_agree() -> None:
                 assert url.hostname in listen and url.port == listen[url.hostname], f"{name}: {flag} {url}"
         if "--advertise-url" in args:
             assert urlparse(flag_value(args, "--advertise-url")).hostname == name
+        if "--preset" in args:
+            assert flag_value(args, "--preset") in preset_names(), f"{name}: no such simulator preset"
     prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.compose.yml").read_text())
     for job in prometheus["scrape_configs"]:
         for target in job["static_configs"][0]["targets"]:
