@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from simulator import tokens
 from simulator.machine import STATE_ORDER, Machine, MemoryState
+
+log = logging.getLogger("macpool.sim")
 
 # llama-server only reuses a slot's cache when the shared prefix is at least this share of the new prompt
 SLOT_PROMPT_SIMILARITY = 0.1
@@ -144,6 +147,18 @@ class Engine:
             self._release(task)
         self.counters.cancelled += 1
         self._admit()
+
+    def abort_all(self) -> list[Task]:
+        """End every task (after an internal error); returns them so their clients can be woken."""
+        ended = [*self.running, *self.deferred]
+        for task in ended:
+            task.finished = True
+            task.finish_reason = "stop"
+            if task.slot is not None and task.slot.task is task:
+                task.slot.task = None
+        self.running.clear()
+        self.deferred.clear()
+        return ended
 
     def has_work(self) -> bool:
         return bool(self.running)
@@ -304,7 +319,11 @@ class Runner:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            progressed = engine.step()
+            try:
+                progressed = engine.step()
+            except Exception:  # a bug must not leave every client hanging on a dead engine
+                log.exception("simulator step failed; ending all tasks")
+                progressed = engine.abort_all()
             target = self._anchor_wall + (engine.sim_time - self._anchor_sim) / self.speed
             delay = target - time.monotonic()
             if delay > 0:
