@@ -28,6 +28,7 @@ from router.auth import KeyRing, bearer_token, digest, load_key_digests
 from router.forward import Call, Forwarder, new_client
 from router.metrics import RouterMetrics
 from router.pool import PoolView
+from router.scale import ScaleConfig, ScaleWatch
 from router.settings import Settings
 
 log = logging.getLogger("macpool.router")
@@ -63,6 +64,8 @@ class Router:
         self.api_keys = KeyRing(load_key_digests(settings.api_keys_file) if settings.api_keys_file else [])
         self.admin_key = KeyRing([digest(settings.admin_key)] if settings.admin_key else [])
         self._services: Services | None = None
+        # the dashboard's history and the scale hint (and its webhook), sampled while the app runs
+        self.scale = ScaleWatch(self.pool_json, ScaleConfig.from_settings(settings))
 
     @property
     def services(self) -> Services:
@@ -85,7 +88,8 @@ class Router:
             self._services = Services(redis, client, pool, admission, forwarder)
             redis_at = _redacted(self.settings.redis_url)
             log.info("router %s serving; redis %s", self.settings.router_id, redis_at)
-            yield
+            async with self.scale.running():
+                yield
         finally:
             self._services = None
             await admission.stop()
@@ -215,7 +219,7 @@ def _dashboard_routes(router: Router) -> list[BaseRoute]:
         if exc.name != "router.dashboard":
             raise
         return []
-    routes: list[BaseRoute] = dashboard.routes(router.pool_json, router.settings)
+    routes: list[BaseRoute] = dashboard.routes(router.pool_json, router.settings, watch=router.scale)
     return routes
 
 
@@ -239,6 +243,8 @@ def _inspect(body: bytes, default_model: str) -> tuple[str, bool]:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise BadRequest(400, "the request body is not valid JSON", "invalid_json") from None
+    except RecursionError:
+        raise BadRequest(400, "the request body is nested too deeply", "invalid_json") from None
     if not isinstance(payload, dict):
         raise BadRequest(400, "the request body must be a JSON object", "invalid_request")
     model = payload.get("model") or default_model

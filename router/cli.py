@@ -37,6 +37,7 @@ FLAGS: dict[str, tuple[type, str]] = {
     "circuit-failures": (int, "consecutive connect failures that open a node's circuit"),
     "circuit-cooldown": (float, "seconds an open circuit waits before letting traffic probe the node"),
     "log-level": (str, "debug, info, warning or error"),
+    "scale-webhook": (str, "POST the scale hint (GET /api/pool/scale) here when desired_nodes changes"),
 }
 
 

@@ -58,6 +58,9 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = None
     admin_key: str = ""
 
+    # scale hint (router/scale.py): POST it here when desired_nodes changes
+    scale_webhook: str = ""
+
     # process
     access_log: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"

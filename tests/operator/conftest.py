@@ -17,7 +17,7 @@ SpawnFactory = Callable[..., Any]
 def pool(redis_url: str, spawn: SpawnFactory) -> Callable[..., Pool]:
     """``pool(nodes=3)``: a running pool whose router knows every node as ready."""
 
-    def _pool(nodes: int = 3, speed: float = 1.0) -> Pool:
+    def _pool(nodes: int = 3, speed: float = 1.0, router_args: tuple[str, ...] = ()) -> Pool:
         presets = sorted(preset_names())
         sims = {
             f"mac-{i + 1}": spawn(
@@ -37,7 +37,7 @@ def pool(redis_url: str, spawn: SpawnFactory) -> Callable[..., Pool]:
         }
         router = spawn(
             "router", "--redis-url", redis_url, "--admin-key", ADMIN_KEY, "--agent-token", AGENT_TOKEN,
-            name="router", timeout=60,
+            *router_args, name="router", timeout=60,
         )
         result = Pool(router=router, agents=agents, sims=sims)
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import httpx
+import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -14,6 +19,7 @@ from starlette.routing import Route
 
 from macpool.redis_server import free_port
 from router.scale import ScaleAdvisor, ScaleConfig, ScaleWatch
+from tests.operator.helpers import Pool, wait_until
 
 
 def view(busy: int, queued: int = 0, rejections: float = 0.0, requests: float = 1.0) -> dict[str, Any]:
@@ -84,3 +90,42 @@ def test_watch_posts_the_hint_once_per_change_after_the_debounce() -> None:
     # the first hint (1 node for 4 busy) failed once with 500 and was retried; then one POST for 7;
     # nothing repeats while the figure holds
     assert desired == [1, 1, 7]
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """A real HTTP server on loopback that records the JSON bodies POSTed to it."""
+    received: list[dict[str, Any]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            length = int(self.headers.get("content-length", 0))
+            received.append(json.loads(self.rfile.read(length)))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/scale", received
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def test_router_serves_the_hint_and_posts_it_to_its_webhook(
+    pool: Callable[..., Pool], receiver: tuple[str, list[dict[str, Any]]]
+) -> None:
+    url, received = receiver
+    running = pool(nodes=1, router_args=("--scale-webhook", url))
+    hint = httpx.get(f"{running.router.url}/api/pool/scale", timeout=10).json()
+    assert hint["current_nodes"] == 1
+    assert hint["desired_nodes"] >= 1
+    assert set(hint) >= {"current_nodes", "desired_nodes", "saturation", "reason"}
+    wait_until(lambda: bool(received), 60, "the first scale document at the webhook")
+    assert received[0]["desired_nodes"] == hint["desired_nodes"]
