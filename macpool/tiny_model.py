@@ -24,7 +24,7 @@ import numpy as np
 from macpool.llama_build import cache_root
 
 # Bump when the generator's output changes, so stale cached files are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}\n"
@@ -67,8 +67,9 @@ class ModelSpec:
 VARIANTS: dict[str, ModelSpec] = {
     # 107,200 parameters, ~430 KB: the recordings' model.
     "tiny": ModelSpec("tiny", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128),
-    # ~25 M parameters in F16 (~50 MB): a few ms a token with `-t 1`, loads in well under a second.
-    "small": ModelSpec("small", n_layer=8, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, f16=True),
+    # ~19 M parameters in F16 (~38 MB): ~5 ms a token with `-t 1` on an idle core (900 tokens: ~5 s),
+    # loads in well under a second.
+    "small": ModelSpec("small", n_layer=6, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, f16=True),
 }
 
 
@@ -85,34 +86,65 @@ def model_path(variant: str = "tiny") -> Path:
     return cache_root() / "models" / f"v{FORMAT_VERSION}" / f"{variant}.gguf"
 
 
+# The generated text is printable ASCII (bytes 0x20-0x7E) and never ends early with </s>: residual dimension 0
+# carries a large constant (the embedding sets it, no layer writes to it, the layer norms ignore it), so after
+# the final norm it is a positive constant that output.weight[:, 0] turns into a +/- logit offset per token.
+# Random weights otherwise. This keeps llama-server's streams regular (one content chunk per token, the role
+# chunk first): with arbitrary bytes it withholds incomplete UTF-8 sequences, and skips the role chunk when
+# the first token is one.
+ALLOWED_BYTES = range(0x20, 0x7F)
+_CONSTANT_DIM_VALUE = 8.0  # x sqrt(n_embd)
+_LOGIT_OFFSET = 4.0
+
+
+def _allowed_mask(n_vocab: int) -> np.ndarray[Any, Any]:
+    mask = np.zeros(n_vocab, dtype=bool)
+    mask[[3 + b for b in ALLOWED_BYTES]] = True
+    return mask
+
+
 def _tensors(spec: ModelSpec, n_vocab: int) -> list[tuple[str, np.ndarray[Any, Any]]]:
     """All weights, in numpy (row-major) shape; deterministic from ``spec.seed``."""
     rng = np.random.RandomState(spec.seed)
     dtype = np.float16 if spec.f16 else np.float32
     q_dim, kv_dim = spec.n_head * spec.head_dim, spec.n_head_kv * spec.head_dim
 
-    def weight(rows: int, cols: int) -> np.ndarray[Any, Any]:
+    def weight(rows: int, cols: int, scale: float = 1.0) -> np.ndarray[Any, Any]:
         # ~N(0, 1/cols) keeps activations bounded through the layers.
-        values: np.ndarray[Any, Any] = rng.standard_normal((rows, cols)) / np.sqrt(cols)
+        values: np.ndarray[Any, Any] = rng.standard_normal((rows, cols)) * (scale / np.sqrt(cols))
+        return values
+
+    def layer_norm() -> np.ndarray[Any, Any]:
+        norm = np.ones(spec.n_embd, dtype=np.float32)  # norms stay F32, as converters write them
+        norm[0] = 0.0  # the layers do not see the constant dimension...
+        return norm
+
+    def writes_residual(rows: int, cols: int) -> np.ndarray[Any, Any]:
+        values = weight(rows, cols)
+        values[0, :] = 0.0  # ...nor write to it
         return values.astype(dtype)
 
-    def norm() -> np.ndarray[Any, Any]:
-        return np.ones(spec.n_embd, dtype=np.float32)  # norms stay F32, as converters write them
-
-    out: list[tuple[str, np.ndarray[Any, Any]]] = [("token_embd.weight", weight(n_vocab, spec.n_embd))]
+    embd = weight(n_vocab, spec.n_embd, scale=np.sqrt(spec.n_embd))  # ~N(0, 1) per element
+    embd[:, 0] = _CONSTANT_DIM_VALUE * np.sqrt(spec.n_embd)
+    out: list[tuple[str, np.ndarray[Any, Any]]] = [("token_embd.weight", embd.astype(dtype))]
     for i in range(spec.n_layer):
         out += [
-            (f"blk.{i}.attn_norm.weight", norm()),
-            (f"blk.{i}.attn_q.weight", weight(q_dim, spec.n_embd)),
-            (f"blk.{i}.attn_k.weight", weight(kv_dim, spec.n_embd)),
-            (f"blk.{i}.attn_v.weight", weight(kv_dim, spec.n_embd)),
-            (f"blk.{i}.attn_output.weight", weight(spec.n_embd, q_dim)),
-            (f"blk.{i}.ffn_norm.weight", norm()),
-            (f"blk.{i}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd)),
-            (f"blk.{i}.ffn_up.weight", weight(spec.n_ff, spec.n_embd)),
-            (f"blk.{i}.ffn_down.weight", weight(spec.n_embd, spec.n_ff)),
+            (f"blk.{i}.attn_norm.weight", layer_norm()),
+            (f"blk.{i}.attn_q.weight", weight(q_dim, spec.n_embd).astype(dtype)),
+            (f"blk.{i}.attn_k.weight", weight(kv_dim, spec.n_embd).astype(dtype)),
+            (f"blk.{i}.attn_v.weight", weight(kv_dim, spec.n_embd).astype(dtype)),
+            (f"blk.{i}.attn_output.weight", writes_residual(spec.n_embd, q_dim)),
+            (f"blk.{i}.ffn_norm.weight", layer_norm()),
+            (f"blk.{i}.ffn_gate.weight", weight(spec.n_ff, spec.n_embd).astype(dtype)),
+            (f"blk.{i}.ffn_up.weight", weight(spec.n_ff, spec.n_embd).astype(dtype)),
+            (f"blk.{i}.ffn_down.weight", writes_residual(spec.n_embd, spec.n_ff)),
         ]
-    out += [("output_norm.weight", norm()), ("output.weight", weight(n_vocab, spec.n_embd))]
+    output = weight(n_vocab, spec.n_embd, scale=2.0 * np.sqrt(spec.n_embd / 64))
+    output[:, 0] = np.where(_allowed_mask(n_vocab), _LOGIT_OFFSET, -_LOGIT_OFFSET)
+    out += [
+        ("output_norm.weight", np.ones(spec.n_embd, dtype=np.float32)),
+        ("output.weight", output.astype(dtype)),
+    ]
     return out
 
 

@@ -12,12 +12,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 
+from macpool import tiny_model
+from macpool.redis_server import free_port
 from tests.conftest import Server, SpawnFactory
 
 PARALLEL = 2
 CTX_SIZE = 2048  # total; 1,024 per slot
+SLOW_REQUEST_S = 5.0  # how long target.slow_request keeps a slot busy when alone on the server
 
 
 @dataclass
@@ -58,21 +62,29 @@ def _start_llama_server(spawn: SpawnFactory) -> Target:
         if os.environ.get("CI"):
             pytest.fail("llama-server binary missing in CI (macpool dev build-llama-server)")
         pytest.skip("llama-server not built: run `macpool dev build-llama-server`")
-    from macpool.procs import macpool_argv  # noqa: F401  (kept for symmetry with the sim)
-    from macpool.redis_server import free_port
-
-    tiny_model = __import__("macpool.tiny_model", fromlist=["ensure"])
+    # "small": ~5 ms a token on one idle thread (tiny: ~0.3 ms), so a long request keeps a slot busy
     model = tiny_model.ensure("small")
     port = free_port()
     argv = [
-        binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(PARALLEL),
-        "-c", str(CTX_SIZE), "--metrics", "--no-webui", "-t", "1",
+        binary, "-m", str(model), "--alias", model.name, "--host", "127.0.0.1", "--port", str(port),
+        "--parallel", str(PARALLEL), "-c", str(CTX_SIZE), "--metrics", "--no-webui", "-t", "1",
     ]
     server = spawn(argv=argv, port=port, name="llama-server", timeout=60)
     return Target(
         "llama-server", server.url, server, model=model.name,
-        slow_request={"max_tokens": 900, "ignore_eos": True},
+        slow_request={"max_tokens": _max_tokens_for(server.url, SLOW_REQUEST_S), "ignore_eos": True},
     )
+
+
+def _max_tokens_for(url: str, seconds: float) -> int:
+    """Tokens one request generates in about ``seconds`` on this machine now (decode speed varies 10x
+    between an idle and a loaded two-core box), within what fits a slot next to a short prompt."""
+    speed = 0.0
+    for n_predict in (4, 24):  # the first request pays for warm-up
+        body = {"prompt": "warm up", "n_predict": n_predict, "ignore_eos": True}
+        timings = httpx.post(url + "/completion", json=body, timeout=120).json()["timings"]
+        speed = float(timings["predicted_per_second"])
+    return max(64, min(900, int(speed * seconds)))
 
 
 @pytest.fixture(params=["sim", "llama-server"])

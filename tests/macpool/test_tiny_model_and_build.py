@@ -46,6 +46,17 @@ def test_tiny_model_has_the_recordings_shape(cache: Path) -> None:
     assert n_params == 107_200  # the recordings' /v1/models meta.n_params
 
 
+def test_only_printable_ascii_can_win_the_output(cache: Path) -> None:
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(tiny_model.ensure("tiny")))
+    output = next(t for t in reader.tensors if t.name == "output.weight")
+    column0 = np.asarray(output.data)[:, 0]
+    favoured = {i - 3 for i in np.flatnonzero(column0 > 0)}
+    assert favoured == set(range(0x20, 0x7F))  # byte tokens start at id 3; <unk>, <s>, </s> never win
+
+
 def test_generation_is_deterministic_and_cached(cache: Path, tmp_path: Path) -> None:
     first = tiny_model.ensure("tiny")
     digest, mtime = _sha(first), first.stat().st_mtime_ns

@@ -1,0 +1,159 @@
+"""End to end with real servers: real Redis, agents supervising real llama-servers, the router.
+
+The pool is started once per module (three llama-servers take a moment on two cores) and every test
+leaves it as it found it. In CI (``CI=true``) a missing llama-server binary fails the tests; locally
+they skip with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import redis
+
+from macpool import tiny_model
+from macpool.llama_build import find_llama_server
+from macpool.procs import Child, macpool_argv
+from macpool.redis_server import free_port
+
+PARALLEL = 2
+CTX_PER_SLOT = 1024
+# node id -> --cap (None: llama-server's total_slots). Caps below the slot count make "never more
+# requests processing than the agent's cap" a real check rather than llama-server's own limit.
+NODE_CAPS: dict[str, int | None] = {"mac-a": None, "mac-b": 1, "mac-c": 1}
+QUEUE_SIZE = 1
+QUEUE_TIMEOUT = 0.5
+
+
+def require_llama_server() -> Path:
+    """The binary, or fail (CI) / skip (locally) with one line."""
+    found = find_llama_server()
+    if found is not None:
+        return found
+    reason = "llama-server not built: run `macpool dev build-llama-server` (or set MACPOOL_LLAMA_SERVER)"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def wait_until(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``check`` until it returns something truthy (exceptions count as not yet)."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+            last = value
+        except (httpx.HTTPError, psutil.Error, KeyError, ValueError) as exc:
+            last = exc
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+@dataclass
+class Node:
+    node_id: str
+    cap: int | None
+    agent: Child
+    url: str
+
+    @property
+    def effective_cap(self) -> int:
+        return self.cap if self.cap is not None else PARALLEL
+
+    def status(self) -> dict[str, Any]:
+        response = httpx.get(self.url + "/status", timeout=5)
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def llama_server(self) -> psutil.Process:
+        """The llama-server process this agent supervises (its only llama-server child)."""
+        children = psutil.Process(self.agent.pid).children(recursive=True)
+        servers = [p for p in children if "llama-server" in p.name() and p.status() != psutil.STATUS_ZOMBIE]
+        if len(servers) != 1:
+            raise ValueError(f"{self.node_id}: expected one llama-server child, found {len(servers)}")
+        return servers[0]
+
+    def llama_url(self) -> str:
+        argv = self.llama_server().cmdline()
+        return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+
+
+@dataclass
+class Pool:
+    redis_url: str
+    router_url: str
+    router: Child
+    model_path: Path
+    nodes: list[Node] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return sum(node.effective_cap for node in self.nodes)
+
+    def pool_view(self) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(self.router_url + "/api/pool", timeout=5).json()
+        return data
+
+    def ready_nodes(self) -> set[str]:
+        return {n["node_id"] for n in self.pool_view()["nodes"] if n["state"] == "ready"}
+
+    def wait_all_ready(self, timeout: float = 60.0) -> None:
+        want = {node.node_id for node in self.nodes}
+        wait_until(lambda: self.ready_nodes() == want, timeout, f"nodes {sorted(want)} ready in the router")
+
+
+@pytest.fixture(scope="module")
+def pool(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    binary = require_llama_server()
+    model = tiny_model.ensure("tiny")
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+    logs = tmp_path_factory.mktemp("e2e-logs")
+    children: list[Child] = []
+    try:
+        router_port = free_port()
+        router = Child(
+            macpool_argv(
+                "router", "--redis-url", redis_server, "--port", str(router_port),
+                "--queue-size", str(QUEUE_SIZE), "--queue-timeout", str(QUEUE_TIMEOUT),
+            ),
+            name="router", log_path=logs / "router.log",
+        ).start()
+        children.append(router)
+        result = Pool(redis_server, f"http://127.0.0.1:{router_port}", router, model)
+        for node_id, cap in NODE_CAPS.items():
+            port = free_port()
+            argv = [
+                "agent", "run", "--redis-url", redis_server, "--node-id", node_id, "--port", str(port),
+                "--llama-server", str(binary), "--model", str(model), "--parallel", str(PARALLEL),
+                "--ctx-per-slot", str(CTX_PER_SLOT), "--llama-log", str(logs / f"llama-{node_id}.log"),
+            ]
+            if cap is not None:
+                argv += ["--cap", str(cap)]
+            # one thread each: three servers share two cores with everything else
+            agent = Child(
+                macpool_argv(*argv, "--", "-t", "1"), name=node_id, log_path=logs / f"agent-{node_id}.log"
+            ).start()
+            children.append(agent)
+            result.nodes.append(Node(node_id, cap, agent, f"http://127.0.0.1:{port}"))
+        router.wait_http(result.router_url + "/health", timeout=30)
+        for node in result.nodes:
+            node.agent.wait_http(node.url + "/status", timeout=60)
+        result.wait_all_ready(timeout=90)
+        yield result
+    finally:
+        for child in reversed(children):
+            child.stop(timeout=15)
