@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,17 +51,18 @@ def _load(router_url: str, stop: threading.Event) -> None:
     """A few long streams so the slot and memory bars have something to show (bounded)."""
     body = {"model": "op-model", "stream": True, "max_tokens": 400,
             "messages": [{"role": "user", "content": "fill the dashboard"}]}
+    deadline = time.monotonic() + 180
     with httpx.Client(timeout=60) as client:
-        for _ in range(3):
-            if stop.is_set():
-                return
+        while not stop.is_set() and time.monotonic() < deadline:
             try:
                 with client.stream("POST", f"{router_url}/v1/chat/completions", json=body) as response:
                     for _ in response.iter_bytes():
                         if stop.is_set():
                             return
+                if response.status_code != 200:
+                    stop.wait(0.5)
             except httpx.HTTPError:
-                return
+                stop.wait(0.5)
 
 
 def _node_states(page: Any) -> dict[str, str]:
