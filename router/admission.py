@@ -54,6 +54,7 @@ class Lease:
     acquired_at: float = field(default_factory=time.monotonic)
     released: bool = False
     queued_s: float = 0.0
+    local: bool = False  # taken while Redis was unreachable: counted by this router only
 
 
 @dataclass(eq=False)
@@ -107,6 +108,8 @@ class Admission:
         status, node_id, count = await self._try(request_id, docs, dequeue=False)
         if status == "reserved":
             return self._lease(request_id, docs, node_id, count)
+        if status == "offline":
+            return self._local_lease(request_id, docs)
         if status == "full":
             raise self.reject("pool_full", "every node is at capacity and the queue is full")
         return await self._wait(request_id, candidates, docs)
@@ -130,6 +133,9 @@ class Admission:
                 docs = candidates()
                 waiter.nodes = {doc.node_id for doc in docs}
                 status, node_id, count = await self._try(request_id, docs, dequeue=True)
+                if status == "offline":
+                    admitted = True
+                    return self._local_lease(request_id, docs)
                 if status == "reserved":
                     admitted = True
                     waited = time.monotonic() - started
@@ -151,6 +157,9 @@ class Admission:
             return
         lease.released = True
         self.active.pop(lease.request_id, None)
+        if lease.local:
+            self.pool.freed.mark()
+            return
         node_id = lease.node.node_id
         with anyio.move_on_after(5, shield=True):
             try:
@@ -188,7 +197,7 @@ class Admission:
     # --- renewal -----------------------------------------------------------------------------------
 
     async def renew_all(self) -> None:
-        leases = list(self.active.values())
+        leases = [lease for lease in self.active.values() if not lease.local]
         if not leases:
             return
         expiry = now_ms() + self.lease_ms
@@ -217,11 +226,28 @@ class Admission:
         except Exception as exc:
             self.pool.redis_ok = False
             log.warning("reservation failed: %s: %s", type(exc).__name__, exc)
-            raise self.reject("pool_unavailable", "the pool's coordination store is unreachable") from None
+            return "offline", "", 0
         status, node_id, count = (_text(raw[0]), _text(raw[1]), int(raw[2]))
         if status == "queued":
             self.pool.snapshot.queue_depth = count
         return status, node_id, count
+
+    def _local_lease(self, request_id: str, docs: list[NodeDoc]) -> Lease:
+        """Redis is unreachable: admit from the last pool view, counting only this router's own leases.
+
+        Other replicas cannot be seen meanwhile; each agent's hard cap refuses what would overfill its Mac
+        (503 node_full), and the request then fails over to another node.
+        """
+        mine: dict[str, int] = {}
+        for lease in self.active.values():
+            mine[lease.node.node_id] = mine.get(lease.node.node_id, 0) + 1
+        free = [doc for doc in docs if mine.get(doc.node_id, 0) < doc.capacity]
+        if not free:
+            raise self.reject("pool_full", "every node is at capacity (coordination store unreachable)")
+        node = min(free, key=lambda d: (mine.get(d.node_id, 0) / d.capacity, random.random()))
+        lease = Lease(request_id=request_id, node=node, local=True)
+        self.active[request_id] = lease
+        return lease
 
     def _lease(self, request_id: str, docs: list[NodeDoc], node_id: str, count: int) -> Lease:
         node = next(doc for doc in docs if doc.node_id == node_id)

@@ -152,6 +152,7 @@ class Forwarder:
         except TimeoutError:
             await _close(upstream)
             await self.admission.release(lease)
+            self.pool.connect_failed(node.node_id)  # a hung node: stop sending it traffic
             self._upstream_error(node.node_id, "first_byte_timeout")
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="504").inc()
             return error_response(504, "the node did not answer within the first-byte timeout",
@@ -159,13 +160,16 @@ class Forwarder:
         except _Retry:
             await _close(upstream)
             raise
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+            if upstream is not None:
+                return await self._failed_before_first_byte(call, lease, upstream, exc)
+            # the connection died before any answer (typically a keep-alive connection an agent closed as it
+            # shut down): nothing reached the client, so another node may take the request
+            self._upstream_error(node.node_id, "reset")
+            log.warning("node %s: %s before an answer; trying another node", node.node_id, type(exc).__name__)
+            raise _Retry("reset") from None
         except httpx.HTTPError as exc:
-            await _close(upstream)
-            await self.admission.release(lease)
-            self._upstream_error(node.node_id, "protocol")
-            log.warning("node %s: %s before the first byte", node.node_id, type(exc).__name__)
-            self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
-            return error_response(502, "the node failed before answering", "upstream_error")
+            return await self._failed_before_first_byte(call, lease, upstream, exc)
         self.metrics.ttft.observe(time.monotonic() - call.arrived)
         if upstream.status_code in (401, 403):
             # the agent refused the router's token: a deployment error, not the client's
@@ -175,6 +179,17 @@ class Forwarder:
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
             return error_response(502, "the node refused the router's agent token", "upstream_auth")
         return Relay(self, call, lease, upstream, first, chunks)
+
+    async def _failed_before_first_byte(
+        self, call: Call, lease: Lease, upstream: httpx.Response | None, exc: httpx.HTTPError
+    ) -> Response:
+        node_id = lease.node.node_id
+        await _close(upstream)
+        await self.admission.release(lease)
+        self._upstream_error(node_id, "protocol")
+        log.warning("node %s: %s before the first byte", node_id, type(exc).__name__)
+        self.metrics.requests.labels(model=call.model, node=node_id, status="502").inc()
+        return error_response(502, "the node failed before answering", "upstream_error")
 
     def _upstream_headers(self, call: Call) -> list[tuple[bytes, bytes]]:
         headers = [
@@ -217,6 +232,7 @@ class Relay(Response):
             call.stream and upstream.status_code == 200
         )
         self.outcome = str(upstream.status_code)
+        self.ended = True  # the last chunk relayed closed its SSE event
         self.background = None
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
@@ -261,6 +277,7 @@ class Relay(Response):
                     "headers": self.response_headers()})
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            self.ended = self.first.endswith(b"\n\n")
         idle = self.forwarder.settings.idle_timeout
         while True:
             try:
@@ -273,6 +290,7 @@ class Relay(Response):
             if chunk is None:
                 break
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.ended = chunk.endswith(b"\n\n")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _fail(self, send: Send, kind: str) -> None:
@@ -281,11 +299,15 @@ class Relay(Response):
         self.forwarder.metrics.upstream_errors.labels(node=node_id, kind=kind).inc()
         log.warning("node %s: %s after the first byte (request %s)", node_id, kind, self.call.request_id)
         self.outcome = kind
+        if kind == "idle_timeout":
+            self.forwarder.pool.connect_failed(node_id)  # a hung node: stop sending it traffic
         if not self.streaming:
             return  # returning without completing the response makes the server drop the connection
         message = ("the node stopped answering mid-stream" if kind == "idle_timeout"
                    else "the node failed mid-stream")
-        event = b"data: " + error_body(502, message, f"upstream_{kind}") + b"\n\n"
+        # never glue the event onto an event the node cut off half-way
+        event = (b"" if self.ended else b"\n\n") + b"data: " + error_body(502, message, f"upstream_{kind}")
+        event += b"\n\n"
         await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

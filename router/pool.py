@@ -80,6 +80,7 @@ class PoolView:
         self.keys = keys
         self.snapshot = PoolSnapshot()
         self.redis_ok = False
+        self.redis_seen = time.monotonic()  # when Redis last answered a full read
         self.heard: dict[str, float] = {}  # node id -> monotonic time its latest heartbeat arrived
         self.circuits: dict[str, Circuit] = {}
         self.freed = RateMeter(window=30.0)
@@ -117,6 +118,7 @@ class PoolView:
             self.redis_ok = False
             raise
         self.redis_ok = True
+        self.redis_seen = time.monotonic()
         for doc in snapshot.nodes.values():
             self._heard(doc)
         self.snapshot = snapshot
@@ -186,7 +188,10 @@ class PoolView:
     # --- choosing ----------------------------------------------------------------------------------
 
     def fresh_nodes(self) -> list[NodeDoc]:
-        horizon = time.monotonic() - self.settings.stale_after
+        # while Redis is unreachable no heartbeat can arrive: judge freshness as of the last good read, so
+        # the router keeps serving from its last view (the agents' own caps are the safety net)
+        now = time.monotonic() if self.redis_ok else self.redis_seen
+        horizon = now - self.settings.stale_after
         return [doc for doc in self.snapshot.nodes.values() if self.heard.get(doc.node_id, 0.0) >= horizon]
 
     def is_ready(self, doc: NodeDoc) -> bool:

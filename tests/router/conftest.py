@@ -1,0 +1,111 @@
+"""A real pool for router tests: simulators, one agent per simulator, router processes, one Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+# the root conftest's Server (child, url, port) and spawn factory
+Server = Any
+SpawnFactory = Callable[..., Any]
+
+AGENT_TOKEN = "router-test-agent-token"
+PRESET = "m5max-128g-14b-q4"
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail with the last value after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s (last: {value!r})")
+
+
+@dataclass
+class Node:
+    node_id: str
+    sim: Server
+    agent: Server
+
+    def sim_stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = httpx.get(self.sim.url + "/sim/stats", timeout=5).json()
+        return stats
+
+
+class Pool:
+    """Factory for the processes of one test; the ``spawn`` fixture stops them all afterwards."""
+
+    def __init__(self, spawn: SpawnFactory, redis_url: str) -> None:
+        self.spawn = spawn
+        self.redis_url = redis_url
+
+    def node(self, node_id: str, cap: int, *, parallel: int = 8, speed: float = 50.0) -> Node:
+        sim = self.spawn(
+            "sim",
+            "--preset",
+            PRESET,
+            "--parallel",
+            str(parallel),
+            "--speed",
+            str(speed),
+            name=f"sim-{node_id}",
+        )
+        agent = self.spawn(
+            "agent",
+            "run",
+            "--upstream",
+            sim.url,
+            "--redis-url",
+            self.redis_url,
+            "--node-id",
+            node_id,
+            "--cap",
+            str(cap),
+            "--token",
+            AGENT_TOKEN,
+            name=f"agent-{node_id}",
+        )
+        return Node(node_id, sim, agent)
+
+    def router(self, *args: str, env: dict[str, str] | None = None) -> Server:
+        return self.spawn(
+            "router",
+            "--redis-url",
+            self.redis_url,
+            "--agent-token",
+            AGENT_TOKEN,
+            *args,
+            name="router",
+            env=env,
+        )
+
+    @staticmethod
+    def wait_ready(router: Server, nodes: int, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait until the router sees ``nodes`` ready nodes; returns its /api/pool document."""
+
+        def ready() -> dict[str, Any] | None:
+            doc: dict[str, Any] = httpx.get(router.url + "/api/pool", timeout=5).json()
+            return doc if doc["pool"]["nodes_ready"] == nodes else None
+
+        result: dict[str, Any] = wait_until(ready, timeout)
+        return result
+
+    @staticmethod
+    def model(router: Server) -> str:
+        models = httpx.get(router.url + "/v1/models", timeout=5).json()["data"]
+        name: str = models[0]["id"]
+        return name
+
+
+@pytest.fixture
+def pool(spawn: SpawnFactory, redis_url: str) -> Pool:
+    return Pool(spawn, redis_url)

@@ -1,0 +1,131 @@
+"""Every error path answers OpenAI-shaped JSON with the right status, and never names a node's address."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.router.conftest import Pool, wait_until
+
+API_KEY = "client-secret"
+ADMIN_KEY = "admin-secret"
+
+
+def _error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error: dict[str, Any] = response.json()["error"]
+    assert error["code"] == code and error["message"] and error["type"]
+    assert "127.0.0.1" not in response.text and "Traceback" not in response.text
+    return error
+
+
+def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{API_KEY}\n")
+    router = pool.router(
+        "--api-keys-file",
+        str(keys),
+        "--admin-key",
+        ADMIN_KEY,
+        "--max-body-bytes",
+        "2000",
+        "--queue-size",
+        "0",
+    )
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    body = {"model": "whatever", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        # an empty pool
+        no_nodes = client.post("/v1/chat/completions", json=body, headers=auth)
+        _error(no_nodes, 503, "no_nodes")
+        assert no_nodes.headers["x-macpool-reason"] == "no_nodes" and no_nodes.headers["retry-after"]
+        assert client.get("/ready").status_code == 503
+        assert client.get("/health").status_code == 200
+
+        pool.node("n1", cap=2)
+        pool.wait_ready(router, nodes=1)
+        assert client.get("/ready").status_code == 200
+        models = client.get("/v1/models", headers=auth).json()
+        assert models["object"] == "list"
+        body["model"] = model = models["data"][0]["id"]
+
+        # auth
+        _error(client.post("/v1/chat/completions", json=body), 401, "invalid_api_key")
+        _error(
+            client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"}),
+            401,
+            "invalid_api_key",
+        )
+        _error(client.get("/v1/models"), 401, "invalid_api_key")
+        ok = client.post(
+            "/v1/chat/completions",
+            json=body,
+            headers={**auth, "X-Request-ID": "req-123", "X-Conversation-Id": "c1"},
+        )
+        assert ok.status_code == 200, ok.text
+        assert ok.headers["x-request-id"] == "req-123"
+
+        # input
+        _error(client.post("/v1/chat/completions", content=b"{not json", headers=auth), 400, "invalid_json")
+        _error(client.post("/v1/chat/completions", content=b"[1, 2]", headers=auth), 400, "invalid_request")
+        _error(
+            client.post("/v1/chat/completions", content=b" " * 3000, headers=auth), 413, "request_too_large"
+        )
+        _error(
+            client.post("/v1/chat/completions", json={**body, "model": "no-such-model"}, headers=auth),
+            404,
+            "model_not_found",
+        )
+        _error(client.get("/v1/chat/completions", headers=auth), 405, "method_not_allowed")
+        _error(client.post("/no/such/path", headers=auth), 404, "not_found")
+
+        # admin: drain takes the node out of rotation, undrain puts it back
+        _error(client.post("/admin/nodes/n1/drain"), 401, "invalid_admin_key")
+        _error(client.post("/admin/nodes/n1/drain", headers=auth), 401, "invalid_admin_key")
+        _error(client.post("/admin/nodes/ghost/drain", headers=admin), 404, "node_not_found")
+        assert client.post("/admin/nodes/n1/drain", headers=admin).json() == {
+            "node_id": "n1",
+            "drained": True,
+        }
+        _error(client.post("/v1/chat/completions", json=body, headers=auth), 503, "no_nodes")
+        assert client.get("/api/pool").json()["nodes"][0]["drained"] is True
+        assert client.post("/admin/nodes/n1/undrain", headers=admin).status_code == 200
+        assert client.post("/v1/chat/completions", json=body, headers=auth).status_code == 200
+
+        view = client.get("/api/pool").json()
+        assert set(view) == {"ts_ms", "router_id", "redis_ok", "pool", "nodes"}
+        assert set(view["pool"]) == {
+            "capacity",
+            "busy",
+            "queued",
+            "nodes_total",
+            "nodes_ready",
+            "requests_per_s",
+            "rejections_per_s",
+            "saturation",
+        }
+        node = view["nodes"][0]
+        assert node["node_id"] == "n1" and node["capacity"] == 2 and node["circuit"] == "closed"
+        assert {"reserved", "drained", "memory", "models"} <= set(node)
+        assert model in node["models"]
+
+        metrics = client.get("/metrics").text
+        for name in (
+            "macpool_requests_total",
+            "macpool_rejections_total",
+            "macpool_queue_depth",
+            "macpool_queue_wait_seconds",
+            "macpool_ttft_seconds",
+            "macpool_request_duration_seconds",
+            "macpool_upstream_errors_total",
+            "macpool_pool_slots",
+            "macpool_nodes",
+            "macpool_pool_saturation",
+        ):
+            assert f"# TYPE {name}" in metrics, name
+        assert 'macpool_rejections_total{reason="no_nodes"} 2.0' in metrics
+        wait_until(lambda: 'macpool_pool_slots{state="total"} 2.0' in client.get("/metrics").text)

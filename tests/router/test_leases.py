@@ -1,0 +1,59 @@
+"""A slot's life: freed when the client leaves, renewed while a stream lives, never leaked by a crash."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import redis
+
+from macpool.contract import Keys, now_ms
+from tests.router.conftest import Pool, wait_until
+
+LEASE_S = 2.0
+
+
+def test_disconnect_renewal_and_crash(pool: Pool, redis_url: str) -> None:
+    node = pool.node("n1", cap=1, speed=1)
+    router = pool.router("--queue-size", "0", "--lease-seconds", str(LEASE_S))
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+    store = redis.Redis.from_url(redis_url)
+    slots = Keys().reservations(node.node_id)
+
+    def live() -> int:
+        return int(store.zcount(slots, now_ms(), "+inf"))
+
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": 4000,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        # a client that goes away frees the slot on the node within about a second
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            chunks = response.iter_raw()  # keep a reference: a collected iterator closes the connection
+            next(chunks)
+            assert live() == 1
+            left = time.monotonic()
+        wait_until(lambda: live() == 0, timeout=5, interval=0.02)
+        wait_until(lambda: node.sim_stats()["processing"] == 0, timeout=5, interval=0.02)
+        assert time.monotonic() - left < 1.5  # generous for a loaded 2-core machine; typically ~10 ms
+
+        # a live stream keeps its lease past the lease time (the renewal loop)
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            chunks = response.iter_raw()
+            next(chunks)
+            started = time.monotonic()
+            while time.monotonic() - started < LEASE_S * 2:
+                next(chunks)
+            assert live() == 1
+
+            # kill -9 the router mid-stream: the reservation dies with its lease, nothing leaks
+            router.child.kill()
+            killed = time.monotonic()
+            wait_until(lambda: live() == 0, timeout=LEASE_S + 10)
+            assert time.monotonic() - killed <= LEASE_S + 5
+    store.close()

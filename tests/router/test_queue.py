@@ -1,0 +1,58 @@
+"""The bounded queue: a waiter wakes when a slot frees anywhere; a waiter that waits too long gets 503."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+from tests.router.conftest import Pool, wait_until
+
+
+def _metric(router_url: str, name: str) -> float:
+    for line in httpx.get(router_url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool) -> None:
+    pool.node("n1", cap=1, speed=1)
+    patient = pool.router("--queue-size", "4", "--queue-timeout", "60")
+    hasty = pool.router("--queue-size", "4", "--queue-timeout", "1")
+    pool.wait_ready(patient, nodes=1)
+    pool.wait_ready(hasty, nodes=1)
+    model = pool.model(patient)
+    long_body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": 4000,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    short_body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    answers: list[httpx.Response] = []
+
+    with httpx.Client(timeout=90) as client:
+        with client.stream("POST", patient.url + "/v1/chat/completions", json=long_body) as held:
+            chunks = held.iter_raw()  # keep a reference: a collected iterator closes the connection
+            next(chunks)
+            waiter = threading.Thread(
+                target=lambda: answers.append(
+                    client.post(patient.url + "/v1/chat/completions", json=short_body)
+                )
+            )
+            waiter.start()
+            wait_until(lambda: httpx.get(patient.url + "/api/pool").json()["pool"]["queued"] == 1)
+
+            # the other replica's waiter is not woken by anything and times out with an honest 503
+            timed_out = client.post(hasty.url + "/v1/chat/completions", json=short_body)
+            assert timed_out.status_code == 503
+            assert timed_out.json()["error"]["code"] == "queue_timeout"
+            assert timed_out.headers["x-macpool-reason"] == "queue_timeout"
+            assert 1 <= int(timed_out.headers["retry-after"]) <= 30
+        # the held stream ends: its slot is freed, the queued request is admitted
+        waiter.join(timeout=60)
+    assert answers and answers[0].status_code == 200, answers
+    assert _metric(patient.url, "macpool_queue_wait_seconds_count") == 1
+    assert _metric(hasty.url, 'macpool_rejections_total{reason="queue_timeout"}') == 1
+    wait_until(lambda: httpx.get(patient.url + "/api/pool").json()["pool"]["queued"] == 0)

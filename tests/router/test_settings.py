@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from macpool.procs import macpool_argv
+from router.auth import KeyRing, load_key_digests
+from router.cli import build_settings
+from router.settings import ConfigError
+
+
+def test_flags_beat_env_beat_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text("[router]\nqueue_size = 5\nqueue_timeout = 7.5\nlease-seconds = 9\n")
+    monkeypatch.setenv("MACPOOL_QUEUE_TIMEOUT", "3")
+    monkeypatch.setenv("MACPOOL_LEASE_SECONDS", "11")
+    settings = build_settings(["--config", str(config), "--lease-seconds", "12"])
+    assert (settings.queue_size, settings.queue_timeout, settings.lease_seconds) == (5, 3.0, 12.0)
+
+
+def test_bad_value_names_key_and_value() -> None:
+    with pytest.raises(ConfigError, match=r"queue_size=-1"):
+        build_settings(["--queue-size", "-1"])
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path: Path) -> None:
+    result = subprocess.run(
+        macpool_argv("router", "--config", str(tmp_path / "missing.toml")), capture_output=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert result.stderr.decode().strip().count("\n") == 0
+    assert b"missing.toml" in result.stderr
+
+
+def test_api_keys_file_accepts_digests_and_plaintext(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"# clients\nplain-key\n\n{hashlib.sha256(b'hashed-key').hexdigest()}\n")
+    ring = KeyRing(load_key_digests(keys))
+    assert ring.accepts("plain-key") and ring.accepts("hashed-key")
+    assert not ring.accepts("other") and not ring.accepts(None)
+    assert KeyRing([]).accepts(None)
