@@ -36,6 +36,7 @@ class Dashboard:
 
     def __init__(self, watch: ScaleWatch) -> None:
         self.watch = watch
+        self.viewers = 0  # open SSE streams
 
     async def page(self, request: Request) -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
@@ -51,17 +52,24 @@ class Dashboard:
         )
 
     async def _frames(self, request: Request) -> AsyncIterator[bytes]:
-        yield b"retry: 2000\n\n"
-        yield _event("history", {"points": list(self.watch.history)})
-        while not await request.is_disconnected():
-            try:
-                frame = await self.watch.sample()
-                last = self.watch.history[-1] if self.watch.history else None
-                yield _event("pool", {"view": frame.view, "scale": frame.hint.as_dict(), "point": last})
-            except Exception as exc:  # a failed read is shown on the page; the stream goes on
-                log.warning("dashboard sample failed: %s", exc)
-                yield _event("problem", {"message": f"pool view unavailable: {type(exc).__name__}"})
-            await asyncio.sleep(STREAM_INTERVAL_S)
+        self.viewers += 1
+        try:
+            yield b"retry: 2000\n\n"
+            yield _event("history", {"points": list(self.watch.history)})
+            while not await request.is_disconnected():
+                yield await self._frame()
+                await asyncio.sleep(STREAM_INTERVAL_S)
+        finally:
+            self.viewers -= 1
+
+    async def _frame(self) -> bytes:
+        try:
+            frame = await self.watch.sample()
+        except Exception as exc:  # a failed read is shown on the page; the stream goes on
+            log.warning("dashboard sample failed: %s", exc)
+            return _event("problem", {"message": f"pool view unavailable: {type(exc).__name__}"})
+        last = self.watch.history[-1] if self.watch.history else None
+        return _event("pool", {"view": frame.view, "scale": frame.hint.as_dict(), "point": last})
 
 
 def routes(pool_json: PoolSource, settings: Any, watch: ScaleWatch | None = None) -> list[BaseRoute]:

@@ -1,0 +1,66 @@
+"""The dashboard's SSE stream: pushes the pool view, and ends its loop when the viewer goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+
+from macpool.redis_server import free_port
+from router.dashboard import Dashboard, routes
+
+VIEW: dict[str, Any] = {
+    "ts_ms": 1, "router_id": "r1", "redis_ok": True,
+    "pool": {"capacity": 8, "busy": 3, "queued": 0, "nodes_total": 1, "nodes_ready": 1,
+             "requests_per_s": 1.0, "rejections_per_s": 0.0, "saturation": 0.375},
+    "nodes": [{"node_id": "mac-1", "capacity": 8, "state": "ready", "in_flight": 3}],
+}
+
+
+def test_stream_pushes_frames_and_stops_when_the_client_disconnects() -> None:
+    table = routes(lambda: VIEW, settings=object())
+    dashboard = next(r.endpoint.__self__ for r in table if getattr(r, "path", "") == "/api/pool/stream")  # type: ignore[attr-defined]
+    assert isinstance(dashboard, Dashboard)
+
+    async def scenario() -> list[dict[str, Any]]:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(Starlette(routes=table), port=port, log_level="warning"))
+        serving = asyncio.create_task(server.serve())
+        events: list[dict[str, Any]] = []
+        try:
+            for _ in range(500):
+                if server.started:
+                    break
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(timeout=10) as client:
+                for _ in range(3):  # three viewers, one after another
+                    async with client.stream("GET", f"http://127.0.0.1:{port}/api/pool/stream") as response:
+                        assert response.headers["content-type"].startswith("text/event-stream")
+                        kind = ""
+                        async for line in response.aiter_lines():
+                            if line.startswith("event: "):
+                                kind = line[7:]
+                            elif line.startswith("data: ") and kind == "pool":
+                                events.append(json.loads(line[6:]))
+                                if len(events) % 2 == 0:
+                                    break
+                scale = (await client.get(f"http://127.0.0.1:{port}/api/pool/scale")).json()
+                assert scale["current_nodes"] == 1
+            for _ in range(200):
+                if dashboard.viewers == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert dashboard.viewers == 0, "a stream kept running after its client left"
+            return events
+        finally:
+            server.should_exit = True
+            await serving
+
+    events = asyncio.run(scenario())
+    assert len(events) == 6
+    assert events[0]["view"]["nodes"][0]["node_id"] == "mac-1"
+    assert set(events[0]["scale"]) >= {"current_nodes", "desired_nodes", "saturation", "reason"}
