@@ -75,7 +75,9 @@ class Pool:
 
     @property
     def router_url(self) -> str:
-        return f"http://{self.settings.host}:{self.settings.port}"
+        # a wildcard bind is reached (and loaded, with --load) through loopback
+        host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "::", "") else self.settings.host
+        return f"http://{host}:{self.settings.port}"
 
     def spawn(self, name: str, *args: str) -> Child:
         # start() runs in a thread; stop() may come from a signal meanwhile and must see every child
