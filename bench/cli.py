@@ -9,6 +9,7 @@ import sys
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "sweep": ("bench.sweep", "step concurrency up against one server and record the curve"),
     "seed-table": ("bench.seed_table", "reproduce the seed's measured table on the simulated M5 Max"),
+    "overload": ("bench.overload", "2x overload with the router's admission control vs straight at the Macs"),
 }
 
 
