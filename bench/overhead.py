@@ -1,0 +1,205 @@
+"""``macpool bench overhead``: what the router (and the agent) add to TTFT and latency.
+
+One simulator at high speed on a roomy machine (so the proxies are what is measured), and three paths to it,
+measured one after the other at each concurrency level with the same closed-loop streaming client:
+
+- ``direct``: client -> simulator;
+- ``routed``: client -> router -> agent -> simulator (the real deployment path);
+- ``router_only``: client -> a second router -> simulator (the simulator registered as a node by the bench),
+  to split the added time between the router and the agent.
+
+Per level: TTFT (first SSE event) and latency p50/p99 for each path, and ``ttft_added_p50_ms`` /
+``ttft_added_p99_ms`` (routed minus direct), plus the same for ``router_only``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from bench.perfkit import (
+    MODEL,
+    Stack,
+    build_request,
+    chat_json,
+    cpu_seconds,
+    dump,
+    raw_load,
+    summarize,
+    wait_nodes,
+    write_machine,
+)
+from macpool.contract import Keys, NodeDoc, heartbeat_ttl_ms, now_ms
+
+LEVELS = [1, 16, 64, 256]
+TARGET_P50_MS = 1.0
+TARGET_P99_MS = 5.0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="macpool bench overhead", description=__doc__.split("\n\n")[0])
+    p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="comma-separated concurrency levels")
+    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per path and level")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds before each measurement")
+    p.add_argument("--speed", type=float, default=1000.0, help="simulator speed")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=16)
+    p.add_argument("--no-router-only", action="store_true", help="skip the router -> simulator path")
+    p.add_argument("--json", type=Path)
+    return p
+
+
+class Heartbeats:
+    """Writes one node's heartbeat every second from a thread (for a node with no agent)."""
+
+    def __init__(self, redis_url: str, keys: Keys, doc: NodeDoc) -> None:
+        self.redis_url = redis_url
+        self.keys = keys
+        self.doc = doc
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bench-heartbeats", daemon=True)
+
+    def _beat(self, redis: Redis) -> None:
+        doc = self.doc.model_copy(update={"updated_at_ms": now_ms()})
+        raw = doc.encode()
+        pipe = redis.pipeline(transaction=True)
+        pipe.hset(
+            self.keys.node(doc.node_id), mapping={"doc": raw, "capacity": doc.capacity, "state": doc.state}
+        )
+        pipe.pexpire(self.keys.node(doc.node_id), heartbeat_ttl_ms(1.0))
+        pipe.zadd(self.keys.nodes, {doc.node_id: doc.updated_at_ms})
+        pipe.publish(self.keys.events, f"node {raw}")
+        pipe.execute()
+
+    def _run(self) -> None:
+        with Redis.from_url(self.redis_url) as redis:
+            while not self.stop.is_set():
+                with contextlib.suppress(Exception):
+                    self._beat(redis)
+                self.stop.wait(1.0)
+
+    def __enter__(self) -> Heartbeats:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def measure(
+    port: int, path: str, concurrency: int, args: argparse.Namespace, pids: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """One closed-loop run; with ``pids``, also the CPU ms those processes spent per request."""
+    serial = itertools.count()
+    cpu0 = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
+
+    def make(client: int) -> bytes:
+        salt = f"c{client}-r{next(serial)}"
+        return build_request(path, chat_json(True, args.max_tokens, args.prompt_tokens, salt))
+
+    try:
+        import uvloop
+
+        records = uvloop.run(
+            raw_load(port, make, concurrency, duration_s=args.duration, warmup_s=args.warmup)
+        )
+    except ImportError:
+        records = asyncio.run(
+            raw_load(port, make, concurrency, duration_s=args.duration, warmup_s=args.warmup)
+        )
+    result = summarize(records)
+    if result["ok"]:
+        for name, pid in (pids or {}).items():
+            spent = cpu_seconds(pid) - cpu0[name]
+            result[f"{name}_cpu_ms_per_request"] = round(spent / result["ok"] * 1000.0, 3)
+    return result
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 3)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    levels = [int(x) for x in args.levels.split(",") if x]
+    parallel = max(levels) + 8
+    with Stack() as stack:
+        redis_url = stack.start_redis()
+        machine = write_machine(stack.logs)
+        sim = stack.sim("sim", machine, parallel, args.speed)
+        agent = stack.agent("agent", sim.url, redis_url, "bench-agent-node", cap=parallel)
+        router = stack.router("router", redis_url, "--queue-size", "0")
+        wait_nodes(router.url, 1)
+        paths: dict[str, tuple[int, str, dict[str, int]]] = {
+            "direct": (sim.port, "/v1/chat/completions", {}),
+            "routed": (router.port, "/v1/chat/completions", {"router": router.pid, "agent": agent.pid}),
+        }
+        beats: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if not args.no_router_only:
+            keys = Keys("bench-direct:")
+            doc = NodeDoc(
+                node_id="bench-sim-direct",
+                url=sim.url,
+                models=[MODEL],
+                capacity=parallel,
+                total_slots=parallel,
+                state="ready",
+                agent_version="bench",
+            )
+            beats = Heartbeats(redis_url, keys, doc)
+        with beats:
+            if not args.no_router_only:
+                direct_router = stack.router(
+                    "router-only", redis_url, "--queue-size", "0", "--key-prefix", "bench-direct:"
+                )
+                wait_nodes(direct_router.url, 1)
+                paths["router_only"] = (
+                    direct_router.port,
+                    "/v1/chat/completions",
+                    {"router": direct_router.pid},
+                )
+            out: dict[str, Any] = {}
+            for level in levels:
+                row: dict[str, Any] = {}
+                for name, (port, path, pids) in paths.items():
+                    row[name] = measure(port, path, level, args, pids)
+                d, r = row["direct"], row["routed"]
+                row["ttft_added_p50_ms"] = _diff(r["ttft_p50_ms"], d["ttft_p50_ms"])
+                row["ttft_added_p99_ms"] = _diff(r["ttft_p99_ms"], d["ttft_p99_ms"])
+                row["latency_added_p50_ms"] = _diff(r["latency_p50_ms"], d["latency_p50_ms"])
+                row["latency_added_p99_ms"] = _diff(r["latency_p99_ms"], d["latency_p99_ms"])
+                if "router_only" in row:
+                    o = row["router_only"]
+                    row["router_only_ttft_added_p50_ms"] = _diff(o["ttft_p50_ms"], d["ttft_p50_ms"])
+                    row["router_only_ttft_added_p99_ms"] = _diff(o["ttft_p99_ms"], d["ttft_p99_ms"])
+                out[str(level)] = row
+                print(
+                    json.dumps({"level": level, **{k: v for k, v in row.items() if "added" in k}}), flush=True
+                )
+    at64 = out.get("64", {})
+    p50, p99 = at64.get("ttft_added_p50_ms"), at64.get("ttft_added_p99_ms")
+    return {
+        "bench": "overhead",
+        "levels": out,
+        "max_tokens": args.max_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "sim_speed": args.speed,
+        "target": {"at": 64, "ttft_added_p50_ms": TARGET_P50_MS, "ttft_added_p99_ms": TARGET_P99_MS},
+        "target_met": bool(
+            p50 is not None and p99 is not None and p50 <= TARGET_P50_MS and p99 <= TARGET_P99_MS
+        ),
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    dump(run(args), args.json)
+    return 0

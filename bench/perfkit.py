@@ -1,0 +1,804 @@
+"""Shared pieces of the performance benches (overhead, relay, reject, peers, scale).
+
+- ``FastUpstream``: a tiny HTTP/1.1 server (asyncio protocol + httptools) that answers OpenAI-shaped chat
+  completions as fast as possible: SSE events written one per write, optionally paced, or a short JSON body.
+  It can pose as ``N`` pool nodes (``/n{i}/v1/...``) and write their heartbeats, tracks in-flight requests per
+  node and counts every time a node held more than its capacity (over-admission). The simulator models a
+  Mac's physics; this upstream exists so that the *router* is what a relay benchmark measures.
+  Run it as ``python -m bench.perfkit upstream --port P ...``.
+- ``raw_load``: a closed-loop HTTP/1.1 load client on raw asyncio protocols (keep-alive, no JSON parsing),
+  cheap enough that one core drives a router core to saturation. It records status, time to the first SSE
+  event, latency and the number of SSE events and body reads of every request.
+- ``Stack``: the real processes of one run (Redis-protocol server, upstreams, simulators, agents, routers,
+  peers), on loopback, optionally pinned to a CPU with ``taskset``, stopped in ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import httptools
+import httpx
+
+from macpool.contract import Keys, NodeDoc, heartbeat_ttl_ms, now_ms, remove_node, write_heartbeat
+from macpool.procs import Child, ProcessError, macpool_argv
+from macpool.redis_server import RedisServer, free_port
+
+MODEL = "sim"
+LOOP = "127.0.0.1"
+
+# --- statistics --------------------------------------------------------------------------------------
+
+
+def pct(values: Sequence[float], p: float) -> float | None:
+    """The ``p``-th percentile (nearest rank) of ``values``, or None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def ms(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value * 1000.0, digits)
+
+
+def med(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# --- the fast upstream ------------------------------------------------------------------------------
+
+
+def sse_event(text: str = "tok", finish: str | None = None) -> bytes:
+    chunk = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {"index": 0, "delta": {"content": text} if finish is None else {}, "finish_reason": finish}
+        ],
+    }
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk_frame(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+def completion_body(tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "tok " * tokens},
+                    "finish_reason": "length",
+                }
+            ],
+            "usage": {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens},
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+@dataclass
+class UpstreamConfig:
+    events: int = 100  # content events per stream
+    interval_s: float = 0.0  # pause after each event (0: yield to the loop every event)
+    first_delay_s: float = 0.0  # before the response head
+    capacity: int = 0  # per node; 0 = unlimited (no over-admission accounting)
+    nodes: int = 1
+    tokens: int = 16  # non-streaming completion size
+
+
+@dataclass
+class NodeStats:
+    in_flight: int = 0
+    max_in_flight: int = 0
+    over_capacity: int = 0  # requests that arrived while the node already held ``capacity``
+    served: int = 0
+
+
+class FastUpstream:
+    def __init__(self, config: UpstreamConfig) -> None:
+        self.config = config
+        self.stats: dict[str, NodeStats] = {}
+        self.event = _chunk_frame(sse_event())
+        done = _chunk_frame(b"data: [DONE]\n\n")
+        self.tail = _chunk_frame(sse_event(finish="length")) + done + b"0\r\n\r\n"
+        self.json_body = completion_body(config.tokens)
+
+    def node(self, name: str) -> NodeStats:
+        stats = self.stats.get(name)
+        if stats is None:
+            stats = self.stats[name] = NodeStats()
+        return stats
+
+    def stats_json(self) -> dict[str, Any]:
+        nodes = {k: vars(v) for k, v in sorted(self.stats.items())}
+        return {
+            "nodes": nodes,
+            "capacity": self.config.capacity,
+            "max_in_flight": max((v.max_in_flight for v in self.stats.values()), default=0),
+            "over_capacity": sum(v.over_capacity for v in self.stats.values()),
+            "served": sum(v.served for v in self.stats.values()),
+        }
+
+
+class _ServerConn(asyncio.Protocol):
+    def __init__(self, server: FastUpstream) -> None:
+        self.server = server
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.body: list[bytes] = []
+        self.closed = False
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.busy = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.writable.set()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        method = self.parser.get_method()
+        path = self.url.split(b"?", 1)[0]
+        body = b"".join(self.body)
+        self.url, self.body = b"", []
+        asyncio.get_running_loop().create_task(self.handle(method, path, body))
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def respond(self, status: str, body: bytes, content_type: bytes = b"application/json") -> None:
+        self.write(
+            b"HTTP/1.1 "
+            + status.encode()
+            + b"\r\ncontent-type: "
+            + content_type
+            + b"\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+
+    async def handle(self, method: bytes, path: bytes, body: bytes) -> None:
+        if method == b"GET" and path in (b"/health", b"/v1/health"):
+            self.respond("200 OK", b'{"status":"ok"}')
+            return
+        if method == b"GET" and path.endswith(b"/models"):
+            data = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
+            self.respond("200 OK", json.dumps(data).encode())
+            return
+        if method == b"GET" and path == b"/stats":
+            self.respond("200 OK", json.dumps(self.server.stats_json()).encode())
+            return
+        if method == b"POST" and path == b"/reset":
+            self.server.stats.clear()
+            self.respond("200 OK", b"{}")
+            return
+        if method != b"POST" or not path.endswith(b"completions"):
+            self.respond("404 Not Found", b'{"error":{"message":"not found","code":404}}')
+            return
+        parts = path.split(b"/")
+        name = parts[1].decode() if len(parts) > 2 and parts[1].startswith(b"n") else "n"
+        config = self.server.config
+        stats = self.server.node(name)
+        if config.capacity and stats.in_flight >= config.capacity:
+            stats.over_capacity += 1
+        stats.in_flight += 1
+        stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
+        try:
+            if config.first_delay_s:
+                await asyncio.sleep(config.first_delay_s)
+            if b'"stream":true' in body or b'"stream": true' in body:
+                await self.stream(config)
+            else:
+                self.respond("200 OK", self.server.json_body)
+            stats.served += 1
+        finally:
+            stats.in_flight -= 1
+
+    async def stream(self, config: UpstreamConfig) -> None:
+        self.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        event = self.server.event
+        interval = config.interval_s
+        for _ in range(config.events):
+            if self.closed:
+                return
+            self.write(event)
+            if not self.writable.is_set():
+                await self.writable.wait()
+            await asyncio.sleep(interval)
+        self.write(self.server.tail)
+
+
+async def _heartbeats(
+    redis_url: str, upstream: FastUpstream, port: int, prefix: str, stop: asyncio.Event
+) -> None:
+    from redis.asyncio import Redis
+
+    keys = Keys()
+    config = upstream.config
+    redis = Redis.from_url(redis_url)
+    started = now_ms()
+    names = [f"{prefix}{i}" for i in range(config.nodes)]
+    try:
+        while not stop.is_set():
+            for i, name in enumerate(names):
+                doc = NodeDoc(
+                    node_id=name,
+                    url=f"http://{LOOP}:{port}/n{i}",
+                    models=[MODEL],
+                    capacity=config.capacity or 1_000_000,
+                    total_slots=config.capacity or 1_000_000,
+                    state="ready",
+                    reason="bench upstream",
+                    agent_version="bench",
+                    started_at_ms=started,
+                    updated_at_ms=now_ms(),
+                )
+                await write_heartbeat(redis, keys, doc, heartbeat_ttl_ms(1.0))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+    finally:
+        with contextlib.suppress(Exception):
+            for name in names:
+                await remove_node(redis, keys, name)
+        await redis.aclose()
+
+
+async def serve_upstream(port: int, config: UpstreamConfig, redis_url: str | None, prefix: str) -> None:
+    loop = asyncio.get_running_loop()
+    upstream = FastUpstream(config)
+    server = await loop.create_server(lambda: _ServerConn(upstream), LOOP, port, backlog=4096)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    beats = asyncio.create_task(_heartbeats(redis_url, upstream, port, prefix, stop)) if redis_url else None
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        if beats is not None:
+            stop.set()
+            await beats
+
+
+def upstream_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.perfkit upstream")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--events", type=int, default=100)
+    p.add_argument("--interval-ms", type=float, default=0.0)
+    p.add_argument("--first-delay-ms", type=float, default=0.0)
+    p.add_argument("--capacity", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--redis-url", help="write heartbeats for the nodes (/n0 .. /n{N-1}) into this pool")
+    p.add_argument("--node-prefix", default="fast-")
+    a = p.parse_args(argv)
+    config = UpstreamConfig(
+        a.events, a.interval_ms / 1000.0, a.first_delay_ms / 1000.0, a.capacity, a.nodes, a.tokens
+    )
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve_upstream(a.port, config, a.redis_url, a.node_prefix))
+    return 0
+
+
+# --- the raw load client ----------------------------------------------------------------------------
+
+
+@dataclass
+class Rec:
+    status: int  # 0: connection failed
+    latency_s: float
+    ttft_s: float | None  # first SSE event (streams) / first body byte
+    events: int = 0  # "data: " occurrences in the body
+    reads: int = 0  # body pieces received (how coalesced the events arrived)
+    retry_after: bool = False
+    reason: str = ""
+
+
+class _ClientConn(asyncio.Protocol):
+    def __init__(self, tally: list[int] | None = None) -> None:
+        self.tally = tally if tally is not None else [0, 0]
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future[Rec] | None = None
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reset(0.0)
+
+    def _reset(self, started: float) -> None:
+        self.started = started
+        self.first: float | None = None
+        self.events = 0
+        self.reads = 0
+        self.carry = b""
+        self.header = b""
+        self.retry_after = False
+        self.reason = ""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
+        if self.done is not None and not self.done.done():
+            self.done.set_result(Rec(0, time.perf_counter() - self.started, None))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lname = name.lower()
+        if lname == b"retry-after":
+            self.retry_after = True
+        elif lname == b"x-macpool-reason":
+            self.reason = value.decode()
+
+    def on_body(self, body: bytes) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.reads += 1
+        joined = self.carry + body
+        found = joined.count(b"data: ")
+        self.events += found
+        self.tally[0] += found
+        self.tally[1] += 1
+        self.carry = joined[-5:]
+
+    def on_message_complete(self) -> None:
+        now = time.perf_counter()
+        ttft = None if self.first is None else self.first - self.started
+        rec = Rec(
+            self.parser.get_status_code(),
+            now - self.started,
+            ttft,
+            self.events,
+            self.reads,
+            self.retry_after,
+            self.reason,
+        )
+        if self.done is not None and not self.done.done():
+            self.done.set_result(rec)
+
+    async def request(self, raw: bytes) -> Rec:
+        assert self.transport is not None
+        self._reset(time.perf_counter())
+        self.done = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return await self.done
+
+
+def build_request(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nhost: {LOOP}\r\ncontent-type: application/json\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head += f"content-length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def chat_json(stream: bool, max_tokens: int = 16, prompt_tokens: int = 16, salt: str = "") -> bytes:
+    from simulator import tokens as sim_tokens
+
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": sim_tokens.chat_messages(prompt_tokens, salt=salt or "bench"),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
+
+
+async def raw_load(
+    port: int,
+    make_request: Callable[[int], bytes],
+    concurrency: int,
+    duration_s: float | None = None,
+    requests: int | None = None,
+    host: str = LOOP,
+    warmup_s: float = 0.0,
+    tally: list[int] | None = None,
+) -> list[Rec]:
+    """``concurrency`` keep-alive connections in a closed loop; records requests started after warm-up.
+
+    ``tally`` (``[events, body reads]``) is incremented live, for callers that sample rates over a window.
+    """
+    loop = asyncio.get_running_loop()
+    records: list[Rec] = []
+    start = time.perf_counter()
+    measure_from = start + warmup_s
+    deadline = None if duration_s is None else measure_from + duration_s
+    budget = [requests if requests is not None else -1]
+
+    async def connect() -> _ClientConn:
+        _, conn = await loop.create_connection(lambda: _ClientConn(tally), host, port)
+        return conn
+
+    async def worker(index: int) -> None:
+        conn: _ClientConn | None = None
+        try:
+            while True:
+                now = time.perf_counter()
+                if deadline is not None and now >= deadline:
+                    return
+                if budget[0] == 0:
+                    return
+                if budget[0] > 0:
+                    budget[0] -= 1
+                if conn is None or conn.lost.done():
+                    try:
+                        conn = await connect()
+                    except OSError:
+                        records.append(Rec(0, 0.0, None))
+                        await asyncio.sleep(0.01)
+                        continue
+                rec = await conn.request(make_request(index))
+                if now >= measure_from:
+                    records.append(rec)
+                if not conn.parser.should_keep_alive() and conn.transport is not None:
+                    conn.transport.close()
+                    conn = None
+        finally:
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return records
+
+
+def run_load(*args: Any, **kwargs: Any) -> tuple[list[Rec], float]:
+    """``raw_load`` on a fresh uvloop (when present); returns the records and the measured wall seconds."""
+    try:
+        import uvloop
+
+        runner: Callable[[Any], Any] = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    started = time.perf_counter()
+    records: list[Rec] = runner(raw_load(*args, **kwargs))
+    wall = time.perf_counter() - started - float(kwargs.get("warmup_s", 0.0))
+    return records, wall
+
+
+def summarize(records: list[Rec]) -> dict[str, Any]:
+    ok = [r for r in records if r.status == 200]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    lat = [r.latency_s for r in ok]
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "ttft_p50_ms": ms(pct(ttft, 50)),
+        "ttft_p99_ms": ms(pct(ttft, 99)),
+        "latency_p50_ms": ms(pct(lat, 50)),
+        "latency_p99_ms": ms(pct(lat, 99)),
+    }
+
+
+# --- processes ---------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and all its descendants (nginx's workers, LiteLLM's server process)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(current)
+        todo.extend(children.get(current, []))
+    return total
+
+
+def cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def pinned(argv: list[str], cpu: int | None) -> list[str]:
+    if cpu is None or shutil.which("taskset") is None:
+        return argv
+    return ["taskset", "-c", str(cpu), *argv]
+
+
+def pin_self(cpu: int | None) -> None:
+    """Keep this process (the load client) off the router's core."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def core_plan() -> tuple[int | None, int | None]:
+    """(router core, everything-else core) on a machine with >= 2 cores, else (None, None)."""
+    available = cpus()
+    if len(available) < 2:
+        return None, None
+    return available[0], available[1]
+
+
+@dataclass
+class Proc:
+    child: Child
+    url: str
+    port: int
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+
+@dataclass
+class Stack:
+    """Every process of one benchmark run; ``close`` stops them all (last started first)."""
+
+    logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="macpool-bench-")))
+    children: list[Child] = field(default_factory=list)
+    redis_servers: list[RedisServer] = field(default_factory=list)
+
+    def start_redis(self) -> str:
+        server = RedisServer()
+        self.redis_servers.append(server)
+        server.start()
+        return server.url
+
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        port: int,
+        ready: str = "/health",
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
+        child = Child(argv, name=name, log_path=self.logs / f"{name}.log", env=env)
+        self.children.append(child)
+        child.start()
+        url = f"http://{LOOP}:{port}"
+        child.wait_http(url + ready, timeout=timeout)
+        return Proc(child, url, port)
+
+    def upstream(
+        self,
+        name: str,
+        config: UpstreamConfig,
+        redis_url: str | None = None,
+        prefix: str = "fast-",
+        cpu: int | None = None,
+    ) -> Proc:
+        port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "bench.perfkit",
+            "upstream",
+            "--port",
+            str(port),
+            "--events",
+            str(config.events),
+            "--interval-ms",
+            str(config.interval_s * 1000),
+            "--first-delay-ms",
+            str(config.first_delay_s * 1000),
+            "--capacity",
+            str(config.capacity),
+            "--nodes",
+            str(config.nodes),
+            "--tokens",
+            str(config.tokens),
+            "--node-prefix",
+            prefix,
+        ]
+        if redis_url:
+            argv += ["--redis-url", redis_url]
+        return self.spawn(name, pinned(argv, cpu), port)
+
+    def sim(self, name: str, machine: Path, parallel: int, speed: float, cpu: int | None = None) -> Proc:
+        port = free_port()
+        argv = macpool_argv(
+            "sim",
+            "--machine",
+            str(machine),
+            "--parallel",
+            str(parallel),
+            "--speed",
+            str(speed),
+            "--alias",
+            MODEL,
+            "--port",
+            str(port),
+        )
+        return self.spawn(name, pinned(argv, cpu), port)
+
+    def agent(
+        self, name: str, upstream: str, redis_url: str, node_id: str, cap: int, cpu: int | None = None
+    ) -> Proc:
+        port = free_port()
+        argv = macpool_argv(
+            "agent",
+            "run",
+            "--upstream",
+            upstream,
+            "--redis-url",
+            redis_url,
+            "--node-id",
+            node_id,
+            "--cap",
+            str(cap),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        )
+        return self.spawn(name, pinned(argv, cpu), port)
+
+    def router(self, name: str, redis_url: str, *extra: str, cpu: int | None = None) -> Proc:
+        port = free_port()
+        argv = macpool_argv(
+            "router", "--redis-url", redis_url, "--port", str(port), "--log-level", "warning", *extra
+        )
+        return self.spawn(name, pinned(argv, cpu), port)
+
+    def close(self) -> None:
+        for child in reversed(self.children):
+            with contextlib.suppress(Exception):
+                child.stop(timeout=10)
+        self.children.clear()
+        for server in self.redis_servers:
+            with contextlib.suppress(Exception):
+                server.close()
+        self.redis_servers.clear()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close()
+        if exc_type is None:  # keep the logs of a failed run for the error message that names them
+            shutil.rmtree(self.logs, ignore_errors=True)
+
+
+def wait_nodes(router_url: str, nodes: int, timeout: float = 60.0) -> None:
+    """Until the router's pool view holds ``nodes`` ready nodes."""
+    deadline = time.monotonic() + timeout
+    seen = -1
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            seen = int(httpx.get(router_url + "/api/pool", timeout=5).json()["pool"]["nodes_ready"])
+            if seen >= nodes:
+                return
+        time.sleep(0.1)
+    raise ProcessError(f"router {router_url} saw {seen} of {nodes} ready nodes within {timeout}s")
+
+
+# A machine for overhead runs: the seed box's decode speed, but memory so roomy that hundreds of
+# concurrent short requests never page (the bench measures the proxy, not the Mac).
+FAST_MACHINE: dict[str, Any] = {
+    "name": "bench-fast",
+    "description": "roomy machine for proxy-overhead benchmarks",
+    "model_name": "model-bench.gguf",
+    "total_gb": 4096,
+    "wired_limit_gb": 4000,
+    "weights_gb": 1.0,
+    "base_gb": 0.1,
+    "seq_overhead_gb": 0.001,
+    "kv_mb_per_token": 0.001,
+    "decode_t0_ms": 9.24,
+    "decode_t1_ms": 0.05,
+    "prefill_tok_s": 100000,
+    "paging_scale_gb": 3.5,
+    "paging_exponent": 1.3,
+    "collapse_overflow_gb": 8.0,
+    "ctx_per_slot": 2048,
+    "default_parallel": 8,
+    "typical_prompt_tokens": 64,
+    "typical_output_tokens": 16,
+    "default_n_predict": 16,
+}
+
+
+def write_machine(folder: Path) -> Path:
+    path = folder / "bench-fast.json"
+    path.write_text(json.dumps(FAST_MACHINE))
+    return path
+
+
+def dump(data: dict[str, Any], path: Path | None) -> None:
+    text = json.dumps(data, indent=2)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    print(text)
+
+
+@contextlib.contextmanager
+def cpu_window(pid: int) -> Iterator[dict[str, float]]:
+    """CPU seconds a process used and the wall seconds elapsed inside the block."""
+    out: dict[str, float] = {}
+    cpu0, wall0 = cpu_seconds(pid), time.perf_counter()
+    try:
+        yield out
+    finally:
+        out["cpu_s"] = cpu_seconds(pid) - cpu0
+        out["wall_s"] = time.perf_counter() - wall0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "upstream":
+        return upstream_main(argv[1:])
+    print("usage: python -m bench.perfkit upstream --port P [...]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,125 @@
+"""``macpool bench reject``: how many 503s one router process (one core) returns when the pool is full.
+
+One router pinned to one core with ``--queue-size 0``, one fast upstream node of capacity 1 whose single slot
+is held by a reservation written straight into Redis (a request that never ends), and ``--concurrency``
+closed-loop clients on another core. Every answer should be 503 ``pool_full`` with ``Retry-After``.
+
+Keys: ``rejections_per_s`` (per second of wall time with the router core busy), ``rejections_per_cpu_s``,
+``reject_p50_ms``, ``reject_p99_ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from redis import Redis
+
+from bench.perfkit import (
+    Stack,
+    UpstreamConfig,
+    build_request,
+    chat_json,
+    core_plan,
+    cpu_seconds,
+    dump,
+    ms,
+    pct,
+    pin_self,
+    raw_load,
+    wait_nodes,
+)
+from macpool.contract import RESERVE_OR_ENQUEUE, Keys, now_ms
+
+TARGET_REJECTIONS_PER_S = 5000
+TARGET_P99_MS = 5.0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="macpool bench reject", description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeatable)")
+    p.add_argument("--json", type=Path)
+    return p
+
+
+def fill(redis_url: str, node_id: str, lease_ms: int = 600_000) -> None:
+    """Reserve the node's only slot through the router's own script (as a never-ending request would)."""
+    with Redis.from_url(redis_url) as redis:
+        keys = Keys()
+        result = redis.eval(
+            RESERVE_OR_ENQUEUE, 0, keys.prefix, now_ms(), lease_ms, "bench:holder", 0, 0, 0, node_id, 0, 0.5
+        )
+        if result[0] not in (b"reserved", "reserved"):
+            raise RuntimeError(f"could not fill {node_id}: {result!r}")
+
+
+async def measure(port: int, pid: int, concurrency: int, warmup: float, duration: float) -> dict[str, Any]:
+    raw = build_request("/v1/chat/completions", chat_json(stream=True))
+    load = asyncio.create_task(
+        raw_load(port, lambda _: raw, concurrency, duration_s=duration, warmup_s=warmup)
+    )
+    await asyncio.sleep(warmup)
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    records = await load
+    cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    rejected = [r for r in records if r.status == 503]
+    latencies = [r.latency_s for r in rejected]
+    reasons: dict[str, int] = {}
+    for r in rejected:
+        reasons[r.reason] = reasons.get(r.reason, 0) + 1
+    return {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "rejected_503": len(rejected),
+        "other_status": len(records) - len(rejected),
+        "rejections_per_s": round(len(rejected) / wall, 1),
+        "rejections_per_cpu_s": round(len(rejected) / cpu, 1) if cpu > 0 else None,
+        "router_cpu_util": round(cpu / wall, 3),
+        "reject_p50_ms": ms(pct(latencies, 50)),
+        "reject_p99_ms": ms(pct(latencies, 99)),
+        "retry_after_fraction": round(sum(r.retry_after for r in rejected) / len(rejected), 4)
+        if rejected
+        else 0,
+        "reasons": reasons,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    router_cpu, other_cpu = core_plan()
+    pin_self(other_cpu)
+    with Stack() as stack:
+        redis_url = stack.start_redis()
+        config = UpstreamConfig(events=10, capacity=1, nodes=1)
+        stack.upstream("upstream", config, redis_url=redis_url, prefix="full-", cpu=other_cpu)
+        router = stack.router("router", redis_url, "--queue-size", "0", *args.router_arg, cpu=router_cpu)
+        wait_nodes(router.url, 1)
+        fill(redis_url, "full-0")
+        result = asyncio.run(measure(router.port, router.pid, args.concurrency, args.warmup, args.duration))
+    rate = result["rejections_per_cpu_s"]
+    p99 = result["reject_p99_ms"]
+    return {
+        "bench": "reject",
+        "router_core": router_cpu,
+        "rejections_per_s": rate,
+        "reject_p99_ms": p99,
+        "measured": result,
+        "target_rejections_per_s": TARGET_REJECTIONS_PER_S,
+        "target_p99_ms": TARGET_P99_MS,
+        "target_met": bool(
+            rate and rate >= TARGET_REJECTIONS_PER_S and p99 is not None and p99 <= TARGET_P99_MS
+        ),
+        "notes": "rejections_per_s = 503s per second of router CPU (one core fully used); "
+        "measured.rejections_per_s is the wall rate at measured.router_cpu_util",
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    dump(run(args), args.json)
+    return 0

@@ -1,0 +1,140 @@
+"""``macpool bench relay``: how many SSE chunks and short requests one router process (one core) relays.
+
+One router, pinned with ``taskset`` to one core, in front of one fast upstream node (``bench.perfkit``'s
+``FastUpstream``: the router is what is measured, not a simulated Mac). The load client and the upstream run
+on another core. Two phases:
+
+- streaming: ``--streams`` endless SSE streams, one event per upstream write every ``--interval-ms``;
+  chunks relayed per second of wall time and per second of router CPU, and how coalesced they arrived;
+- requests: ``--concurrency`` closed-loop clients sending short non-streaming completions; requests/s and
+  router CPU seconds per 1,000 requests.
+
+Keys: ``chunks_per_s`` (SSE events relayed per router-core second), ``requests_per_s``, ``cpu_s_per_1000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.perfkit import (
+    Stack,
+    UpstreamConfig,
+    build_request,
+    chat_json,
+    core_plan,
+    cpu_seconds,
+    dump,
+    ms,
+    pct,
+    pin_self,
+    raw_load,
+    wait_nodes,
+)
+
+TARGET_CHUNKS_PER_S = 20_000
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="macpool bench relay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=128, help="concurrent endless SSE streams")
+    p.add_argument("--interval-ms", type=float, default=4.0, help="pause between two events of one stream")
+    p.add_argument("--concurrency", type=int, default=32, help="clients in the non-streaming phase")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds before each measurement window")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds of each measurement window")
+    p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeatable)")
+    p.add_argument("--json", type=Path, help="write the result here")
+    return p
+
+
+async def measure_streams(
+    port: int, pid: int, streams: int, warmup: float, duration: float
+) -> dict[str, Any]:
+    tally = [0, 0]
+    raw = build_request("/v1/chat/completions", chat_json(stream=True))
+    load = asyncio.create_task(raw_load(port, lambda _: raw, streams, tally=tally))
+    try:
+        await asyncio.sleep(warmup)
+        events0, reads0, cpu0, t0 = tally[0], tally[1], cpu_seconds(pid), time.perf_counter()
+        await asyncio.sleep(duration)
+        events, reads = tally[0] - events0, tally[1] - reads0
+        cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    finally:
+        load.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await load
+    return {
+        "streams": streams,
+        "chunks": events,
+        "chunks_per_s_wall": round(events / wall, 1),
+        "chunks_per_cpu_s": round(events / cpu, 1) if cpu > 0 else None,
+        "router_cpu_util": round(cpu / wall, 3),
+        "chunks_per_client_read": round(events / reads, 2) if reads else None,
+    }
+
+
+async def measure_requests(
+    port: int, pid: int, concurrency: int, warmup: float, duration: float
+) -> dict[str, Any]:
+    raw = build_request("/v1/chat/completions", chat_json(stream=False))
+    load = asyncio.create_task(
+        raw_load(port, lambda _: raw, concurrency, duration_s=duration, warmup_s=warmup)
+    )
+    await asyncio.sleep(warmup)
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    records = await load
+    cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    ok = [r for r in records if r.status == 200]
+    latencies = [r.latency_s for r in ok]
+    return {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "requests_per_s": round(len(ok) / wall, 1),
+        "router_cpu_util": round(cpu / wall, 3),
+        "cpu_s_per_1000": round(cpu / len(ok) * 1000, 3) if ok else None,
+        "latency_p50_ms": ms(pct(latencies, 50)),
+        "latency_p99_ms": ms(pct(latencies, 99)),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    router_cpu, other_cpu = core_plan()
+    pin_self(other_cpu)
+    with Stack() as stack:
+        redis_url = stack.start_redis()
+        config = UpstreamConfig(events=10**9, interval_s=args.interval_ms / 1000.0, nodes=1)
+        stack.upstream("upstream", config, redis_url=redis_url, cpu=other_cpu)
+        router = stack.router("router", redis_url, "--queue-size", "0", *args.router_arg, cpu=router_cpu)
+        wait_nodes(router.url, 1)
+        streaming = asyncio.run(
+            measure_streams(router.port, router.pid, args.streams, args.warmup, args.duration)
+        )
+        requests = asyncio.run(
+            measure_requests(router.port, router.pid, args.concurrency, args.warmup, args.duration)
+        )
+    chunks_per_s = streaming["chunks_per_cpu_s"]
+    return {
+        "bench": "relay",
+        "router_core": router_cpu,
+        "chunks_per_s": chunks_per_s,
+        "requests_per_s": requests["requests_per_s"],
+        "cpu_s_per_1000": requests["cpu_s_per_1000"],
+        "streaming": streaming,
+        "non_streaming": requests,
+        "target_chunks_per_s": TARGET_CHUNKS_PER_S,
+        "chunks_target_met": bool(chunks_per_s and chunks_per_s >= TARGET_CHUNKS_PER_S),
+        "notes": "chunks_per_s = SSE events relayed per second of router CPU (one core fully used); "
+        "chunks_per_s_wall is the rate achieved at router_cpu_util",
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    dump(run(args), args.json)
+    return 0

@@ -1,0 +1,124 @@
+"""Smoke tests of the performance benches: tiny parameters, real processes, JSON keys and sane values.
+
+No timing targets here (the machine is shared): speed is what the bench commands themselves report.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import peers
+from macpool.procs import macpool_argv
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def bench(tmp_path: Path, name: str, *args: str, timeout: float = 400) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    result = subprocess.run(
+        macpool_argv("bench", name, *args, "--json", str(out)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, int | float) and value > 0
+
+
+def test_relay(tmp_path: Path) -> None:
+    data = bench(
+        tmp_path, "relay", "--streams", "8", "--concurrency", "4", "--warmup", "0.5", "--duration", "1"
+    )
+    for key in ("chunks_per_s", "requests_per_s", "cpu_s_per_1000"):
+        assert positive(data[key]), (key, data)
+    assert data["streaming"]["chunks"] > 0
+    assert data["non_streaming"]["errors"] == 0
+
+
+def test_reject(tmp_path: Path) -> None:
+    data = bench(tmp_path, "reject", "--concurrency", "4", "--warmup", "0.5", "--duration", "1")
+    assert positive(data["rejections_per_s"])
+    assert positive(data["reject_p99_ms"])
+    measured = data["measured"]
+    assert measured["rejected_503"] > 0 and measured["other_status"] == 0
+    assert measured["retry_after_fraction"] == 1.0
+    assert set(measured["reasons"]) == {"pool_full"}
+
+
+def test_overhead(tmp_path: Path) -> None:
+    data = bench(tmp_path, "overhead", "--levels", "1,4", "--duration", "1", "--warmup", "0.3")
+    assert set(data["levels"]) == {"1", "4"}
+    for row in data["levels"].values():
+        for path in ("direct", "routed", "router_only"):
+            assert row[path]["ok"] > 0 and row[path]["errors"] == 0, row
+        assert isinstance(row["ttft_added_p50_ms"], float)
+        assert isinstance(row["ttft_added_p99_ms"], float)
+        assert positive(row["routed"]["router_cpu_ms_per_request"])
+
+
+def test_scale(tmp_path: Path) -> None:
+    data = bench(
+        tmp_path,
+        "scale",
+        "--nodes",
+        "5",
+        "--capacity",
+        "2",
+        "--events",
+        "4",
+        "--interval-ms",
+        "20",
+        "--duration",
+        "2",
+        "--decisions",
+        "50",
+    )
+    assert data["no_over_admission"] is True and data["over_admission"] == 0
+    assert data["overload_phase"]["max_in_flight_per_node"] <= 2
+    assert data["admitted_phase"]["admitted"] > 0
+    assert positive(data["redis_round_trips_per_admitted"])
+    assert data["routing_decision"]["candidates"] == 5
+    assert positive(data["routing_decision"]["decision_p50_ms"])
+
+
+def test_peers_fails_clearly_without_a_peer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(peers, "VENV", tmp_path / "no-venv")
+    with pytest.raises(peers.PeerError, match="LiteLLM is not installed"):
+        peers.ensure_litellm(install=False)
+
+
+@pytest.mark.skipif(
+    shutil.which("nginx") is None or not (peers.VENV / "bin" / "litellm").exists(),
+    reason="peers not installed (run `macpool bench peers` once to install nginx and LiteLLM)",
+)
+def test_peers(tmp_path: Path) -> None:
+    data = bench(
+        tmp_path,
+        "peers",
+        "--skip-install",
+        "--levels",
+        "2",
+        "--duration",
+        "1",
+        "--warmup",
+        "0.3",
+        "--streams",
+        "4",
+    )
+    row = data["ttft"]["2"]
+    for name in ("direct", "macpool", "nginx", "litellm"):
+        assert row[name]["ok"] > 0, (name, row[name])
+    for name in ("macpool", "nginx", "litellm"):
+        assert positive(data["relay"][name]["chunks_per_s_wall"]), (name, data["relay"])
+    assert "macpool_over_nginx_relay" in data["ratios"]
