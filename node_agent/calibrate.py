@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,9 @@ import httpx
 from .loadgen import Clock, Level, LevelResult
 
 NEAR_LIMIT = 0.85  # pinned at this share of the wired limit "nears" it
-LATENCY_BEND = 2.0  # p50 rising this many times faster per added request than before: the hockey stick
-THROUGHPUT_DROP = 0.97  # throughput below this share of the best so far: falling
+LATENCY_BEND = 1.3  # p50 this far above the line through the earlier levels: the hockey stick
+THROUGHPUT_DROP = 0.9  # throughput below this share of the best so far: falling
+THROUGHPUT_GAIN = 1.05  # less than this gain over the best so far: no longer growing
 PAST_KNEE = 2  # levels measured past the knee, for the curve
 
 
@@ -37,24 +37,26 @@ class Knee:
 def _first_failure(rows: list[LevelResult]) -> tuple[int, str] | None:
     """Index of the first row past the knee, and which signal says so."""
     best = 0.0
-    slopes: list[float] = []
     for i, row in enumerate(rows):
         pinned, limit = row.peak_pinned_gb, row.wired_limit_gb
         if pinned is not None and limit and pinned >= NEAR_LIMIT * limit:
             return i, "memory"
         if i > 0 and row.throughput_tok_s < THROUGHPUT_DROP * best:
             return i, "throughput"
-        if i > 0:
-            prev = rows[i - 1]
-            step = (row.p50_latency_s - prev.p50_latency_s) / (row.concurrency - prev.concurrency)
-            if slopes:
-                # the linear part of the curve so far; a floor keeps a flat start from looking like a bend
-                baseline = max(statistics.median(slopes), 0.02 * rows[0].p50_latency_s)
-                if step > LATENCY_BEND * baseline:
-                    return i, "latency"
-            slopes.append(step)
+        # the hockey stick: p50 well above its line while throughput no longer grows (p50 alone is noisy)
+        bent = i >= 2 and row.p50_latency_s > LATENCY_BEND * _linear_p50(rows[:i], row.concurrency)
+        if bent and row.throughput_tok_s < THROUGHPUT_GAIN * best:
+            return i, "latency"
         best = max(best, row.throughput_tok_s)
     return None
+
+
+def _linear_p50(rows: list[LevelResult], concurrency: int) -> float:
+    """p50 at ``concurrency`` if it kept rising along the least-squares line through the earlier rows."""
+    slope, intercept = _line([(r.concurrency, r.p50_latency_s) for r in rows])
+    if slope is None or intercept is None:
+        return rows[-1].p50_latency_s
+    return max(intercept + max(slope, 0.0) * concurrency, rows[-1].p50_latency_s)
 
 
 def find_knee(rows: list[LevelResult]) -> Knee:
@@ -74,6 +76,13 @@ def find_knee(rows: list[LevelResult]) -> Knee:
 def _memory_line(rows: list[LevelResult]) -> tuple[float | None, float | None]:
     """Least-squares pinned = weights + c x per_request over the healthy rows."""
     points = [(r.concurrency, r.peak_pinned_gb) for r in rows if r.peak_pinned_gb is not None]
+    slope, intercept = _line(points)
+    if slope is None or intercept is None:
+        return None, None
+    return round(slope, 4), round(intercept, 3)
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float | None, float | None]:
     if len(points) < 2:
         return None, None
     n = len(points)
@@ -83,14 +92,14 @@ def _memory_line(rows: list[LevelResult]) -> tuple[float | None, float | None]:
     if var == 0:
         return None, None
     slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / var
-    return round(slope, 4), round(mean_y - slope * mean_x, 3)
+    return slope, mean_y - slope * mean_x
 
 
 @dataclass
 class CalibrateOptions:
     upstream: str
     prompt_tokens: int = 4096
-    max_tokens: int = 256
+    max_tokens: int = 1024
     max_concurrency: int = 24
     step: int = 1
     window_requests: int = 0  # 0: 2 x concurrency, at least 6
@@ -116,6 +125,14 @@ async def _settle(client: httpx.AsyncClient, base: str) -> None:
         await asyncio.sleep(0.05)
 
 
+async def total_slots(client: httpx.AsyncClient, base: str) -> int | None:
+    """llama-server's slot count: levels above it would queue inside the server and read as latency."""
+    response = await client.get(base + "/props", timeout=10)
+    response.raise_for_status()
+    slots = response.json().get("total_slots")
+    return int(slots) if slots else None
+
+
 async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[LevelResult], Knee]:
     """Measure level after level; stop a few levels past the knee (paging levels are slow, say little)."""
     base = options.upstream.rstrip("/")
@@ -125,7 +142,11 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
         clock = Clock(client, base)
         await clock.detect()
-        for concurrency in options.concurrency_levels():
+        slots = await total_slots(client, base)
+        levels = [c for c in options.concurrency_levels() if slots is None or c <= slots]
+        if not levels:
+            raise ValueError(f"the server has only {slots} slots; start it with --parallel >= the levels")
+        for concurrency in levels:
             await _settle(client, base)
             window = options.window_requests or max(6, 2 * concurrency)
             level = Level(

@@ -80,7 +80,7 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--upstream", required=True, help="llama-server (or `macpool sim`) URL")
     p.add_argument("--prompt-tokens", type=int, default=4096)
-    p.add_argument("--max-tokens", type=int, default=256, help="generated tokens per request")
+    p.add_argument("--max-tokens", type=int, default=1024, help="generated tokens per request")
     p.add_argument("--max-concurrency", type=int, default=24)
     p.add_argument("--step", type=int, default=1)
     p.add_argument("--levels", help="explicit comma-separated concurrency levels instead of 1..max by step")
@@ -159,6 +159,8 @@ def calibrate(argv: list[str]) -> int:
         rows, knee = asyncio.run(cal.sweep(options, progress))
     except httpx.HTTPError as exc:
         raise ConfigError(f"--upstream {a.upstream}: {type(exc).__name__} ({exc})") from exc
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(str(exc)) from exc
     data = cal.result_json(rows, knee, options)
     per_request = "-" if knee.per_request_gb is None else f"{knee.per_request_gb:.2f} GB"
     print(

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from macpool.errors import error_response
+from macpool.errors import error_body, error_response
 
 from .runtime import Runtime
 
@@ -94,8 +94,10 @@ class ProxyResponse(StreamingResponse):
 
     async def _body(self) -> AsyncIterator[bytes]:
         first = True
+        ended = True  # the last chunk closed its SSE event (an error event must not extend a cut one)
         try:
             async for chunk in self._upstream.aiter_raw():
+                ended = chunk.endswith(b"\n\n")
                 if first and self._streamed:
                     elapsed = time.perf_counter() - self._started
                     self._runtime.ttft_samples.append(elapsed)
@@ -103,8 +105,13 @@ class ProxyResponse(StreamingResponse):
                 first = False
                 yield chunk
         except httpx.HTTPError:
-            # a mid-stream upstream failure: end the body; the client sees the stream stop
+            # a mid-stream upstream failure must not look like a normal end: a stream gets an SSE error
+            # event; a plain body is cut off (the connection drops), so the router reports a failure
             self._runtime.metrics.upstream_errors.labels("mid_stream").inc()
+            if not self._streamed:
+                raise
+            event = error_body(502, "llama-server failed mid-stream", "upstream_midstream")
+            yield (b"" if ended else b"\n\n") + b"data: " + event + b"\n\n"
         finally:
             await self._upstream.aclose()
 

@@ -1,14 +1,18 @@
 """A small closed-loop load driver for calibrate: ``c`` clients, each sending its next request when one ends.
 
-Figures are measured on the server's clock where it has one: the simulator reports ``sim_time_s`` in
-``/sim/stats`` (its time runs ``--speed`` times faster than ours); a real llama-server runs on wall time.
-Generated tokens come from llama-server's own ``llamacpp:tokens_predicted_total`` counter.
+Figures are measured on the server's own clock: llama-server (and the simulator, in simulated time) ends
+every stream with ``timings`` (``prompt_ms``, ``predicted_ms``, ``predicted_n``). A request's latency is
+``prompt_ms + predicted_ms``, its TTFT ``prompt_ms``, and a level's throughput follows from Little's law,
+``concurrency x mean tokens / mean latency`` - so client overhead and a simulator running faster than
+real time do not distort the curve. Levels never exceed the server's slots (no queueing inside it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import secrets
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -16,7 +20,11 @@ from typing import Any
 
 import httpx
 
-from .heartbeat import parse_metrics
+WARMUP_ROUNDS = 2  # requests per client before measuring: the first round starts all prefills at once
+
+
+class UpstreamFailing(RuntimeError):
+    """Requests keep failing: the server is down or refusing."""
 
 
 @dataclass
@@ -50,20 +58,20 @@ class Clock:
         except (httpx.HTTPError, ValueError):
             self.simulated = False
 
-    async def now(self) -> float:
-        if self.simulated:
-            response = await self.client.get(self.base + "/sim/stats", timeout=5)
-            return float(response.json()["sim_time_s"])
-        return time.monotonic()
-
     def to_server(self, wall_seconds: float) -> float:
         return wall_seconds * self.speed if self.simulated else wall_seconds
 
 
-async def tokens_predicted(client: httpx.AsyncClient, base: str) -> float:
-    response = await client.get(base + "/metrics", timeout=5)
-    response.raise_for_status()
-    return parse_metrics(response.text).get("llamacpp:tokens_predicted_total", 0.0)
+def final_timings(tail: bytes) -> dict[str, Any] | None:
+    """The ``timings`` object of the last SSE event that carries one."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data: {") and b'"timings"' in line:
+            try:
+                timings = json.loads(line[6:])["timings"]
+            except (ValueError, KeyError):
+                return None
+            return timings if isinstance(timings, dict) else None
+    return None
 
 
 async def memory(client: httpx.AsyncClient, base: str) -> dict[str, Any] | None:
@@ -88,14 +96,16 @@ class Level:
     window_requests: int
     headers: dict[str, str] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
+    _salt: str = field(default_factory=lambda: secrets.token_hex(5))  # unique across levels and runs
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
+    generated: list[float] = field(default_factory=list)
     errors: int = 0
     measuring: bool = False
 
     def _body(self) -> dict[str, Any]:
         # a distinct first block per request, so no slot's prompt cache skips the prefill
-        tag = f"{next(self._ids):08d}"[-8:]
+        tag = f"{self._salt}{next(self._ids):06d}"
         text = (tag + " calibrate " * self.prompt_tokens)[: self.prompt_tokens * 4]
         body: dict[str, Any] = {
             "prompt": text,
@@ -110,20 +120,32 @@ class Level:
     async def _one(self) -> None:
         started = time.monotonic()
         first: float | None = None
+        tail = b""
         async with self.client.stream(
             "POST", self.base + "/v1/completions", json=self._body(), headers=self.headers
         ) as response:
             if response.status_code != 200:
                 await response.aread()
                 raise httpx.HTTPStatusError("bad status", request=response.request, response=response)
-            async for _ in response.aiter_raw():
+            async for chunk in response.aiter_raw():
                 if first is None:
                     first = time.monotonic()
-        if self.measuring:
+                tail = (tail + chunk)[-8192:]
+        if not self.measuring:
+            return
+        timings = final_timings(tail)
+        if timings is not None:
+            prompt_s, predicted_s = timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000
+            self.latencies.append(prompt_s + predicted_s)
+            self.ttfts.append(prompt_s)
+            self.generated.append(float(timings.get("predicted_n", self.max_tokens)))
+        else:  # no timings: the client's clock
             self.latencies.append(self.clock.to_server(time.monotonic() - started))
             self.ttfts.append(self.clock.to_server((first or time.monotonic()) - started))
+            self.generated.append(float(self.max_tokens))
 
-    async def _worker(self, warmed: asyncio.Event, counter: list[int]) -> None:
+    async def _worker(self, index: int, warmed: asyncio.Event, counter: list[int]) -> None:
+        await asyncio.sleep(0.05 * index)  # staggered starts: identical clients would stay in lockstep
         while True:
             try:
                 await self._one()
@@ -132,21 +154,27 @@ class Level:
                 await asyncio.sleep(0.05)
                 continue
             counter[0] += 1
-            if counter[0] >= self.concurrency:
+            if counter[0] >= WARMUP_ROUNDS * self.concurrency:
                 warmed.set()
+
+    def _check_errors(self) -> None:
+        if self.errors > max(20, 2 * self.window_requests):
+            raise UpstreamFailing(f"{self.errors} failed requests at concurrency {self.concurrency}")
 
     async def run(self) -> LevelResult:
         warmed = asyncio.Event()
         counter = [0]
-        workers = [asyncio.create_task(self._worker(warmed, counter)) for _ in range(self.concurrency)]
+        workers = [asyncio.create_task(self._worker(i, warmed, counter)) for i in range(self.concurrency)]
         peak: float | None = None
         limit: float | None = None
         state: str | None = None
         try:
-            await warmed.wait()
+            while not warmed.is_set():
+                self._check_errors()
+                await asyncio.sleep(0.02)
             self.measuring = True
-            t0, tokens0 = await self.clock.now(), await tokens_predicted(self.client, self.base)
             while len(self.latencies) < self.window_requests:
+                self._check_errors()
                 mem = await memory(self.client, self.base)
                 if mem is not None:
                     pinned = float(mem["pinned_gb"])
@@ -154,14 +182,15 @@ class Level:
                         peak, state = pinned, str(mem.get("state"))
                     limit = float(mem["wired_limit_gb"])
                 await asyncio.sleep(0.02)
-            t1, tokens1 = await self.clock.now(), await tokens_predicted(self.client, self.base)
         finally:
             for worker in workers:
                 worker.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+        # Little's law on the requests' own timings: immune to client overhead and to a lagging simulator
+        throughput = self.concurrency * statistics.mean(self.generated) / statistics.mean(self.latencies)
         return LevelResult(
             concurrency=self.concurrency,
-            throughput_tok_s=(tokens1 - tokens0) / max(t1 - t0, 1e-9),
+            throughput_tok_s=throughput,
             p50_latency_s=statistics.median(self.latencies),
             ttft_p50_s=statistics.median(self.ttfts),
             peak_pinned_gb=peak,

@@ -60,9 +60,9 @@ def test_knee_of_the_seed_table() -> None:
 
 
 def test_knee_without_memory_figures_uses_latency_and_throughput() -> None:
-    # a real llama-server: no /sim/memory; the latency bends at 6 while throughput still creeps up
+    # a real llama-server: no /sim/memory; past 6 the latency bends and throughput stops growing
     curve = [(c, 50 * c**0.5, 1 + 0.1 * c, None) for c in range(1, 7)]
-    curve += [(7, 135, 3.0, None), (8, 136, 5.0, None)]
+    curve += [(7, 125, 3.0, None), (8, 126, 5.0, None)]
     knee = find_knee(_rows(curve, None))
     assert knee.recommended_cap == 6
     assert knee.limited_by == "latency"
