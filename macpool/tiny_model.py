@@ -13,6 +13,7 @@ x bytes per cache element (2 for llama-server's default f16 cache).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -82,8 +83,14 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
 
 
 def model_path(variant: str = "tiny") -> Path:
-    """Where ``ensure(variant)`` writes the model (the file name is the model's name on llama-server)."""
-    return cache_root() / "models" / f"v{FORMAT_VERSION}" / f"{variant}.gguf"
+    """Where ``ensure(variant)`` writes the model (the file name is the model's name on llama-server).
+
+    The directory names the generator version and a digest of the variant's shape, so changing either
+    never reuses a stale cached file.
+    """
+    spec = VARIANTS[variant]
+    digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
+    return cache_root() / "models" / f"v{FORMAT_VERSION}-{digest}" / f"{variant}.gguf"
 
 
 # The generated text is printable ASCII (bytes 0x20-0x7E) and never ends early with </s>: residual dimension 0

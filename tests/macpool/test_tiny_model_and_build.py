@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,8 @@ def _sha(path: Path) -> str:
 
 def test_tiny_model_has_the_recordings_shape(cache: Path) -> None:
     path = tiny_model.ensure("tiny")
-    assert path == cache / "models" / f"v{tiny_model.FORMAT_VERSION}" / "tiny.gguf"
+    assert path.name == "tiny.gguf" and path.parent.parent == cache / "models"
+    assert path.parent.name.startswith(f"v{tiny_model.FORMAT_VERSION}-")
     meta = tiny_model.read_metadata(path)
     assert meta["general.architecture"] == "llama"
     assert meta["llama.block_count"] == 2
@@ -55,6 +57,13 @@ def test_only_printable_ascii_can_win_the_output(cache: Path) -> None:
     column0 = np.asarray(output.data)[:, 0]
     favoured = {i - 3 for i in np.flatnonzero(column0 > 0)}
     assert favoured == set(range(0x20, 0x7F))  # byte tokens start at id 3; <unk>, <s>, </s> never win
+
+
+def test_a_changed_shape_gets_its_own_file(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = tiny_model.model_path("tiny")
+    changed = dataclasses.replace(tiny_model.VARIANTS["tiny"], n_layer=3)
+    monkeypatch.setitem(tiny_model.VARIANTS, "tiny", changed)
+    assert tiny_model.model_path("tiny") != before
 
 
 def test_generation_is_deterministic_and_cached(cache: Path, tmp_path: Path) -> None:
