@@ -120,6 +120,7 @@ class Agent:
                 settings.llama_log,
                 settings.restart_backoff_max,
                 on_restart=self.runtime.metrics.restarts.inc,
+                on_url=self._set_upstream,
             )
             self.runtime.upstream_url = self.supervisor.url
             self.runtime.details["llama_server"] = self.supervisor.describe
@@ -153,6 +154,9 @@ class Agent:
             settings.public_url,
             self.runtime.upstream_url,
         )
+
+    def _set_upstream(self, url: str) -> None:
+        self.runtime.upstream_url = url
 
     async def main_loop(self) -> None:
         stop = asyncio.create_task(self.stop_requested.wait())

@@ -61,16 +61,23 @@ _DROP_RESPONSE = frozenset(
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
 
 
+def _connection_listed(connection: str | None) -> set[str]:
+    """Headers a ``Connection`` header names are hop-by-hop too (RFC 9110 7.6.1)."""
+    return {name.strip().lower() for name in (connection or "").split(",")}
+
+
 def _request_headers(request: Request) -> dict[str, str]:
+    listed = _connection_listed(request.headers.get("connection"))
     return {
         name: value
         for name, value in request.headers.items()
-        if name not in _DROP_REQUEST and not name.startswith("x-macpool-")
+        if name not in _DROP_REQUEST and name not in listed and not name.startswith("x-macpool-")
     }
 
 
 def _response_headers(upstream: httpx.Response) -> dict[str, str]:
-    headers = {name: value for name, value in upstream.headers.items() if name.lower() not in _DROP_RESPONSE}
+    drop = _DROP_RESPONSE | _connection_listed(upstream.headers.get("connection"))
+    headers = {name: value for name, value in upstream.headers.items() if name.lower() not in drop}
     if "x-accel-buffering" not in headers and upstream.headers.get("content-type", "").startswith(
         "text/event-stream"
     ):

@@ -49,6 +49,7 @@ class Supervisor:
         log_path: Path | None = None,
         backoff_max: float = 30.0,
         on_restart: Callable[[], None] | None = None,
+        on_url: Callable[[str], None] | None = None,
     ) -> None:
         self.command = command
         self.model = model
@@ -58,6 +59,7 @@ class Supervisor:
         self.log_path = log_path
         self.backoff_max = backoff_max
         self.on_restart = on_restart
+        self.on_url = on_url
         self.port = free_port()
         self.process: asyncio.subprocess.Process | None = None
         self.restarts = 0
@@ -119,6 +121,8 @@ class Supervisor:
         try:
             if not _port_free(self.port):
                 self.port = free_port()
+            if self.on_url:
+                self.on_url(self.url)
             self.process = await asyncio.create_subprocess_exec(
                 *self.argv(),
                 stdin=subprocess.DEVNULL,
@@ -181,6 +185,7 @@ def _port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is fine
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

@@ -16,8 +16,17 @@ def agent(spawn: SpawnFactory, redis_url: str) -> AgentFactory:
 
     def _agent(*args: str, node_id: str = "n1", redis: str | None = None, **kwargs: Any) -> Server:
         return spawn(
-            "agent", "run", "--redis-url", redis or redis_url, "--node-id", node_id,
-            "--heartbeat-interval", INTERVAL, *args, name=f"agent-{node_id}", **kwargs,
+            "agent",
+            "run",
+            "--redis-url",
+            redis or redis_url,
+            "--node-id",
+            node_id,
+            "--heartbeat-interval",
+            INTERVAL,
+            *args,
+            name=f"agent-{node_id}",
+            **kwargs,
         )
 
     return _agent

@@ -97,8 +97,11 @@ def test_client_disconnect_frees_the_slot_within_a_second(sim: SimFactory, agent
     gateway = agent("--upstream", upstream.url)
     wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
     with httpx.stream(
-        "POST", gateway.url + "/v1/chat/completions", json=chat(6000),
-        headers={"X-Conversation-Id": "abc", "X-Request-ID": "req-1"}, timeout=30,
+        "POST",
+        gateway.url + "/v1/chat/completions",
+        json=chat(6000),
+        headers={"X-Conversation-Id": "abc", "X-Request-ID": "req-1"},
+        timeout=30,
     ) as response:
         assert response.status_code == 200
         chunks = response.iter_raw()  # keep the generator: dropping it closes the stream

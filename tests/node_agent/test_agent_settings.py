@@ -1,0 +1,46 @@
+"""Settings: flags > MACPOOL_* environment > TOML file; the calibration file feeds the calibrated cap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from node_agent.settings import ConfigError, load_settings
+
+
+def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        'upstream = "http://file:1"\nnode_id = "from-file"\ncap = 3\nheadroom_gb = 4.0\n'
+        'redis_url = "redis://file:6379/0"\n'
+    )
+    monkeypatch.setenv("MACPOOL_NODE_ID", "from-env")
+    monkeypatch.setenv("MACPOOL_CAP", "5")
+    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "env-token")
+    settings = load_settings({"cap": 7}, config)
+    assert settings.cap == 7  # flag
+    assert settings.node_id == "from-env"  # env over file
+    assert settings.headroom_gb == 4.0 and settings.upstream == "http://file:1"  # file
+    assert settings.token == "env-token"
+    assert load_settings({"token": "flag"}, config).token == "flag"
+
+
+def test_calibration_file_sets_the_calibrated_terms(tmp_path: Path) -> None:
+    result = tmp_path / "cal.json"
+    result.write_text(json.dumps({"recommended_cap": 8, "per_request_gb": 2.6, "rows": []}))
+    settings = load_settings({"upstream": "http://127.0.0.1:1", "calibration": result})
+    assert (settings.calibrated_cap, settings.calibrated_per_request_gb) == (8, 2.6)
+    written = tmp_path / "agent.toml"
+    written.write_text("calibrated_cap = 6\n")
+    assert load_settings({"upstream": "http://127.0.0.1:1", "calibration": written}).calibrated_cap == 6
+
+
+def test_one_line_errors_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="parallel"):
+        load_settings({"upstream": "http://127.0.0.1:1", "parallel": 0})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ConfigError, match="recommended_cap"):
+        load_settings({"upstream": "http://127.0.0.1:1", "calibration": bad})

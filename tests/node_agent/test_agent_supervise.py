@@ -1,0 +1,117 @@
+"""Supervise mode, the simulator as llama-server: ready once healthy, restart on crash, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from macpool.contract import heartbeat_ttl_ms
+from macpool.procs import macpool_argv
+from macpool.redis_server import free_port
+from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
+
+
+def test_supervised_restart_and_ttl_expiry_after_kill_9(
+    agent: AgentFactory, redis_url: str, tmp_path: Path
+) -> None:
+    model = tmp_path / "model-14b-q4.gguf"
+    model.write_bytes(b"not really a gguf")  # the simulator only reports the name
+    gateway = agent(
+        "--llama-server",
+        SIM_COMMAND + " --load-seconds 0.5",
+        "--model",
+        str(model),
+        "--parallel",
+        "4",
+        "--ctx-per-slot",
+        "2048",
+    )
+    doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready" and d, what="ready")
+    assert (doc.total_slots, doc.ctx_per_slot, doc.models) == (4, 2048, ["model-14b-q4.gguf"])
+    llama = status(gateway.url)["llama_server"]
+    assert "--ctx-size" in llama["argv"] and "8192" in llama["argv"] and "--metrics" in llama["argv"]
+    pid = llama["pid"]
+    ok = httpx.post(gateway.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    assert ok.status_code == 200
+
+    os.kill(pid, signal.SIGKILL)  # llama-server crashes
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "unhealthy", what="unhealthy")
+    refused = httpx.post(gateway.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_unavailable"
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready again")
+    llama = status(gateway.url)["llama_server"]
+    assert llama["restarts"] == 1 and llama["pid"] != pid
+    assert (
+        httpx.post(gateway.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+    )
+
+    # the agent itself is killed -9: its llama-server dies with it, and its key expires with the TTL
+    assert gateway.child.process is not None
+    os.kill(gateway.child.process.pid, signal.SIGKILL)
+    gateway.child.process.wait(5)
+    killed_at = time.monotonic()
+    wait_until(lambda: not alive(llama["pid"]), timeout=5, what="no orphan llama-server")
+    wait_until(lambda: read_node(redis_url, "n1") is None, timeout=5, what="key expired")
+    assert time.monotonic() - killed_at <= heartbeat_ttl_ms(0.3) / 1000 + 1.5
+
+
+def test_sigterm_stops_the_supervised_server(agent: AgentFactory, redis_url: str, tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    gateway = agent("--llama-server", SIM_COMMAND, "--model", str(model), "--parallel", "2")
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready")
+    pid = status(gateway.url)["llama_server"]["pid"]
+    gateway.child.signal(signal.SIGTERM)
+    assert gateway.child.process is not None and gateway.child.process.wait(15) == 0
+    wait_until(lambda: not alive(pid), timeout=5, what="llama-server stopped")
+    assert read_node(redis_url, "n1") is None
+
+
+def one_liner(*args: str) -> str:
+    done = subprocess.run(macpool_argv("agent", "run", *args), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def test_bad_configuration_fails_before_start_with_one_line(tmp_path: Path) -> None:
+    assert "--model" in one_liner("--llama-server", SIM_COMMAND, "--model", str(tmp_path / "missing.gguf"))
+    assert "no such executable" in one_liner("--llama-server", "/nope/llama-server", "--model", __file__)
+    assert "--upstream" in one_liner("--upstream", "not a url")
+    assert "--redis-url" in one_liner("--upstream", "http://127.0.0.1:1", "--redis-url", "http://x")
+    assert "exactly one" in one_liner()
+    assert "--config" in one_liner("--config", str(tmp_path / "none.toml"))
+    with socket_taken() as port:
+        assert "cannot listen" in one_liner("--upstream", "http://127.0.0.1:1", "--port", str(port))
+    assert "heartbeat_interval" in one_liner("--upstream", "http://127.0.0.1:1", "--heartbeat-interval", "-1")
+
+
+class socket_taken:
+    def __enter__(self) -> int:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", free_port()))
+        self.sock.listen()
+        port: int = self.sock.getsockname()[1]
+        return port
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
