@@ -56,7 +56,7 @@ class Conditions:
     max_tokens: int = 1024
     parallel: int = 16
     ctx_per_slot: int = 8192
-    speed: float = 10.0
+    speed: float = 20.0
     requests_per_client: int = 1
 
 

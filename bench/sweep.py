@@ -12,7 +12,6 @@ import asyncio
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -77,8 +76,7 @@ async def run_level(
                     peak["state"] = state
             await asyncio.sleep(0.1)
 
-    start_sim = (await clock.reset())["sim_time_s"] if clock.is_sim else 0.0
-    start_wall = time.monotonic()
+    start_busy = float((await clock.reset())["busy_time_s"]) if clock.is_sim else 0.0
     duration = config.duration_s / clock.speed if config.duration_s is not None else None
     loop = ClosedLoop(
         config.target, concurrency, chat_body(config.prompt_tokens, config.max_tokens, config.model),
@@ -91,12 +89,10 @@ async def run_level(
     finally:
         if watcher is not None:
             watcher.cancel()
-    wall = time.monotonic() - start_wall
-    scale = 1.0
+    busy = 0.0
     if clock.is_sim:
         stats = await clock.stats()
-        # simulated seconds per wall second over this level, measured (the sim slows down if it lags)
-        scale = (float(stats["sim_time_s"]) - float(start_sim)) / wall if wall > 0 else clock.speed
+        busy = float(stats["busy_time_s"]) - start_busy
         peak["pinned"] = max(float(stats["peak_pinned_gb"]), peak["pinned"] or 0.0)
         worst = str(stats["worst_state"])
         if peak["state"] is None or STATE_ORDER[worst] > STATE_ORDER[peak["state"]]:
@@ -107,7 +103,12 @@ async def run_level(
     window = max((r.started + r.latency_s for r in records), default=0.0) - min(
         (r.started for r in records), default=0.0
     )
-    elapsed = window * scale
+    elapsed, scale = window, 1.0
+    if clock.is_sim and busy > 0 and window > 0:
+        # the machine's own clock while it worked: client overhead (idle gaps, which a fast simulator
+        # would multiply by its speed) does not count, and a simulator lagging behind its nominal speed
+        # is measured at the rate it really ran
+        elapsed, scale = busy, busy / window
     p50 = median([r.latency_s * scale for r in ok])
     ttft = median([r.ttft_s * scale for r in ok if r.ttft_s is not None])
     return Row(

@@ -138,16 +138,22 @@ def sse(obj: Any) -> bytes:
     return b"data: " + shapes.dumps(obj) + b"\n\n"
 
 
-async def progress(task: Task) -> AsyncIterator[tuple[int, int]]:
-    """Yields ``(first, last)`` token ranges as the engine produces them, until the task ends."""
+async def progress(task: Task, runner: Runner | None = None) -> AsyncIterator[tuple[int, int]]:
+    """Yields ``(first, last)`` token ranges as the engine produces them, until the task ends.
+
+    With ``runner`` (streaming), each range is reported as sent once the consumer has written it.
+    """
     assert task.wake is not None
     sent = 0
     while True:
         await task.wake.wait()
         task.wake.clear()
         if task.n_decoded > sent or task.finished:
-            yield sent, task.n_decoded
-            sent = task.n_decoded
+            hi = task.n_decoded
+            yield sent, hi
+            sent = hi
+            if runner is not None:
+                runner.sent(task, sent)
         if task.finished:
             return
 
@@ -425,7 +431,7 @@ class SimServer:
 
         async def streamed() -> AsyncIterator[bytes]:
             first = True
-            async for lo, hi in progress(task):
+            async for lo, hi in progress(task, self.runner):
                 out = [sse(shaper.chat_role_chunk())] if first and include_usage else []
                 first = False
                 out += [sse(shaper.chat_content_chunk(tokens.piece(k))) for k in range(lo, hi)]
@@ -449,7 +455,7 @@ class SimServer:
         task = self.new_task(body, prompt)
 
         async def streamed() -> AsyncIterator[bytes]:
-            async for lo, hi in progress(task):
+            async for lo, hi in progress(task, self.runner):
                 out = [sse(shaper.text_chunk(tokens.piece(k))) for k in range(lo, hi)]
                 if task.finished:
                     out += [sse(shaper.text_final_chunk(task)), b"data: [DONE]\n\n"]
@@ -475,7 +481,7 @@ class SimServer:
             return shaper.native_final(task, text, prompt, limit, ignore_eos, stream)
 
         async def streamed() -> AsyncIterator[bytes]:
-            async for lo, hi in progress(task):
+            async for lo, hi in progress(task, self.runner):
                 out = []
                 for k in range(lo, hi):
                     chunk = shaper.native_chunk(tokens.piece(k), tokens.token_id(k), task)
@@ -537,6 +543,7 @@ class SimServer:
             "cancelled": c.cancelled,
             "speed": self.runner.speed,
             "sim_time_s": round(self.runner.sim_now(), 6),
+            "busy_time_s": round(c.busy_s, 6),
             "tokens_predicted_total": c.tokens_generated,
             "peak_pinned_gb": round(c.peak_pinned_gb, 3),
             "worst_state": c.worst_state,

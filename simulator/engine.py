@@ -10,6 +10,7 @@ advances more slowly (every reported figure is in simulated time).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -48,6 +49,10 @@ class Task:
     cancelled: bool = False
     finish_reason: str = ""
     wake: asyncio.Event | None = field(default=None, repr=False)
+    # set by a streaming consumer: tokens it has written out, so the engine never runs far ahead of them
+    streaming: bool = False
+    n_sent: int = 0
+    sent_at: float = 0.0  # wall time of the last write
 
     @property
     def prefilling(self) -> bool:
@@ -104,6 +109,7 @@ class Counters:
     bucket_prompt_seconds: float = 0.0
     bucket_predicted_tokens: int = 0
     bucket_predicted_seconds: float = 0.0
+    busy_s: float = 0.0  # simulated seconds spent stepping (the clock minus idle time)
     # simulator-only, reset by POST /sim/reset
     tokens_generated: int = 0
     completed: int = 0
@@ -198,8 +204,10 @@ class Engine:
                 prefill.append((task, take))
                 budget -= take
         n_prefill = sum(take for _, take in prefill)
-        self.sim_time += self.machine.step_seconds(len(decode), n_prefill, self.pinned_gb())
+        dt = self.machine.step_seconds(len(decode), n_prefill, self.pinned_gb())
+        self.sim_time += dt
         c = self.counters
+        c.busy_s += dt
         c.n_decode_total += 1
         c.n_busy_slots_total += len(self.running)
         progressed: list[Task] = []
@@ -285,19 +293,31 @@ class Engine:
 
 
 class Runner:
-    """Runs an Engine in one asyncio task, pacing simulated time at ``speed`` x the wall clock."""
+    """Runs an Engine in one asyncio task, pacing simulated time at ``speed`` x the wall clock.
+
+    It also never runs more than ``MAX_BACKLOG`` tokens ahead of a streaming client that is still reading:
+    if Python cannot deliver tokens as fast as ``speed`` asks, simulated time slows down instead of the
+    engine finishing work that clients only see later (which would distort every measurement). A client
+    that has not taken anything for ``STALL_S`` is not waited for (a real server does not wait for readers).
+    """
+
+    MAX_BACKLOG = 8
+    STALL_S = 0.5
 
     def __init__(self, engine: Engine, speed: float = 1.0) -> None:
         self.engine = engine
         self.speed = speed
         self._work = asyncio.Event()
+        self._sent = asyncio.Event()
         self._anchor_wall = time.monotonic()
         self._anchor_sim = 0.0
 
     def sim_now(self) -> float:
         """Simulated time now: the engine's clock while busy, the wall clock x speed while idle."""
+        if self.engine.has_work():
+            return self.engine.sim_time
         derived = self._anchor_sim + (time.monotonic() - self._anchor_wall) * self.speed
-        return max(self.engine.sim_time, derived) if not self.engine.has_work() else self.engine.sim_time
+        return max(self.engine.sim_time, derived)
 
     def submit(self, task: Task) -> None:
         task.wake = asyncio.Event()
@@ -305,20 +325,42 @@ class Runner:
             self.engine.sim_time = self.sim_now()
             self._anchor_wall, self._anchor_sim = time.monotonic(), self.engine.sim_time
         self.engine.submit(task)
-        if task.finished:  # pragma: no cover - a task cannot finish on submit
-            task.wake.set()
         self._work.set()
 
     def cancel(self, task: Task) -> None:
         self.engine.cancel(task)
 
+    def sent(self, task: Task, n_sent: int) -> None:
+        """A streaming consumer wrote tokens up to ``n_sent``."""
+        task.streaming = True
+        task.n_sent = n_sent
+        task.sent_at = time.monotonic()
+        self._sent.set()
+
+    def _behind(self) -> bool:
+        now = time.monotonic()
+        return any(
+            t.streaming and t.n_decoded - t.n_sent > self.MAX_BACKLOG and now - t.sent_at < self.STALL_S
+            for t in self.engine.running
+        )
+
+    async def _wait_for_readers(self) -> None:
+        while self._behind():
+            self._sent.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sent.wait(), self.STALL_S)
+
     async def run(self) -> None:
         engine = self.engine
         while True:
             if not engine.has_work():
+                # idle from the engine's clock on: no jump if the busy period ended behind the wall clock
+                self._anchor_wall, self._anchor_sim = time.monotonic(), engine.sim_time
                 self._work.clear()
                 await self._work.wait()
                 continue
+            if self._behind():
+                await self._wait_for_readers()
             try:
                 progressed = engine.step()
             except Exception:  # a bug must not leave every client hanging on a dead engine

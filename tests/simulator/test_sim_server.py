@@ -94,7 +94,7 @@ def test_disconnect_cancels_the_task(sim: SimFactory) -> None:
 def test_speed_compresses_time(sim: SimFactory) -> None:
     server = sim("--parallel", "1", "--speed", "50")
     start_wall = time.monotonic()
-    result = chat(server.url, "go", max_tokens=200)
+    result = chat(server.url, "go", max_tokens=3000)  # ~33 simulated seconds
     wall_ms = (time.monotonic() - start_wall) * 1000
     simulated_ms = result["timings"]["prompt_ms"] + result["timings"]["predicted_ms"]
     assert simulated_ms > 5 * wall_ms  # 50x nominal; generous for a loaded machine
