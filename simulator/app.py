@@ -73,6 +73,16 @@ class LlamaHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["method"] == "OPTIONS":  # CORS preflight, answered for every path as llama-server does
+            headers = [
+                (b"server", b"llama.cpp"), (b"access-control-allow-origin", b""),
+                (b"access-control-allow-credentials", b"true"),
+                (b"access-control-allow-methods", b"GET, POST"), (b"access-control-allow-headers", b"*"),
+                (b"content-length", b"0"),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":

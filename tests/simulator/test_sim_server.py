@@ -19,7 +19,7 @@ MEMORY_KEYS = {
 }
 STATS_KEYS = {
     "processing", "deferred", "max_concurrent", "completed", "cancelled", "speed", "sim_time_s",
-    "tokens_predicted_total",
+    "busy_time_s", "tokens_predicted_total",
 }
 
 
@@ -136,8 +136,10 @@ def test_default_context_is_the_presets_per_slot(sim: SimFactory) -> None:
     assert httpx.get(server.url + "/metrics").status_code == 501  # like llama-server without --metrics
 
 
-def test_embeddings_are_deterministic(sim: SimFactory) -> None:
+def test_embeddings_and_cors_preflight(sim: SimFactory) -> None:
     server = sim("--speed", "50")
+    preflight = httpx.options(server.url + "/v1/chat/completions")
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-methods"] == "GET, POST"
     body = {"input": ["one", "two"]}
     first = httpx.post(server.url + "/v1/embeddings", json=body).json()
     second = httpx.post(server.url + "/v1/embeddings", json=body).json()
