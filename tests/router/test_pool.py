@@ -1,0 +1,84 @@
+"""The cached pool view: events applied in place, candidate rules, passive health, the /api/pool document."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+
+from macpool.contract import Keys, NodeDoc, now_ms
+from router.pool import ModelNotFound, NoNodes, PoolView
+from router.settings import Settings
+
+
+def _view(**overrides: object) -> PoolView:
+    settings = Settings.model_validate({"router_id": "r1", "circuit_cooldown": 0.0, **overrides})
+    return PoolView(settings, Redis(), Keys())  # the client is never used: events are applied by hand
+
+
+def _heartbeat(view: PoolView, node_id: str, **fields: object) -> None:
+    doc = NodeDoc.model_validate({"node_id": node_id, "url": f"http://10.0.0.1/{node_id}", "models": ["m"],
+                                  "capacity": 4, "state": "ready", "updated_at_ms": now_ms(), **fields})
+    view.apply(f"node {doc.encode()}")
+
+
+def test_candidates_follow_events() -> None:
+    view = _view()
+    with pytest.raises(NoNodes):
+        view.candidates("m")
+    _heartbeat(view, "a")
+    _heartbeat(view, "b", models=["other"])
+    _heartbeat(view, "c", state="starting")
+    assert [d.node_id for d in view.candidates("m")] == ["a"]
+    assert {d.node_id for d in view.candidates("")} == {"a", "b"}
+    with pytest.raises(ModelNotFound):
+        view.candidates("nobody-serves-this")
+    view.apply("drain a")
+    with pytest.raises(NoNodes):
+        view.candidates("m")
+    view.apply("undrain a")
+    view.apply("gone a")
+    with pytest.raises(NoNodes):
+        view.candidates("m")
+    assert view.models() == ["other"]
+
+
+def test_freed_events_count_and_notify() -> None:
+    view = _view()
+    woken: list[str] = []
+    view.freed_listeners.append(woken.append)
+    _heartbeat(view, "a")
+    view.reserved("a", 3)
+    view.apply("freed a")
+    assert woken == ["a"] and view.snapshot.reservations["a"] == 2
+    assert view.freed.rate() > 0
+
+
+def test_circuit_opens_on_connect_failures_and_closes_after_a_fresh_heartbeat() -> None:
+    view = _view(circuit_failures=2)
+    _heartbeat(view, "a")
+    view.connect_failed("a")
+    assert view.circuit_state("a") == "closed"
+    view.connect_failed("a")
+    assert view.circuit_state("a") == "open"
+    with pytest.raises(NoNodes):
+        view.candidates("m")
+    _heartbeat(view, "a", updated_at_ms=now_ms() + 1000)  # a new heartbeat after the cooldown: probe again
+    assert view.circuit_state("a") == "half_open"
+    assert [d.node_id for d in view.candidates("m")] == ["a"]
+    view.connected("a")
+    assert view.circuit_state("a") == "closed"
+
+
+def test_pool_document_shape() -> None:
+    view = _view()
+    _heartbeat(view, "b", capacity=2)
+    _heartbeat(view, "a", capacity=6)
+    view.reserved("a", 3)
+    view.snapshot.queue_depth = 1
+    doc = view.to_json()
+    assert doc["router_id"] == "r1" and isinstance(doc["ts_ms"], int)
+    assert doc["pool"]["capacity"] == 8 and doc["pool"]["busy"] == 3 and doc["pool"]["queued"] == 1
+    assert doc["pool"]["saturation"] == 0.5
+    assert [n["node_id"] for n in doc["nodes"]] == ["a", "b"]
+    assert doc["nodes"][0]["reserved"] == 3 and doc["nodes"][0]["circuit"] == "closed"
+    assert doc["nodes"][0]["drained"] is False and "memory" in doc["nodes"][0]
