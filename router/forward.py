@@ -61,6 +61,10 @@ class Call:
     arrived: float
 
 
+class _ClientStalled(Exception):
+    """The client stopped reading: nothing could be sent to it for the idle timeout."""
+
+
 class _Retry(Exception):
     """This node cannot take the request, but another one may."""
 
@@ -192,9 +196,8 @@ class Forwarder:
         return error_response(502, "the node failed before answering", "upstream_error")
 
     def _upstream_headers(self, call: Call) -> list[tuple[bytes, bytes]]:
-        headers = [
-            (k, v) for k, v in call.headers if k not in _DROP_UPSTREAM and not k.startswith(b"x-macpool-")
-        ]
+        drop = _DROP_UPSTREAM | _connection_listed(call.headers)
+        headers = [(k, v) for k, v in call.headers if k not in drop and not k.startswith(b"x-macpool-")]
         headers.append((b"x-request-id", call.request_id.encode()))
         if self.settings.agent_token:
             headers.append((b"x-macpool-token", self.settings.agent_token.encode()))
@@ -236,7 +239,9 @@ class Relay(Response):
         self.background = None
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
-        headers = [(k.lower(), v) for k, v in self.upstream.headers.raw if k.lower() not in _DROP_DOWNSTREAM]
+        raw = [(k.lower(), v) for k, v in self.upstream.headers.raw]
+        drop = _DROP_DOWNSTREAM | _connection_listed(raw)
+        headers = [(k, v) for k, v in raw if k not in drop]
         if self.streaming:
             headers = [(k, v) for k, v in headers if k not in (b"content-type", b"cache-control",
                                                                b"content-length")]
@@ -260,7 +265,11 @@ class Relay(Response):
 
                 finished = False
                 group.start_soon(watch_disconnect)
-                await self._relay(send)
+                try:
+                    await self._relay(self._bounded(send))
+                except _ClientStalled:
+                    self.outcome = "client_stalled"  # the response stays incomplete: the server drops it
+                    log.info("request %s: the client stopped reading; cut off", self.call.request_id)
                 finished = True
                 group.cancel_scope.cancel()
         finally:
@@ -271,6 +280,20 @@ class Relay(Response):
                 node_id = self.lease.node.node_id
                 metrics.requests.labels(model=self.call.model, node=node_id, status=self.outcome).inc()
                 metrics.duration.observe(time.monotonic() - self.call.arrived)
+
+    def _bounded(self, send: Send) -> Send:
+        """``send`` that gives up after the idle timeout: a client that stops reading must not keep its
+        slot for as long as the node is willing to generate."""
+        idle = self.forwarder.settings.idle_timeout
+
+        async def bounded(message: Message) -> None:
+            try:
+                with anyio.fail_after(idle):
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled from None
+
+        return bounded
 
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,
@@ -310,6 +333,13 @@ class Relay(Response):
         event += b"\n\n"
         await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Headers a ``Connection`` header names are hop-by-hop too (RFC 9110 7.6.1)."""
+    return frozenset(
+        name.strip().lower() for key, value in headers if key == b"connection" for name in value.split(b",")
+    )
 
 
 async def _node_full_kind(upstream: httpx.Response) -> str:

@@ -1,0 +1,214 @@
+"""A real pool for fault, abuse and security tests: one Redis, simulators behind agents, router processes.
+
+Everything is a real process (``spawn`` from the root conftest stops them all at the end of each test).
+Heartbeats are fast (0.3 s, TTL about 1 s) so nodes leave the pool quickly when they die.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from macpool.contract import Keys, now_ms
+from tests.conftest import Server, SpawnFactory
+
+AGENT_TOKEN = "reliability-agent-token-7f3a"
+ADMIN_KEY = "reliability-admin-key-91c2"
+PRESET = "m5max-128g-14b-q4"
+HEARTBEAT = "0.3"
+# what must never appear in anything a client receives
+LEAK_MARKERS = ("Traceback", 'File "', AGENT_TOKEN, "x-macpool-token")
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` until truthy (HTTP errors count as not yet); return its value."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except httpx.HTTPError as exc:
+            value, last = None, exc
+        if value:
+            return value
+        last = value if value is not None else last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def assert_clean(text: str | bytes, *internal: str) -> None:
+    """Nothing internal in what a client received: no traceback, no token, no node URL."""
+    body = text.decode(errors="replace") if isinstance(text, bytes) else text
+    for marker in (*LEAK_MARKERS, *internal):
+        assert marker not in body, f"{marker!r} leaked to a client: {body[:500]!r}"
+
+
+def chat(model: str = "", max_tokens: int = 16, stream: bool = True, content: str = "hi") -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+    if model:
+        body["model"] = model
+    return body
+
+
+def sse_events(raw: bytes) -> list[dict[str, Any]]:
+    """The JSON payloads of an SSE body (``[DONE]`` skipped)."""
+    events = []
+    for line in raw.decode(errors="replace").splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events
+
+
+@dataclass
+class Node:
+    node_id: str
+    sim: Server
+    agent: Server
+
+    def stats(self) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(self.sim.url + "/sim/stats", timeout=5).json()
+        return data
+
+    def status(self) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(self.agent.url + "/status", timeout=5).json()
+        return data
+
+
+class Rig:
+    """Builds the processes of one test against one Redis."""
+
+    def __init__(self, spawn: SpawnFactory, redis_url: str) -> None:
+        self.spawn = spawn
+        self.redis_url = redis_url
+        self.keys = Keys()
+
+    def sim(
+        self, node_id: str, *args: str, parallel: int = 8, speed: float = 20.0, ready_path: str = "/health"
+    ) -> Server:
+        return self.spawn(
+            "sim",
+            "--preset",
+            PRESET,
+            "--parallel",
+            str(parallel),
+            "--speed",
+            str(speed),
+            *args,
+            name=f"sim-{node_id}",
+            ready_path=ready_path,
+        )
+
+    def agent(
+        self,
+        node_id: str,
+        upstream: str,
+        *args: str,
+        cap: int = 2,
+        redis_url: str | None = None,
+        port: int | None = None,
+        ready_path: str | None = "/health",
+    ) -> Server:
+        return self.spawn(
+            "agent",
+            "run",
+            "--upstream",
+            upstream,
+            "--redis-url",
+            redis_url or self.redis_url,
+            "--node-id",
+            node_id,
+            "--cap",
+            str(cap),
+            "--token",
+            AGENT_TOKEN,
+            "--heartbeat-interval",
+            HEARTBEAT,
+            *args,
+            name=f"agent-{node_id}",
+            port=port,
+            ready_path=ready_path,
+        )
+
+    def node(
+        self,
+        node_id: str,
+        cap: int = 2,
+        *,
+        speed: float = 20.0,
+        sim_args: tuple[str, ...] = (),
+        agent_args: tuple[str, ...] = (),
+        redis_url: str | None = None,
+    ) -> Node:
+        sim = self.sim(node_id, *sim_args, parallel=max(cap * 2, 4), speed=speed)
+        agent = self.agent(node_id, sim.url, *agent_args, cap=cap, redis_url=redis_url)
+        return Node(node_id, sim, agent)
+
+    def router(
+        self, *args: str, redis_url: str | None = None, port: int | None = None, name: str = "router"
+    ) -> Server:
+        return self.spawn(
+            "router",
+            "--redis-url",
+            redis_url or self.redis_url,
+            "--agent-token",
+            AGENT_TOKEN,
+            "--admin-key",
+            ADMIN_KEY,
+            "--stale-after",
+            "2",
+            "--refresh-interval",
+            "0.5",
+            *args,
+            name=name,
+            port=port,
+        )
+
+    @staticmethod
+    def pool_doc(router: Server) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(router.url + "/api/pool", timeout=5).json()
+        return data
+
+    def wait_ready(self, router: Server, nodes: int, timeout: float = 30.0) -> dict[str, Any]:
+        doc: dict[str, Any] = wait_until(
+            lambda: (d := self.pool_doc(router))["pool"]["nodes_ready"] == nodes and d,
+            timeout,
+            f"{nodes} ready nodes",
+        )
+        return doc
+
+    @staticmethod
+    def model(router: Server) -> str:
+        name: str = httpx.get(router.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+        return name
+
+    def store(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url)
+
+    def reservations(self, node_id: str, redis_url: str | None = None) -> int:
+        """Reservations on ``node_id`` still in Redis (live or not yet pruned)."""
+        client = redis.Redis.from_url(redis_url or self.redis_url)
+        try:
+            return int(client.zcard(self.keys.reservations(node_id)))
+        finally:
+            client.close()
+
+    def live_reservations(self, node_id: str) -> int:
+        with self.store() as client:
+            return int(client.zcount(self.keys.reservations(node_id), now_ms(), "+inf"))
+
+
+@pytest.fixture
+def rig(spawn: SpawnFactory, redis_url: str) -> Iterator[Rig]:
+    yield Rig(spawn, redis_url)

@@ -1,0 +1,209 @@
+"""Faults with real processes: kill -9 mid-stream, a hung node, a router replica killed, a slow loader."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from macpool.contract import now_ms
+from tests.reliability.conftest import Node, Rig, assert_clean, chat, sse_events, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def _open(client: httpx.Client, body: dict[str, object]) -> tuple[httpx.Response, Iterator[bytes], bytes]:
+    request = client.build_request("POST", "/v1/chat/completions", json=body)
+    response = client.send(request, stream=True)
+    assert response.status_code == 200, response.read()
+    chunks = response.iter_raw()
+    return response, chunks, next(chunks)
+
+
+def _drain(chunks: Iterator[bytes]) -> tuple[bytes, float]:
+    """Read a stream to its end; (everything read, seconds it took)."""
+    started = time.monotonic()
+    parts = []
+    try:
+        for chunk in chunks:
+            parts.append(chunk)
+    except httpx.HTTPError:
+        pass
+    return b"".join(parts), time.monotonic() - started
+
+
+@pytest.mark.parametrize("victim", ["agent", "sim"])
+def test_kill9_mid_stream(rig: Rig, victim: str) -> None:
+    """The affected stream ends with an SSE error event within 2 s; the other stream goes on; no leak."""
+    nodes = {n.node_id: n for n in (rig.node("n1", cap=2, speed=1), rig.node("n2", cap=2, speed=1))}
+    router = rig.router()
+    rig.wait_ready(router, nodes=2)
+    body = chat(rig.model(router), max_tokens=3000)
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        hit, hit_chunks, first = _open(client, body)
+        other, other_chunks, _ = _open(client, body)
+        victim_node: Node = nodes[hit.headers["x-macpool-node"]]
+        survivor = other.headers["x-macpool-node"]
+        assert survivor != victim_node.node_id
+        (victim_node.agent if victim == "agent" else victim_node.sim).child.kill()
+        rest, took = _drain(hit_chunks)
+        events = sse_events(first + rest)
+        assert "error" in events[-1], rest[-300:]
+        assert took < 2.0
+        assert_clean(rest, victim_node.agent.url, victim_node.sim.url)
+        # the other client is unaffected: its stream keeps flowing
+        for _ in range(5):
+            assert b"error" not in next(other_chunks)
+        hit.close()
+        other.close()
+    wait_until(lambda: rig.reservations(victim_node.node_id) == 0, 5, "the victim's reservation released")
+    left = time.monotonic()
+    wait_until(lambda: rig.pool_doc(router)["pool"]["nodes_ready"] == 1, 15, "the victim out of rotation")
+    print(
+        f"{victim} kill -9: stream ended in {took:.3f}s; "
+        f"node out of rotation after {time.monotonic() - left:.2f}s"
+    )
+    wait_until(lambda: rig.reservations(survivor) == 0, 10, "the survivor's reservation released")
+    # the pool keeps serving on the survivor
+    reply = httpx.post(router.url + "/v1/chat/completions", json=chat(body["model"], 4, False), timeout=30)  # type: ignore[arg-type]
+    assert reply.status_code == 200 and reply.headers["x-macpool-node"] == survivor
+
+
+def test_hung_node_opens_the_circuit_and_comes_back(rig: Rig) -> None:
+    """SIGSTOP: idle and first-byte timeouts fire, the circuit opens, the node is skipped; SIGCONT heals."""
+    # slow heartbeats for the hung node: its key outlives the test, so only the circuit can skip it
+    hung = rig.node("hung", cap=2, speed=1, agent_args=("--heartbeat-interval", "4"))
+    rig.node("ok", cap=4, speed=20)
+    router = rig.router(
+        "--first-byte-timeout",
+        "1.5",
+        "--idle-timeout",
+        "1.5",
+        "--circuit-failures",
+        "1",
+        "--circuit-cooldown",
+        "1",
+        "--stale-after",
+        "30",
+    )
+    rig.wait_ready(router, nodes=2, timeout=40)
+    model = rig.model(router)
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        # a stream in progress on the hung node
+        stream = wait_until(lambda: _on(client, chat(model, 3000), "hung"), 30, "a stream on the hung node")
+        response, chunks = stream
+        for sig_target in (hung.agent, hung.sim):
+            sig_target.child.signal(signal.SIGSTOP)
+        try:
+            rest, _ = _drain(chunks)
+            response.close()
+            assert "error" in sse_events(rest)[-1]
+            assert sse_events(rest)[-1]["error"]["code"] == "upstream_idle_timeout"
+            # new requests: the first that lands on the hung node times out before its first byte and opens
+            # the circuit; from then on every request goes to the healthy node
+            statuses = []
+            for _ in range(12):
+                reply = client.post("/v1/chat/completions", json=chat(model, 2, False))
+                statuses.append((reply.status_code, reply.headers.get("x-macpool-node")))
+                assert_clean(reply.text, hung.agent.url)
+            pool = {n["node_id"]: n for n in rig.pool_doc(router)["nodes"]}
+            assert pool["hung"]["circuit"] == "open", (statuses, pool["hung"])
+            assert statuses[-4:] == [(200, "ok")] * 4, statuses
+            assert all(code in (200, 504) for code, _ in statuses), statuses
+        finally:
+            for sig_target in (hung.agent, hung.sim):
+                sig_target.child.signal(signal.SIGCONT)
+        # back: a fresh heartbeat after the cooldown lets traffic probe it again, and it is used
+        wait_until(
+            lambda: _on(client, chat(model, 2, False), "hung", stream=False), 40, "traffic on the node"
+        )
+    wait_until(lambda: rig.reservations("hung") == 0 and rig.reservations("ok") == 0, 10, "no reservations")
+
+
+def _on(
+    client: httpx.Client, body: dict[str, object], node_id: str, stream: bool = True
+) -> tuple[httpx.Response, Iterator[bytes]] | None:
+    """Send ``body``; the open stream when it landed on ``node_id``, else close it and say None."""
+    request = client.build_request("POST", "/v1/chat/completions", json=body)
+    response = client.send(request, stream=True)
+    if response.status_code == 200 and response.headers.get("x-macpool-node") == node_id:
+        if not stream:
+            response.read()
+            return response, iter(())
+        chunks = response.iter_raw()
+        next(chunks)
+        return response, chunks
+    response.close()
+    return None
+
+
+def test_router_replica_killed_under_load(rig: Rig) -> None:
+    """kill -9 of one replica: its leases are reclaimed within the lease time; the other replica serves."""
+    lease = 3.0
+    rig.node("n1", cap=3, speed=1)
+    rig.node("n2", cap=3, speed=1)
+    doomed = rig.router("--lease-seconds", str(lease), "--router-id", "doomed", name="router-a")
+    other = rig.router("--lease-seconds", str(lease), "--router-id", "other", name="router-b")
+    rig.wait_ready(doomed, nodes=2)
+    rig.wait_ready(other, nodes=2)
+    model = rig.model(doomed)
+
+    def doomed_leases() -> int:
+        with rig.store() as store:
+            live = [
+                store.zrangebyscore(rig.keys.reservations(node), now_ms(), "+inf") for node in ("n1", "n2")
+            ]
+            return sum(1 for members in live for member in members if member.startswith(b"doomed:"))
+
+    with (
+        httpx.Client(base_url=doomed.url, timeout=30) as a,
+        httpx.Client(base_url=other.url, timeout=30) as b,
+    ):
+        held = [_open(a, chat(model, 3000)) for _ in range(3)]
+        assert doomed_leases() == 3
+        doomed.child.kill()
+        killed = time.monotonic()
+        for response, _, _ in held:
+            response.close()
+        # the other replica keeps serving meanwhile (the doomed leases still count until they expire)
+        reply = b.post("/v1/chat/completions", json=chat(model, 2, False))
+        assert reply.status_code == 200
+        wait_until(lambda: doomed_leases() == 0, lease + 10, "the dead replica's leases reclaimed")
+        reclaimed = time.monotonic() - killed
+        print(f"leases of the killed replica reclaimed after {reclaimed:.2f}s (lease {lease}s)")
+        assert reclaimed <= lease + 3
+        # all six slots usable again through the surviving replica
+        streams = [_open(b, chat(model, 3000)) for _ in range(6)]
+        for response, _, _ in streams:
+            response.close()
+    # the killed replica restarted on its port serves again with no manual step
+    again = rig.router("--lease-seconds", str(lease), port=doomed.port, name="router-a2")
+    rig.wait_ready(again, nodes=2)
+    assert (
+        httpx.post(again.url + "/v1/chat/completions", json=chat(model, 2, False), timeout=30).status_code
+        == 200
+    )
+    wait_until(lambda: rig.reservations("n1") + rig.reservations("n2") == 0, 10, "no reservations left")
+
+
+def test_slow_loading_upstream_stays_starting(rig: Rig) -> None:
+    """A llama-server still loading (503 on /health): the node is `starting` and receives nothing."""
+    sim = rig.sim("slow", "--load-seconds", "8", ready_path="/sim/stats")
+    agent = rig.agent("slow", sim.url, cap=2)
+    router = rig.router()
+    doc = wait_until(
+        lambda: [n for n in rig.pool_doc(router)["nodes"] if n["node_id"] == "slow"], 15, "the node"
+    )
+    assert doc[0]["state"] == "starting"
+    reply = httpx.post(router.url + "/v1/chat/completions", json=chat("", 2, False), timeout=10)
+    assert reply.status_code == 503 and reply.headers["x-macpool-reason"] == "no_nodes"
+    assert reply.headers["retry-after"].isdigit()
+    assert_clean(reply.text, agent.url, sim.url)
+    assert httpx.get(sim.url + "/sim/stats", timeout=5).json()["completed"] == 0
+    assert agent.child.alive()
+    rig.wait_ready(router, nodes=1, timeout=30)
+    reply = httpx.post(router.url + "/v1/chat/completions", json=chat("", 2, False), timeout=30)
+    assert reply.status_code == 200

@@ -1,0 +1,87 @@
+"""Redis killed for about 10 s, then restarted empty: the pool keeps serving and heals by itself."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from macpool.redis_server import RedisServer
+from tests.conftest import SpawnFactory
+from tests.reliability.conftest import Rig, assert_clean, chat, wait_until
+
+pytestmark = pytest.mark.slow
+
+CAP = 2
+OUTAGE_S = 10.0
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis on a fixed port, so the restarted (empty) server is where everyone expects it."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_redis_outage_and_recovery(spawn: SpawnFactory, own_redis: RedisServer) -> None:
+    rig = Rig(spawn, own_redis.url)
+    nodes = [rig.node(f"n{i}", cap=CAP, speed=20) for i in (1, 2)]
+    router = rig.router("--queue-size", "2", "--queue-timeout", "0.5")
+    rig.wait_ready(router, nodes=2)
+    model = rig.model(router)
+    for node in nodes:
+        httpx.post(node.sim.url + "/sim/reset", timeout=5)
+
+    def burst(client: httpx.Client, n: int) -> Counter[int]:
+        def one(_: int) -> int:
+            reply = client.post("/v1/chat/completions", json=chat(model, 24, False))
+            if reply.status_code != 200:
+                assert_clean(reply.text, *(node.agent.url for node in nodes))
+            return reply.status_code
+
+        with ThreadPoolExecutor(n) as pool:
+            return Counter(pool.map(one, range(n)))
+
+    with httpx.Client(base_url=router.url, timeout=60) as client:
+        assert burst(client, 2)[200] == 2
+        own_redis.kill()
+        down_at = time.monotonic()
+        ready = wait_until(
+            lambda: (r := client.get("/ready")).status_code == 503 and r.json(), 10, "/ready 503"
+        )
+        assert ready["redis_ok"] is False
+        # the routers serve from their last view; 3x the pool's capacity at once: served or 503, never worse
+        seen: Counter[int] = Counter()
+        while time.monotonic() - down_at < OUTAGE_S:
+            seen += burst(client, 3 * CAP * 2)
+        assert set(seen) <= {200, 503}, seen
+        assert seen[200] > 0, seen
+        for node in nodes:
+            assert node.stats()["max_concurrent"] <= CAP  # the agents' caps held
+            assert node.agent.child.alive()
+        assert router.child.alive()
+        print(f"during a {OUTAGE_S:.0f}s Redis outage: {dict(seen)}")
+
+        # back, empty: agents re-register, the router sees them, /ready is 200 again
+        restarted = RedisServer(port=own_redis.port).start()
+        try:
+            back_at = time.monotonic()
+            with rig.store() as store:
+                registered = lambda: all(store.exists(rig.keys.node(n.node_id)) for n in nodes)  # noqa: E731
+                wait_until(registered, 30, "the agents re-registered")
+            print(f"agents re-registered {time.monotonic() - back_at:.2f}s after Redis came back")
+            wait_until(lambda: client.get("/ready").status_code == 200, 30, "/ready 200")
+            rig.wait_ready(router, nodes=2, timeout=30)
+            assert burst(client, 2 * CAP)[200] >= 1
+            wait_until(lambda: all(rig.reservations(n.node_id) == 0 for n in nodes), 10, "reservations at 0")
+            wait_until(lambda: all(n.status()["in_flight"] == 0 for n in nodes), 10, "agents idle")
+            assert rig.pool_doc(router)["pool"]["busy"] == 0
+        finally:
+            restarted.close()

@@ -1,0 +1,336 @@
+"""Security with real processes: agent token, loopback-only upstreams, admin key, hashed client keys,
+Redis password and ACL user, nothing internal in error bodies, headers sanitised both ways."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import sys
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import redis
+
+import router.auth as auth
+from macpool import tiny_model
+from macpool.llama_build import find_llama_server
+from macpool.redis_server import RedisServer, free_port
+from tests.conftest import Server, SpawnFactory
+from tests.reliability.conftest import (
+    ADMIN_KEY,
+    AGENT_TOKEN,
+    Rig,
+    assert_clean,
+    chat,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_agent_refuses_requests_without_the_token(rig: Rig) -> None:
+    node = rig.node("sec", cap=2)
+    body = chat("", 2, False)
+    for headers in ({}, {"X-Macpool-Token": "wrong"}, {"Authorization": f"Bearer {AGENT_TOKEN}"}):
+        for method, path in (
+            ("POST", "/v1/chat/completions"),
+            ("POST", "/completion"),
+            ("GET", "/v1/models"),
+        ):
+            reply = httpx.request(
+                method,
+                node.agent.url + path,
+                json=body if method == "POST" else None,
+                headers=headers,
+                timeout=10,
+            )
+            assert reply.status_code == 401, (path, headers, reply.text)
+            assert reply.json()["error"]["code"] == "invalid_agent_token"
+            assert_clean(reply.text, node.sim.url)
+    assert node.stats()["completed"] == 0
+    reply = httpx.post(
+        node.agent.url + "/v1/chat/completions",
+        json=body,
+        headers={"X-Macpool-Token": AGENT_TOKEN},
+        timeout=30,
+    )
+    assert reply.status_code == 200
+
+
+def _listening(pid: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet") if c.status == "LISTEN"}
+
+
+def _supervised_child(agent: Server) -> psutil.Process:
+    def child() -> psutil.Process | None:
+        children = [p for p in psutil.Process(agent.child.pid).children(recursive=True) if _listening(p.pid)]
+        return children[0] if children else None
+
+    found: psutil.Process = wait_until(child, 60, "the supervised server listening")
+    return found
+
+
+@pytest.mark.parametrize("server", ["sim", pytest.param("llama-server", marks=pytest.mark.llama_server)])
+def test_supervised_upstream_listens_on_loopback_only(rig: Rig, server: str) -> None:
+    model = tiny_model.ensure("tiny")
+    if server == "sim":
+        command = f"{sys.executable} -m macpool.cli sim --preset m5max-128g-14b-q4 --speed 20"
+    else:
+        binary = find_llama_server()
+        if binary is None:
+            pytest.skip("llama-server not built (macpool dev build-llama-server)")
+        command = f"{binary}"
+    agent = rig.spawn(
+        "agent",
+        "run",
+        "--llama-server",
+        command,
+        "--model",
+        str(model),
+        "--parallel",
+        "1",
+        "--ctx-per-slot",
+        "256",
+        "--redis-url",
+        rig.redis_url,
+        "--node-id",
+        "sup",
+        "--token",
+        AGENT_TOKEN,
+        "--host",
+        "0.0.0.0",
+        "--heartbeat-interval",
+        "0.3",
+        *(["--", "-t", "1"] if server != "sim" else []),
+        name=f"agent-sup-{server}",
+    )
+    child = _supervised_child(agent)
+    assert _listening(child.pid) == {"127.0.0.1"}
+    # the agent itself serves the LAN here (--host 0.0.0.0); its upstream is not reachable from outside
+    port = int(child.cmdline()[child.cmdline().index("--port") + 1])
+    outside = _non_loopback_address()
+    if outside is not None:
+        with pytest.raises(OSError), socket.create_connection((outside, port), timeout=2):
+            pass
+
+
+def _non_loopback_address() -> str | None:
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return str(address.address)
+    return None
+
+
+def test_admin_endpoints_need_the_admin_key(rig: Rig, spawn: SpawnFactory) -> None:
+    rig.node("adm", cap=2)
+    router = rig.router()
+    rig.wait_ready(router, nodes=1)
+    url = router.url + "/admin/nodes/adm/drain"
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": ADMIN_KEY},
+        {"X-Macpool-Token": AGENT_TOKEN},
+        {"Authorization": f"Bearer {AGENT_TOKEN}"},
+    ):
+        reply = httpx.post(url, headers=headers, timeout=10)
+        assert reply.status_code == 401, (headers, reply.text)
+        assert_clean(reply.text, ADMIN_KEY)
+    assert rig.pool_doc(router)["pool"]["nodes_ready"] == 1
+    reply = httpx.post(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    assert reply.status_code == 200
+    wait_until(lambda: rig.pool_doc(router)["pool"]["nodes_ready"] == 0, 10, "the node drained")
+    # a router without an admin key has no admin API at all
+    bare = spawn("router", "--redis-url", rig.redis_url, name="router-bare")
+    reply = httpx.post(
+        bare.url + "/admin/nodes/adm/undrain", headers={"Authorization": "Bearer x"}, timeout=10
+    )
+    assert reply.status_code == 401 and reply.json()["error"]["code"] == "admin_disabled"
+
+
+def test_client_keys_are_hashed_and_compared_in_constant_time(
+    rig: Rig, spawn: SpawnFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = tmp_path / "keys.txt"
+    hashed = hashlib.sha256(b"sk-hashed-two").hexdigest()
+    keys.write_text(f"# client keys\nsk-plain-one\n\n{hashed}\n")
+    router = spawn("router", "--redis-url", rig.redis_url, "--api-keys-file", str(keys), name="router-keys")
+    for key, status in (
+        ("sk-plain-one", 200),
+        ("sk-hashed-two", 200),
+        (hashed, 401),
+        ("sk-plain-on", 401),
+        ("Basic c2stcGxhaW4tb25l", 401),
+        (None, 401),
+    ):
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions")):
+            reply = httpx.request(
+                method,
+                router.url + path,
+                headers=headers,
+                timeout=10,
+                json=chat("", 2, False) if method == "POST" else None,
+            )
+            expected = status if method == "GET" or status == 401 else 503  # no nodes: past auth
+            assert reply.status_code == expected, (key, path, reply.text)
+            assert_clean(reply.text, "sk-plain-one", hashed)
+    # what the router keeps: 32-byte SHA-256 digests, never the plaintext
+    digests = auth.load_key_digests(keys)
+    assert digests == [hashlib.sha256(b"sk-plain-one").digest(), bytes.fromhex(hashed)]
+    # every stored digest is compared with hmac.compare_digest, whichever matches (or none)
+    calls: list[int] = []
+    real = auth.hmac.compare_digest
+
+    def counting(a: bytes, b: bytes) -> bool:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", counting)
+    ring = auth.KeyRing(digests * 4)
+    for presented in ("sk-plain-one", "sk-hashed-two", "nope"):
+        calls.clear()
+        ring.accepts(presented)
+        assert len(calls) == len(ring.digests)
+
+
+def test_redis_password_and_acl_user(spawn: SpawnFactory, tmp_path: Path) -> None:
+    password, acl_password = "pw-Redis-s3cret", "acl-Pass-w0rd"
+    with RedisServer(password=password) as server:
+        admin = redis.Redis(port=server.port, password=password)
+        admin.execute_command(
+            "ACL",
+            "SETUSER",
+            "macpool",
+            "on",
+            f">{acl_password}",
+            "~macpool:*",
+            "&macpool:*",
+            "+@all",
+            "-@dangerous",
+        )
+        user_url = f"redis://macpool:{acl_password}@127.0.0.1:{server.port}/0"
+        limited = redis.Redis.from_url(user_url)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            limited.get("someone-else:key")  # the ACL is live: only macpool:* keys
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=server.port).ping()
+        rig = Rig(spawn, server.url)  # the password URL for the agents
+        rig.node("acl", cap=2)
+        router = rig.router(redis_url=user_url)  # the ACL user for the router
+        rig.wait_ready(router, nodes=1)
+        assert httpx.get(router.url + "/ready", timeout=10).status_code == 200
+        reply = httpx.post(router.url + "/v1/chat/completions", json=chat("", 2, False), timeout=30)
+        assert reply.status_code == 200
+        wait_until(lambda: admin.zcard("macpool:resv:acl") == 0, 10, "the reservation released")
+        limited.close()
+        admin.close()
+    for log in tmp_path.glob("*.log"):
+        text = log.read_text(errors="replace")
+        assert password not in text and acl_password not in text, log.name
+
+
+def test_error_bodies_carry_nothing_internal(rig: Rig, spawn: SpawnFactory) -> None:
+    router = rig.router("--max-body-bytes", "4096", "--first-byte-timeout", "3")
+    bodies = []
+    # no node yet: 503 no_nodes
+    bodies.append(httpx.post(router.url + "/v1/chat/completions", json=chat(), timeout=10))
+    node = rig.node("leak", cap=1)
+    # an agent that wants another token: the router's answer names no URL and no token
+    sim = rig.sim("other")
+    other = rig.agent("other", sim.url, "--token", "some-other-token", cap=1)
+    rig.wait_ready(router, nodes=2)
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        bodies += [
+            client.get("/nope"),
+            client.delete("/v1/chat/completions"),
+            client.post("/v1/chat/completions", content=b"{not json"),
+            client.post("/v1/chat/completions", content=b"[1]"),
+            client.post("/v1/chat/completions", content=b"x" * 5000),
+            client.post("/v1/chat/completions", json=chat("no-such-model")),
+            client.post("/v1/chat/completions", json={"model": 5}),
+        ]
+        for _ in range(6):  # some land on the misconfigured agent (502), the rest are served
+            bodies.append(client.post("/v1/chat/completions", json=chat("", 2, False)))
+        node.agent.child.kill()  # a dead agent: connect errors, failover, maybe 502/503
+        for _ in range(4):
+            bodies.append(client.post("/v1/chat/completions", json=chat("", 2, False)))
+    statuses = {reply.status_code for reply in bodies}
+    assert {400, 404, 405, 413, 503} <= statuses, statuses
+    assert 502 in statuses, statuses
+    for reply in bodies:
+        assert_clean(
+            reply.text,
+            node.agent.url,
+            node.sim.url,
+            other.url,
+            sim.url,
+            "some-other-token",
+            f":{node.agent.port}",
+            f":{other.port}",
+        )
+        if reply.status_code >= 400:
+            assert set(reply.json()["error"]) >= {"message", "type", "code"}
+
+
+def test_headers_sanitised_both_ways(rig: Rig, spawn: SpawnFactory) -> None:
+    port = free_port()
+    echo = spawn(
+        argv=[sys.executable, "-m", "tests.reliability.echo_upstream", "--port", str(port)],
+        port=port,
+        name="echo",
+    )
+    agent = rig.agent("echo", echo.url, cap=2)
+    router = rig.router()
+    rig.wait_ready(router, nodes=1)
+    sent = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        "Connection: keep-alive, X-Hop-Client\r\nX-Hop-Client: private\r\nKeep-Alive: timeout=5\r\n"
+        "TE: trailers\r\nProxy-Authorization: Basic Zm9vOmJhcg==\r\nX-Conversation-Id: conv-1\r\n"
+        "X-Macpool-Token: forged\r\nX-Macpool-Node: forged-node\r\nX-Macpool-Reason: forged\r\n"
+        "X-Request-ID: req-abc-123\r\nAuthorization: Bearer client-key\r\nX-Client-Kept: yes\r\n"
+    )
+    body = json.dumps(chat("", 2, False)).encode()
+    with socket.create_connection(("127.0.0.1", router.port), timeout=30) as sock:
+        sock.sendall(f"{sent}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        raw = b""
+        while b"\r\n\r\n" not in raw or not raw.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    assert " 200 " in status_line, raw[:500]
+    down = [line.split(":", 1)[0].strip().lower() for line in header_lines]
+    values = {line.split(":", 1)[0].strip().lower(): line.split(":", 1)[1].strip() for line in header_lines}
+    if payload.startswith(b"{") is False:  # chunked
+        payload = payload.split(b"\r\n", 1)[1].rsplit(b"\r\n0\r\n", 1)[0]
+    received = {k.lower(): v for k, v in json.loads(payload)["headers"]}
+    # upstream (what llama-server got): no hop-by-hop, no X-Conversation-Id, no forged X-Macpool-*,
+    # not the client's key; the request id kept
+    for name in (
+        "keep-alive",
+        "te",
+        "proxy-authorization",
+        "x-hop-client",
+        "x-conversation-id",
+        "x-macpool-token",
+        "x-macpool-node",
+        "x-macpool-reason",
+        "authorization",
+    ):
+        assert name not in received, (name, received)
+    assert received["x-request-id"] == "req-abc-123"
+    assert received["x-client-kept"] == "yes"
+    # downstream (what the client got): none of the upstream's hop-by-hop headers; our own ids
+    for name in ("keep-alive", "proxy-authenticate", "upgrade", "trailer", "x-hop-upstream"):
+        assert name not in down, (name, header_lines)
+    assert values.get("x-upstream-kept") == "yes"
+    assert values["x-request-id"] == "req-abc-123"
+    assert values["x-macpool-node"] == "echo"
+    assert_clean(raw, agent.url, echo.url)
