@@ -160,7 +160,11 @@ async def progress(task: Task, runner: Runner | None = None) -> AsyncIterator[tu
         task.wake.clear()
         if task.n_decoded > sent or task.finished:
             hi = task.n_decoded
-            yield sent, hi
+            task.writing = True
+            try:
+                yield sent, hi
+            finally:
+                task.writing = False
             sent = hi
             if runner is not None:
                 runner.sent(task, sent)

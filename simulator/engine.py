@@ -51,6 +51,7 @@ class Task:
     wake: asyncio.Event | None = field(default=None, repr=False)
     # set by a streaming consumer: tokens it has written out, so the engine never runs far ahead of them
     streaming: bool = False
+    writing: bool = False  # inside a write: a client that does not read blocks here (flow control)
     n_sent: int = 0
     sent_at: float = 0.0  # wall time of the last write
 
@@ -295,10 +296,11 @@ class Engine:
 class Runner:
     """Runs an Engine in one asyncio task, pacing simulated time at ``speed`` x the wall clock.
 
-    It also never runs more than ``MAX_BACKLOG`` tokens ahead of a streaming client that is still reading:
-    if Python cannot deliver tokens as fast as ``speed`` asks, simulated time slows down instead of the
-    engine finishing work that clients only see later (which would distort every measurement). A client
-    that has not taken anything for ``STALL_S`` is not waited for (a real server does not wait for readers).
+    It also never runs more than ``MAX_BACKLOG`` tokens ahead of a streaming handler that simply has not
+    been scheduled yet: if Python cannot deliver tokens as fast as ``speed`` asks, simulated time slows down
+    instead of the engine finishing work that clients only see later (which would distort every
+    measurement). A handler blocked writing to a client that does not read (flow control), or one that has
+    taken nothing for ``STALL_S``, is not waited for: a real server does not wait for slow readers.
     """
 
     MAX_BACKLOG = 8
@@ -340,7 +342,10 @@ class Runner:
     def _behind(self) -> bool:
         now = time.monotonic()
         return any(
-            t.streaming and t.n_decoded - t.n_sent > self.MAX_BACKLOG and now - t.sent_at < self.STALL_S
+            t.streaming
+            and not t.writing
+            and t.n_decoded - t.n_sent > self.MAX_BACKLOG
+            and now - t.sent_at < self.STALL_S
             for t in self.engine.running
         )
 
