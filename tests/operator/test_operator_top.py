@@ -32,3 +32,16 @@ def test_top_once_says_what_is_wrong_when_the_router_is_not_there() -> None:
     assert result.returncode == 1
     assert "cannot read http://127.0.0.1:9/api/pool" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_node_that_left_shows_as_gone_for_a_while() -> None:
+    from router.top import GONE_KEEP_S, TopView
+
+    def view(*ids: str) -> dict[str, object]:
+        return {"pool": {}, "nodes": [{"node_id": i, "state": "ready", "capacity": 8} for i in ids]}
+
+    top = TopView()
+    assert [state for _, state in top.update(view("a", "b"), now=0)] == ["healthy", "healthy"]
+    rows = top.update(view("a"), now=1)
+    assert [(doc["node_id"], state) for doc, state in rows] == [("a", "healthy"), ("b", "gone")]
+    assert [doc["node_id"] for doc, _ in top.update(view("a"), now=2 + GONE_KEEP_S)] == ["a"]
