@@ -72,6 +72,10 @@ class Agent:
         self.stop_requested = asyncio.Event()
         self.force = asyncio.Event()
         self.supervisor: Supervisor | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.redis: Redis | None = None
+        self.server: _Server | None = None
+        self.server_task: asyncio.Task[None] | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     async def run(self) -> int:
@@ -100,7 +104,7 @@ class Agent:
         timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         self.runtime.http = httpx.AsyncClient(timeout=timeout, limits=limits)
-        self.redis: Redis = Redis.from_url(
+        self.redis = Redis.from_url(
             settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, health_check_interval=10
         )
         shape, kv_per_token = load_model_shape(settings)
@@ -146,8 +150,8 @@ class Agent:
             access_log=False,
             timeout_graceful_shutdown=1,
         )
-        self.server = _Server(config)
-        self.server_task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        self.server = server = _Server(config)
+        self.server_task = asyncio.create_task(server.serve(sockets=[self.sock]))
         log.info(
             "agent %s serving on %s (upstream %s)",
             settings.node_id,
@@ -159,38 +163,44 @@ class Agent:
         self.runtime.upstream_url = url
 
     async def main_loop(self) -> None:
+        server_task = self.server_task
+        assert server_task is not None
         stop = asyncio.create_task(self.stop_requested.wait())
         try:
-            done, _ = await asyncio.wait({stop, self.server_task}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({stop, server_task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stop.cancel()
-        if self.server_task in done and not self.stop_requested.is_set():
-            self.server_task.result()  # the gateway died on its own: surface why
+        if server_task in done and not self.stop_requested.is_set():
+            server_task.result()  # the gateway died on its own: surface why
 
     async def shutdown(self) -> None:
         """Drain (bounded), leave the pool, stop the gateway and llama-server. Every step runs."""
         try:
             await self._drain()
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.heartbeat.remove(), 3)
+            # stop the heartbeat first: a beat written after remove_node would bring the key back
             for task in self.tasks:
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
+            if self.heartbeat is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.heartbeat.remove(), 3)
             if self.supervisor is not None:
                 if self.force.is_set():
                     self.supervisor.kill_now()
                 await self.supervisor.stop()
-            self.server.should_exit = True
-            self.server.force_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.server_task, 3)
-            await self.runtime.client().aclose()
-            await self.redis.aclose()
+            if self.server is not None and self.server_task is not None:
+                self.server.should_exit = self.server.force_exit = True
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.server_task, 3)
+            if self.runtime.http is not None:
+                await self.runtime.http.aclose()
+            if self.redis is not None:
+                await self.redis.aclose()
             log.info("agent %s stopped", self.settings.node_id)
 
     async def _drain(self) -> None:
-        heartbeat = getattr(self, "heartbeat", None)
+        heartbeat = self.heartbeat
         if heartbeat is None:
             return
         heartbeat.draining = True
