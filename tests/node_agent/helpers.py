@@ -6,9 +6,12 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import redis
+from gguf import GGUFWriter
 
 from macpool.contract import Keys, NodeDoc
 from tests.conftest import Server
@@ -61,3 +64,23 @@ def status(url: str) -> dict[str, Any]:
 
 
 AgentFactory = Callable[..., Server]
+
+
+def write_gguf(
+    path: Path, layers: int, heads: int, kv_heads: int, embd: int, key_length: int | None = None
+) -> Path:
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_embedding_length(embd)
+    writer.add_context_length(4096)
+    if key_length:
+        writer.add_key_length(key_length)
+        writer.add_value_length(key_length)
+    writer.add_tensor("token_embd.weight", np.zeros((8, embd), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

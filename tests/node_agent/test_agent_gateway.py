@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,7 +15,15 @@ import pytest
 from macpool.contract import heartbeat_ttl_ms
 from macpool.redis_server import RedisServer, free_port
 from tests.conftest import Server
-from tests.node_agent.helpers import AgentFactory, node_ttl_ms, read_node, sim_stats, status, wait_until
+from tests.node_agent.helpers import (
+    AgentFactory,
+    node_ttl_ms,
+    read_node,
+    sim_stats,
+    status,
+    wait_until,
+    write_gguf,
+)
 
 SimFactory = Callable[..., Server]
 
@@ -185,9 +194,20 @@ def test_unreachable_upstream_keeps_starting_then_joins(
     wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready once up")
 
 
-@pytest.mark.parametrize("path", ["/v1/nope", "/status/x"])
-def test_unknown_paths_are_openai_shaped(agent: AgentFactory, path: str) -> None:
-    gateway = agent("--upstream", f"http://127.0.0.1:{free_port()}")
-    response = httpx.get(gateway.url + path)
-    assert response.status_code == 404
-    assert json.loads(response.text)["error"]["code"] == "not_found"
+def test_gguf_estimate_and_openai_shaped_errors(
+    sim: SimFactory, agent: AgentFactory, redis_url: str, tmp_path: Path
+) -> None:
+    # a 14B-class shape: 48 layers x 8 KV heads x 128 x (2 + 2) bytes = 196,608 bytes per token
+    model = write_gguf(tmp_path / "m.gguf", layers=48, heads=40, kv_heads=8, embd=5120)
+    upstream = sim("--parallel", "2", "--ctx-size", "8192", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url, "--model", str(model), "--memory-probe", "linux")
+    doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready" and d, what="ready")
+    assert status(gateway.url)["model"]["kv_bytes_per_token"] == 196608
+    assert doc.memory.per_request_gb == pytest.approx(196608 * 4096 / 1e9 + 0.25, abs=1e-3)
+    assert doc.memory.weights_gb == pytest.approx(model.stat().st_size / 1e9, abs=1e-3)
+    assert doc.capacity_breakdown.memory is not None
+    for path in ("/v1/nope", "/status/x"):
+        response = httpx.get(gateway.url + path)
+        assert response.status_code == 404
+        assert json.loads(response.text)["error"]["code"] == "not_found"
+    assert httpx.get(gateway.url + "/v1/chat/completions").status_code == 405

@@ -4,31 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-from gguf import GGUFWriter
 
 from node_agent.gguf_info import GGUFError, cache_types, read_shape
-
-
-def write_gguf(
-    path: Path, layers: int, heads: int, kv_heads: int, embd: int, key_length: int | None = None
-) -> Path:
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(layers)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_embedding_length(embd)
-    writer.add_context_length(4096)
-    if key_length:
-        writer.add_key_length(key_length)
-        writer.add_value_length(key_length)
-    writer.add_tensor("token_embd.weight", np.zeros((8, embd), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+from tests.node_agent.helpers import write_gguf
 
 
 def test_kv_bytes_per_token_f16_and_quantised(tmp_path: Path) -> None:
