@@ -123,7 +123,7 @@ class Router:
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
             arrived=arrived,
         )
-        return await self.services.forwarder.handle(call)
+        return await self.services.forwarder.handle(call, request.receive)
 
     # --- read-only endpoints -----------------------------------------------------------------------
 

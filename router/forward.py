@@ -88,8 +88,29 @@ class Forwarder:
         self.admission = admission
         self.metrics = metrics
 
-    async def handle(self, call: Call) -> Response:
-        """Admit, forward (failing over before the first byte), and hand back a relaying response."""
+    async def handle(self, call: Call, receive: Receive) -> Response:
+        """Admit, forward (failing over before the first byte), and hand back a relaying response.
+
+        A client that goes away while its request waits in the queue or for the first byte cancels it
+        there and then: the queue entry, the reservation and the upstream request are all given back.
+        """
+        response: Response | None = None
+        async with anyio.create_task_group() as group:
+
+            async def watch_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch_disconnect)
+            response = await self._handle(call)
+            group.cancel_scope.cancel()
+        if response is None:
+            self.metrics.requests.labels(model=call.model, node="", status="client_closed").inc()
+            return Response(status_code=499)  # nobody is listening any more
+        return response
+
+    async def _handle(self, call: Call) -> Response:
         self.pool.requests.mark()
         tried: set[str] = set()
         last_failure = ""
@@ -161,9 +182,6 @@ class Forwarder:
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="504").inc()
             return error_response(504, "the node did not answer within the first-byte timeout",
                                   "upstream_timeout")
-        except _Retry:
-            await _close(upstream)
-            raise
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
             if upstream is not None:
                 return await self._failed_before_first_byte(call, lease, upstream, exc)
@@ -174,6 +192,9 @@ class Forwarder:
             raise _Retry("reset") from None
         except httpx.HTTPError as exc:
             return await self._failed_before_first_byte(call, lease, upstream, exc)
+        except BaseException:  # _Retry, or cancelled because the client left
+            await _close(upstream)
+            raise
         self.metrics.ttft.observe(time.monotonic() - call.arrived)
         if upstream.status_code in (401, 403):
             # the agent refused the router's token: a deployment error, not the client's

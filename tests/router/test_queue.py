@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import httpx
+import redis
 
+from macpool.contract import Keys
 from tests.router.conftest import Pool, wait_until
+
+
+def queued(router_url: str) -> int:
+    depth: int = httpx.get(router_url + "/api/pool").json()["pool"]["queued"]
+    return depth
 
 
 def _metric(router_url: str, name: str) -> float:
@@ -16,7 +24,8 @@ def _metric(router_url: str, name: str) -> float:
     return 0.0
 
 
-def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool) -> None:
+def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, redis_url: str) -> None:
+    store = redis.Redis.from_url(redis_url)
     pool.node("n1", cap=1, speed=1)
     patient = pool.router("--queue-size", "4", "--queue-timeout", "60")
     hasty = pool.router("--queue-size", "4", "--queue-timeout", "1")
@@ -42,7 +51,12 @@ def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool) -> 
                 )
             )
             waiter.start()
-            wait_until(lambda: httpx.get(patient.url + "/api/pool").json()["pool"]["queued"] == 1)
+            wait_until(lambda: queued(patient.url) == 1)
+
+            # a queued client that gives up leaves the queue at once, not after the queue timeout
+            with contextlib.suppress(httpx.ReadTimeout):
+                client.post(patient.url + "/v1/chat/completions", json=short_body, timeout=1.0)
+            wait_until(lambda: store.zcard(Keys().queue) == 1, timeout=15)
 
             # the other replica's waiter is not woken by anything and times out with an honest 503
             timed_out = client.post(hasty.url + "/v1/chat/completions", json=short_body)
@@ -56,3 +70,4 @@ def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool) -> 
     assert _metric(patient.url, "macpool_queue_wait_seconds_count") == 1
     assert _metric(hasty.url, 'macpool_rejections_total{reason="queue_timeout"}') == 1
     wait_until(lambda: httpx.get(patient.url + "/api/pool").json()["pool"]["queued"] == 0)
+    store.close()
