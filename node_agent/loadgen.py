@@ -14,12 +14,16 @@ import itertools
 import json
 import secrets
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from .memory import MacProbe, ProbeError
+
+MEMORY_EVERY_S = 0.1  # pinned-memory sampling period while a level is measured
 WARMUP_ROUNDS = 2  # requests per client before measuring: the first round starts all prefills at once
 
 
@@ -75,11 +79,22 @@ def final_timings(tail: bytes) -> dict[str, Any] | None:
 
 
 async def memory(client: httpx.AsyncClient, base: str) -> dict[str, Any] | None:
+    """Pinned memory and the wired limit: the simulator's figures, else this Mac's own (calibrate runs
+    on the Mac it measures), else nothing (Linux with a real llama-server: no wired limit to approach)."""
     try:
         response = await client.get(base + "/sim/memory", timeout=5)
+        if response.status_code == 200:
+            data: dict[str, Any] = response.json()
+            return data
     except httpx.HTTPError:
         return None
-    return response.json() if response.status_code == 200 else None
+    if sys.platform != "darwin":
+        return None
+    try:
+        sample = await MacProbe().sample()
+    except (ProbeError, OSError):
+        return None
+    return {"pinned_gb": sample.pinned_gb, "wired_limit_gb": sample.wired_limit_gb, "state": sample.pressure}
 
 
 @dataclass
@@ -173,9 +188,13 @@ class Level:
                 self._check_errors()
                 await asyncio.sleep(0.02)
             self.measuring = True
+            sampled_at = 0.0
             while len(self.latencies) < self.window_requests:
                 self._check_errors()
-                mem = await memory(self.client, self.base)
+                mem = None
+                if time.monotonic() - sampled_at >= MEMORY_EVERY_S:
+                    sampled_at = time.monotonic()
+                    mem = await memory(self.client, self.base)
                 if mem is not None:
                     pinned = float(mem["pinned_gb"])
                     if peak is None or pinned >= peak:
