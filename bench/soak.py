@@ -242,7 +242,11 @@ class Load:
         }
 
     async def run(self) -> None:
-        limits = httpx.Limits(max_connections=self.clients + 4, max_keepalive_connections=self.clients)
+        # idle keep-alive connections expire well before the router's (uvicorn: 5 s), or a request may be
+        # sent on a connection the router is closing at that moment (a client-side ReadError)
+        limits = httpx.Limits(
+            max_connections=self.clients + 4, max_keepalive_connections=self.clients, keepalive_expiry=2.0
+        )
         timeout = httpx.Timeout(120.0, connect=10.0)
         async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=timeout) as client:
             await asyncio.gather(*(self.client(client, i) for i in range(self.clients)))
@@ -337,8 +341,9 @@ async def soak(options: SoakOptions, pool: SoakPool, log: Callable[[str], None])
     started = time.monotonic()
     while (remaining := options.duration_s - (time.monotonic() - started)) > 0:
         await asyncio.sleep(min(10.0, remaining))
+        errors = {k: v for k, v in load.kinds.items() if k not in ("ok", "503")}
         log(f"{time.monotonic() - started:5.0f}s requests={result.requests} ok={result.ok} "
-            f"503={result.rejected_503} errors={result.errors_non_503} rss={pool.router_rss():.1f}MB")
+            f"503={result.rejected_503} errors={errors or 0} rss={pool.router_rss():.1f}MB")
     stop_side.set()
     await asyncio.gather(*side)
     load.stop.set()

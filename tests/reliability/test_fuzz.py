@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 MAX_BODY = 65536
 PROXIED = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion"]
-FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
 @pytest.fixture
