@@ -21,6 +21,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -40,6 +41,7 @@ from macpool.procs import Child, ProcessError, macpool_argv
 from macpool.redis_server import RedisServer, free_port
 
 MODEL = "sim"
+_MAX_TOKENS = re.compile(rb'"max_tokens":\s*(\d+)')
 LOOP = "127.0.0.1"
 
 # --- statistics --------------------------------------------------------------------------------------
@@ -110,6 +112,7 @@ class UpstreamConfig:
     capacity: int = 0  # per node; 0 = unlimited (no over-admission accounting)
     nodes: int = 1
     tokens: int = 16  # non-streaming completion size
+    events_from_body: bool = False  # a request's ``max_tokens`` sets its number of events
 
 
 @dataclass
@@ -237,21 +240,25 @@ class _ServerConn(asyncio.Protocol):
             if config.first_delay_s:
                 await asyncio.sleep(config.first_delay_s)
             if b'"stream":true' in body or b'"stream": true' in body:
-                await self.stream(config)
+                events = config.events
+                if config.events_from_body:
+                    found = _MAX_TOKENS.search(body)
+                    events = int(found.group(1)) if found else events
+                await self.stream(config, events)
             else:
                 self.respond("200 OK", self.server.json_body)
             stats.served += 1
         finally:
             stats.in_flight -= 1
 
-    async def stream(self, config: UpstreamConfig) -> None:
+    async def stream(self, config: UpstreamConfig, events: int) -> None:
         self.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
             b"transfer-encoding: chunked\r\n\r\n"
         )
         event = self.server.event
         interval = config.interval_s
-        for _ in range(config.events):
+        for _ in range(events):
             if self.closed:
                 return
             self.write(event)
@@ -324,9 +331,16 @@ def upstream_main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--redis-url", help="write heartbeats for the nodes (/n0 .. /n{N-1}) into this pool")
     p.add_argument("--node-prefix", default="fast-")
+    p.add_argument("--events-from-body", action="store_true", help="a request's max_tokens = its events")
     a = p.parse_args(argv)
     config = UpstreamConfig(
-        a.events, a.interval_ms / 1000.0, a.first_delay_ms / 1000.0, a.capacity, a.nodes, a.tokens
+        a.events,
+        a.interval_ms / 1000.0,
+        a.first_delay_ms / 1000.0,
+        a.capacity,
+        a.nodes,
+        a.tokens,
+        a.events_from_body,
     )
     try:
         import uvloop
@@ -458,6 +472,7 @@ async def raw_load(
     host: str = LOOP,
     warmup_s: float = 0.0,
     tally: list[int] | None = None,
+    request_timeout: float = 120.0,
 ) -> list[Rec]:
     """``concurrency`` keep-alive connections in a closed loop; records requests started after warm-up.
 
@@ -492,7 +507,12 @@ async def raw_load(
                         records.append(Rec(0, 0.0, None))
                         await asyncio.sleep(0.01)
                         continue
-                rec = await conn.request(make_request(index))
+                try:
+                    rec = await asyncio.wait_for(conn.request(make_request(index)), request_timeout)
+                except TimeoutError:
+                    rec = Rec(0, request_timeout, None)
+                    if conn.transport is not None:
+                        conn.transport.close()
                 if now >= measure_from:
                     records.append(rec)
                 if not conn.parser.should_keep_alive() and conn.transport is not None:
@@ -661,6 +681,8 @@ class Stack:
         ]
         if redis_url:
             argv += ["--redis-url", redis_url]
+        if config.events_from_body:
+            argv.append("--events-from-body")
         return self.spawn(name, pinned(argv, cpu), port)
 
     def sim(self, name: str, machine: Path, parallel: int, speed: float, cpu: int | None = None) -> Proc:
@@ -793,10 +815,84 @@ def cpu_window(pid: int) -> Iterator[dict[str, float]]:
         out["wall_s"] = time.perf_counter() - wall0
 
 
+def plot(folder: Path, out: Path) -> None:
+    """One figure from the JSON files the benches wrote into ``folder`` (whichever exist)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def load(name: str) -> dict[str, Any] | None:
+        path = folder / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    overhead, peers, relay = load("overhead"), load("peers"), load("relay")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    ax = axes[0]
+    if overhead:
+        levels = sorted(overhead["levels"], key=int)
+        xs = [int(x) for x in levels]
+        for key, label in (("ttft_added", "router + agent"), ("router_only_ttft_added", "router only")):
+            for q, style in (("p50", "-o"), ("p99", "--o")):
+                ys = [overhead["levels"][lv].get(f"{key}_{q}_ms") for lv in levels]
+                ax.plot(
+                    xs, [max(y, 0.01) if y is not None else None for y in ys], style, label=f"{label} {q}"
+                )
+        ax.axhline(1.0, color="green", lw=0.8, ls=":", label="target p50 1 ms")
+        ax.axhline(5.0, color="red", lw=0.8, ls=":", label="target p99 5 ms")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("added TTFT (ms)")
+        ax.set_title("bench overhead: added TTFT vs direct")
+        ax.legend(fontsize=7)
+    ax = axes[1]
+    if peers:
+        levels = sorted(peers["ttft"], key=int)
+        width = 0.25
+        for i, name in enumerate(("macpool", "nginx", "litellm")):
+            ys = [peers["ttft"][lv][name].get("ttft_added_p50_ms") or 0.0 for lv in levels]
+            ax.bar(
+                [j + (i - 1) * width for j in range(len(levels))],
+                [max(y, 0.01) for y in ys],
+                width,
+                label=name,
+            )
+        ax.set_xticks(range(len(levels)), [f"{lv} streams" for lv in levels])
+        ax.set_yscale("log")
+        ax.set_ylabel("added TTFT p50 (ms)")
+        ax.set_title("bench peers: added TTFT (same run, same nodes)")
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    bars: dict[str, float] = {}
+    if peers:
+        for name, row in peers["relay"].items():
+            if row.get("chunks_per_cpu_s"):
+                bars[f"{name}\n(peers)"] = row["chunks_per_cpu_s"]
+    if relay and relay.get("chunks_per_s"):
+        bars["macpool\n(relay)"] = relay["chunks_per_s"]
+    if bars:
+        ax.bar(list(bars), list(bars.values()), color=["C0", "C1", "C2", "C0"][: len(bars)])
+        ax.axhline(20_000, color="red", lw=0.8, ls=":", label="target 20,000/s per core")
+        ax.set_yscale("log")
+        ax.set_ylabel("SSE chunks per CPU-second")
+        ax.set_title("relay rate per proxy core")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "upstream":
         return upstream_main(argv[1:])
-    print("usage: python -m bench.perfkit upstream --port P [...]", file=sys.stderr)
+    if argv and argv[0] == "plot" and len(argv) == 3:
+        plot(Path(argv[1]), Path(argv[2]))
+        return 0
+    print(
+        "usage: python -m bench.perfkit upstream --port P [...] | plot RESULTS_DIR OUT.png", file=sys.stderr
+    )
     return 2
 
 

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.perfkit import (
     Stack,
     UpstreamConfig,
@@ -41,12 +43,17 @@ TARGET_CHUNKS_PER_S = 20_000
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="macpool bench relay", description=__doc__.split("\n\n")[0])
-    p.add_argument("--streams", type=int, default=128, help="concurrent endless SSE streams")
+    p.add_argument("--streams", type=int, default=64, help="concurrent endless SSE streams")
     p.add_argument("--interval-ms", type=float, default=4.0, help="pause between two events of one stream")
     p.add_argument("--concurrency", type=int, default=32, help="clients in the non-streaming phase")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds before each measurement window")
     p.add_argument("--duration", type=float, default=8.0, help="seconds of each measurement window")
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeatable)")
+    p.add_argument(
+        "--compare-transports",
+        action="store_true",
+        help="also measure httpx transports (default vs httpx-aiohttp) as an upstream client",
+    )
     p.add_argument("--json", type=Path, help="write the result here")
     return p
 
@@ -103,23 +110,114 @@ async def measure_requests(
     }
 
 
+async def transport_cost(
+    url: str, transport: str, streams: int, requests: int, duration: float
+) -> dict[str, Any]:
+    """CPU this process spends per relayed chunk and per short request through one httpx transport."""
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+    if transport == "aiohttp":
+        from httpx_aiohttp import AiohttpTransport
+
+        client = httpx.AsyncClient(transport=AiohttpTransport(), timeout=60.0)
+    else:
+        client = httpx.AsyncClient(limits=limits, timeout=60.0)
+    stream_body, short_body = chat_json(stream=True), chat_json(stream=False)
+    path = url + "/n0/v1/chat/completions"
+    chunks = [0]
+    stop = asyncio.Event()
+
+    async def one_stream() -> None:
+        async with client.stream("POST", path, content=stream_body) as response:
+            async for _ in response.aiter_raw():
+                chunks[0] += 1
+                if stop.is_set():
+                    return
+
+    async def short(n: int) -> None:
+        for _ in range(n):
+            response = await client.post(path, content=short_body)
+            await response.aread()
+
+    async with client:
+        tasks = [asyncio.create_task(one_stream()) for _ in range(streams)]
+        await asyncio.sleep(1.0)
+        c0, cpu0, t0 = chunks[0], time.process_time(), time.perf_counter()
+        await asyncio.sleep(duration)
+        n_chunks, stream_cpu, wall = chunks[0] - c0, time.process_time() - cpu0, time.perf_counter() - t0
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await short(10)
+        cpu0 = time.process_time()
+        await asyncio.gather(*(short(requests // 16) for _ in range(16)))
+        request_cpu = time.process_time() - cpu0
+    return {
+        "chunks_per_cpu_s": round(n_chunks / stream_cpu, 1) if stream_cpu else None,
+        "chunks_per_s_wall": round(n_chunks / wall, 1),
+        "cpu_ms_per_request": round(request_cpu / (requests // 16 * 16) * 1000, 3),
+    }
+
+
+def compare_transports(args: argparse.Namespace) -> dict[str, Any]:
+    """httpx's default transport (httpcore + h11) against httpx-aiohttp's, as the router's upstream client."""
+    _, other_cpu = core_plan()
+    config = UpstreamConfig(events=10**9, interval_s=args.interval_ms / 1000.0, nodes=1)
+    out: dict[str, Any] = {}
+    with Stack() as stack:
+        upstream = stack.upstream("upstream", config, cpu=other_cpu)
+        for transport in ("httpcore", "aiohttp"):
+            try:
+                import uvloop
+
+                out[transport] = uvloop.run(
+                    transport_cost(upstream.url, transport, args.streams, 2000, args.duration)
+                )
+            except ImportError as exc:
+                out[transport] = {"error": f"not installed: {exc.name}"}
+    return out
+
+
+def upstream_drain(url: str, timeout: float = 15.0) -> dict[str, Any]:
+    """After the clients went away: how long until the router closed every upstream stream."""
+    started = time.perf_counter()
+    left = -1
+    while time.perf_counter() - started < timeout:
+        left = int(httpx.get(url + "/stats", timeout=5).json()["nodes"].get("n", {}).get("in_flight", 0))
+        if left == 0:
+            break
+        time.sleep(0.1)
+    return {
+        "upstream_streams_left_after_disconnect": left,
+        "upstream_close_s": round(time.perf_counter() - started, 2),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     router_cpu, other_cpu = core_plan()
     pin_self(other_cpu)
-    with Stack() as stack:
+    config = UpstreamConfig(events=10**9, interval_s=args.interval_ms / 1000.0, nodes=1)
+    with Stack() as stack:  # one fresh stack per phase: nothing left over from the other phase
         redis_url = stack.start_redis()
-        config = UpstreamConfig(events=10**9, interval_s=args.interval_ms / 1000.0, nodes=1)
-        stack.upstream("upstream", config, redis_url=redis_url, cpu=other_cpu)
+        upstream = stack.upstream("upstream", config, redis_url=redis_url, cpu=other_cpu)
         router = stack.router("router", redis_url, "--queue-size", "0", *args.router_arg, cpu=router_cpu)
         wait_nodes(router.url, 1)
         streaming = asyncio.run(
             measure_streams(router.port, router.pid, args.streams, args.warmup, args.duration)
         )
+        streaming.update(upstream_drain(upstream.url))
+    with Stack() as stack:
+        redis_url = stack.start_redis()
+        stack.upstream("upstream", config, redis_url=redis_url, cpu=other_cpu)
+        router = stack.router("router", redis_url, "--queue-size", "0", *args.router_arg, cpu=router_cpu)
+        wait_nodes(router.url, 1)
         requests = asyncio.run(
             measure_requests(router.port, router.pid, args.concurrency, args.warmup, args.duration)
         )
     chunks_per_s = streaming["chunks_per_cpu_s"]
+    extra = {"transports": compare_transports(args)} if args.compare_transports else {}
     return {
+        **extra,
         "bench": "relay",
         "router_core": router_cpu,
         "chunks_per_s": chunks_per_s,

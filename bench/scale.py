@@ -62,10 +62,11 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="macpool bench scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=50)
     p.add_argument("--capacity", type=int, default=4, help="slots per node")
-    p.add_argument("--events", type=int, default=20, help="SSE events per request")
-    p.add_argument("--interval-ms", type=float, default=25.0, help="pause between events (slot hold time)")
+    p.add_argument("--events", type=int, default=5, help="SSE events per request")
+    p.add_argument("--interval-ms", type=float, default=100.0, help="pause between events (slot hold time)")
     p.add_argument("--duration", type=float, default=8.0, help="seconds per phase")
     p.add_argument("--overload", type=float, default=2.0, help="overload phase: concurrency / capacity")
+    p.add_argument("--hold-factor", type=int, default=10, help="overload phase: requests hold this x longer")
     p.add_argument("--decisions", type=int, default=2000, help="acquire+release pairs timed in-process")
     p.add_argument("--json", type=Path)
     return p
@@ -119,8 +120,8 @@ class ReservationWatch:
         self.thread.join(5)
 
 
-async def drive(ports: list[int], concurrency: int, duration: float) -> list[Any]:
-    raw = build_request("/v1/chat/completions", chat_json(stream=True))
+async def drive(ports: list[int], concurrency: int, duration: float, events: int) -> list[Any]:
+    raw = build_request("/v1/chat/completions", chat_json(stream=True, max_tokens=events))
     share = [
         concurrency // len(ports) + (1 if i < concurrency % len(ports) else 0) for i in range(len(ports))
     ]
@@ -175,10 +176,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Stack() as stack:
         redis_url = stack.start_redis()
         config = UpstreamConfig(
-            events=args.events, interval_s=args.interval_ms / 1000.0, capacity=args.capacity, nodes=args.nodes
+            events=args.events,
+            interval_s=args.interval_ms / 1000.0,
+            capacity=args.capacity,
+            nodes=args.nodes,
+            events_from_body=True,
         )
         upstream = stack.upstream("nodes", config, redis_url=redis_url, prefix="scale-")
-        routers = [stack.router(f"router-{i}", redis_url, "--queue-size", "32") for i in range(2)]
+        # a long lease keeps the periodic renewal pipeline (one round trip per router per lease/3, whatever
+        # the traffic) out of the measured window
+        routers = [
+            stack.router(f"router-{i}", redis_url, "--queue-size", "32", "--lease-seconds", "600")
+            for i in range(2)
+        ]
         for router in routers:
             wait_nodes(router.url, args.nodes)
         ports = [r.port for r in routers]
@@ -187,14 +197,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             # warm up (connection pools grow to the concurrency), measure the background command rate
             # (heartbeats, refreshes), then the admitted path at half capacity
-            asyncio.run(drive(ports, max(2, capacity_total // 2), min(args.duration, 2.0)))
+            asyncio.run(drive(ports, max(2, capacity_total // 2), min(args.duration, 2.0), args.events))
             idle_s = min(args.duration, 4.0)
             before = commandstats(redis)
             time.sleep(idle_s)
             idle = delta(commandstats(redis), before)
             before = commandstats(redis)
             t0 = time.perf_counter()
-            records = asyncio.run(drive(ports, max(2, capacity_total // 2), args.duration))
+            records = asyncio.run(drive(ports, max(2, capacity_total // 2), args.duration, args.events))
             load_s = time.perf_counter() - t0
             loaded = delta(commandstats(redis), before)
             admitted = sum(1 for r in records if r.status == 200)
@@ -204,13 +214,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 k: round(v / admitted, 3) for k, v in sorted(net.items()) if admitted and abs(v) >= 1
             }
             setup = sum(v for k, v in net.items() if k in CONNECTION_SETUP)
-            skip = SCRIPT_INNER | CONNECTION_SETUP | {"exec", "multi"}
+            # per-request round trips: top-level commands that the idle window (heartbeats, pool refreshes)
+            # never issues; Lua's inner commands and connection handshakes are not round trips
+            skip = SCRIPT_INNER | CONNECTION_SETUP | {"exec", "multi"} | set(idle)
             round_trips = sum(v for k, v in net.items() if k not in skip)
             round_trips_per_admitted = round(round_trips / admitted, 3) if admitted else None
             # overload: can anything push a node past its capacity?
             httpx.post(upstream.url + "/reset", timeout=5)
             with ReservationWatch(redis_url, node_ids) as watch:
-                over = asyncio.run(drive(ports, int(capacity_total * args.overload), args.duration))
+                over = asyncio.run(
+                    drive(
+                        ports,
+                        int(capacity_total * args.overload),
+                        args.duration,
+                        args.events * args.hold_factor,
+                    )
+                )
             stats = httpx.get(upstream.url + "/stats", timeout=5).json()
             decisions = asyncio.run(decision_time(redis_url, args.decisions))
             decisions["script_server_usec_per_call"] = script_usec(redis)
