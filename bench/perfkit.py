@@ -159,7 +159,7 @@ class _ServerConn(asyncio.Protocol):
         self.closed = False
         self.writable = asyncio.Event()
         self.writable.set()
-        self.busy = False
+        self.counted: NodeStats | None = None  # the node this connection's request is counted against
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -167,6 +167,12 @@ class _ServerConn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.writable.set()
+        self.finish()  # the request ends when its connection does, not at the stream's next write
+
+    def finish(self) -> None:
+        if self.counted is not None:
+            self.counted.in_flight -= 1
+            self.counted = None
 
     def pause_writing(self) -> None:
         self.writable.clear()
@@ -236,6 +242,7 @@ class _ServerConn(asyncio.Protocol):
             stats.over_capacity += 1
         stats.in_flight += 1
         stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
+        self.counted = stats
         try:
             if config.first_delay_s:
                 await asyncio.sleep(config.first_delay_s)
@@ -249,7 +256,7 @@ class _ServerConn(asyncio.Protocol):
                 self.respond("200 OK", self.server.json_body)
             stats.served += 1
         finally:
-            stats.in_flight -= 1
+            self.finish()
 
     async def stream(self, config: UpstreamConfig, events: int) -> None:
         self.write(
@@ -625,6 +632,7 @@ class Stack:
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="macpool-bench-")))
     children: list[Child] = field(default_factory=list)
     redis_servers: list[RedisServer] = field(default_factory=list)
+    keep_logs: bool = False
 
     def start_redis(self) -> str:
         server = RedisServer()
@@ -746,7 +754,7 @@ class Stack:
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         self.close()
-        if exc_type is None:  # keep the logs of a failed run for the error message that names them
+        if exc_type is None and not self.keep_logs:  # a failed run's logs stay for its error message
             shutil.rmtree(self.logs, ignore_errors=True)
 
 
@@ -851,13 +859,14 @@ def plot(folder: Path, out: Path) -> None:
         levels = sorted(peers["ttft"], key=int)
         width = 0.25
         for i, name in enumerate(("macpool", "nginx", "litellm")):
-            ys = [peers["ttft"][lv][name].get("ttft_added_p50_ms") or 0.0 for lv in levels]
-            ax.bar(
-                [j + (i - 1) * width for j in range(len(levels))],
-                [max(y, 0.01) for y in ys],
-                width,
-                label=name,
-            )
+            raw = [peers["ttft"][lv][name].get("ttft_added_p50_ms") for lv in levels]
+            bar_x = [j + (i - 1) * width for j in range(len(levels))]
+            ys = [float("nan") if y is None else max(y, 0.01) for y in raw]
+            ax.bar(bar_x, ys, width, label=name, color=f"C{i}")
+            for x, y in zip(bar_x, raw, strict=True):
+                label = "n/a" if y is None else ("<=0" if y <= 0 else "")
+                if label:
+                    ax.text(x, 0.012, label, ha="center", va="bottom", fontsize=7, rotation=90)
         ax.set_xticks(range(len(levels)), [f"{lv} streams" for lv in levels])
         ax.set_yscale("log")
         ax.set_ylabel("added TTFT p50 (ms)")

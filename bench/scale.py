@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import threading
 import time
 import uuid
@@ -231,6 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     )
                 )
             stats = httpx.get(upstream.url + "/stats", timeout=5).json()
+            if stats["over_capacity"]:
+                stack.keep_logs = True
+                print(f"over-admission seen: processes' logs kept in {stack.logs}", file=sys.stderr)
             decisions = asyncio.run(decision_time(redis_url, args.decisions))
             decisions["script_server_usec_per_call"] = script_usec(redis)
         finally:
