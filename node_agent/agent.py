@@ -39,7 +39,9 @@ class _Server(uvicorn.Server):
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the gateway's port before anything starts, so a taken port is a one-line error."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then (else Nagle and
+    # delayed ACKs add ~40 ms to every small response)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
