@@ -85,14 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     tiny = sub.add_parser("tiny-model", help="write the tiny random-weight GGUF and print its path")
     tiny.add_argument("--variant", default="tiny", choices=sorted(tiny_model.VARIANTS))
     test = sub.add_parser("test", help="ruff + mypy + the whole pytest suite")
-    test.add_argument("pytest_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest")
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.task != "test":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.task == "build-llama-server":
         return llama_build.main([])
     if args.task == "tiny-model":
         print(tiny_model.ensure(args.variant))
         return 0
-    return run_tests(args.pytest_args)
+    return run_tests([*extra, *args.pytest_args])
 
 
 if __name__ == "__main__":
