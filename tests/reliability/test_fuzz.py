@@ -99,7 +99,26 @@ def _nested(depth: int) -> bytes:
     return b'{"messages": ' + b"[" * depth + b"]" * depth + b"}"
 
 
+valid_chats = st.fixed_dictionaries(
+    {
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=80)}),
+            min_size=1,
+            max_size=2,
+        ),
+        "max_tokens": st.integers(1, 4),
+        "stream": st.booleans(),
+    },
+    optional={
+        "model": st.text(max_size=10),
+        "temperature": json_any,
+        "x-extra": json_any,
+        "n_probs": json_any,
+    },
+)
+
 bodies = st.one_of(
+    valid_chats.map(lambda p: json.dumps(p).encode()),
     payloads.map(lambda p: json.dumps(p).encode()),
     st.tuples(payloads, st.integers(0, 10_000)).map(_truncate),
     st.binary(max_size=300),
@@ -126,8 +145,12 @@ def test_fuzz_bodies(target: tuple[Rig, Node, str]) -> None:
             headers = {"content-type": content_type} if content_type else {}
             reply = client.post(path, content=body, headers=headers)
             check(reply.status_code, dict(reply.headers), reply.content, node)
+            sent.append(reply.status_code)
 
+        sent: list[int] = []
         run()
+        assert len(sent) >= 50, len(sent)  # hypothesis really ran the examples
+        print(f"fuzzed bodies: {len(sent)} requests, statuses {sorted(set(sent))}")
     after(rig, node, url)
 
 
@@ -242,8 +265,12 @@ def test_fuzz_surface(target: tuple[Rig, Node, str]) -> None:
         if method == "HEAD":
             reply_body = b""
         check(status, reply_headers, reply_body, node)
+        sent.append(status or 0)
 
+    sent: list[int] = []
     run()
+    assert len(sent) >= 50, len(sent)
+    print(f"fuzzed surface: {len(sent)} requests, statuses {sorted(set(sent))}")
     # a single oversized header block and a flood of headers
     for data in (
         b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n",
