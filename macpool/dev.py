@@ -74,7 +74,7 @@ def run_tests(pytest_args: list[str]) -> int:
     binary = _ensure_llama_server()
     env = dict(os.environ)
     if binary is not None:
-        env["MACPOOL_LLAMA_SERVER"] = str(binary)
+        env["MACPOOL_LLAMA_SERVER_BIN"] = str(binary)
     return _run("pytest", [py, "-m", "pytest", *pytest_args], env=env)
 
 

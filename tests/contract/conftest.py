@@ -39,7 +39,7 @@ class Target:
 
 
 def _llama_server_binary() -> str | None:
-    path = os.environ.get("MACPOOL_LLAMA_SERVER")
+    path = os.environ.get("MACPOOL_LLAMA_SERVER_BIN")
     if path and os.path.isfile(path):
         return path
     from macpool.llama_build import find_llama_server

@@ -38,7 +38,7 @@ def require_llama_server() -> Path:
     found = find_llama_server()
     if found is not None:
         return found
-    reason = "llama-server not built: run `macpool dev build-llama-server` (or set MACPOOL_LLAMA_SERVER)"
+    reason = "llama-server not built: run `macpool dev build-llama-server` (or set MACPOOL_LLAMA_SERVER_BIN)"
     if os.environ.get("CI"):
         pytest.fail(f"CI: {reason}", pytrace=False)
     pytest.skip(reason)

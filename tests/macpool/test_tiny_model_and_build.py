@@ -16,7 +16,7 @@ from macpool import llama_build, tiny_model
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MACPOOL_CACHE", str(tmp_path))
-    monkeypatch.delenv("MACPOOL_LLAMA_SERVER", raising=False)
+    monkeypatch.delenv("MACPOOL_LLAMA_SERVER_BIN", raising=False)
     return tmp_path
 
 
@@ -121,9 +121,9 @@ def test_build_is_a_no_op_when_cached(cache: Path, monkeypatch: pytest.MonkeyPat
 def test_explicit_binary_wins(cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     binary = tmp_path / "my-llama-server"
     binary.write_bytes(b"")
-    monkeypatch.setenv("MACPOOL_LLAMA_SERVER", str(binary))
+    monkeypatch.setenv("MACPOOL_LLAMA_SERVER_BIN", str(binary))
     assert llama_build.find_llama_server() == binary
-    monkeypatch.setenv("MACPOOL_LLAMA_SERVER", str(tmp_path / "missing"))
+    monkeypatch.setenv("MACPOOL_LLAMA_SERVER_BIN", str(tmp_path / "missing"))
     assert llama_build.find_llama_server() is None
 
 

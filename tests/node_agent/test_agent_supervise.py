@@ -42,7 +42,7 @@ def test_supervised_restart_and_ttl_expiry_after_kill_9(
         "2048",
     )
     doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready" and d, what="ready")
-    assert (doc.total_slots, doc.ctx_per_slot, doc.models) == (4, 2048, ["model-14b-q4.gguf"])
+    assert (doc.total_slots, doc.ctx_per_slot, doc.models) == (4, 2048, ["model-14b-q4"])  # --alias
     llama = status(gateway.url)["llama_server"]
     assert "--ctx-size" in llama["argv"] and "8192" in llama["argv"] and "--metrics" in llama["argv"]
     pid = llama["pid"]

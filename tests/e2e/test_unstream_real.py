@@ -1,0 +1,61 @@
+"""Abandoned non-streaming requests free their llama-server slot at once (real llama-server).
+
+llama-server only notices a gone non-streaming client after a second without results for any task, so
+the agent serves non-streaming requests from a streamed upstream one (node_agent/unstream.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from macpool import tiny_model
+from macpool.procs import macpool_argv
+from macpool.redis_server import free_port
+from tests.conftest import SpawnFactory
+from tests.e2e.conftest import require_llama_server, wait_until
+
+pytestmark = pytest.mark.llama_server
+
+
+def _busy_slots(llama_url: str) -> int:
+    slots: list[dict[str, Any]] = httpx.get(llama_url + "/slots", timeout=5).json()
+    return sum(1 for slot in slots if slot["is_processing"])
+
+
+def test_non_streaming_reply_and_abandonment(spawn: SpawnFactory, redis_url: str) -> None:
+    binary = require_llama_server()
+    model = tiny_model.ensure("small")
+    port = free_port()
+    argv = macpool_argv(
+        "agent", "run", "--redis-url", redis_url, "--node-id", "mac-u", "--port", str(port),
+        "--llama-server", str(binary), "--model", str(model), "--parallel", "2", "--ctx-per-slot", "1024",
+        "--", "-t", "1",
+    )
+    agent = spawn(argv=argv, port=port, ready_path="/status", timeout=60, name="agent")
+    status = wait_until(
+        lambda: (s := httpx.get(agent.url + "/status", timeout=5).json())["state"] == "ready" and s,
+        60, "agent ready",
+    )
+    llama_url: str = status["llama_server"]["url"]
+
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    reply = httpx.post(agent.url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200
+    document = reply.json()
+    assert document["object"] == "chat.completion"
+    assert document["choices"][0]["message"]["role"] == "assistant"
+    assert document["usage"]["completion_tokens"] == 8
+    assert reply.headers["content-type"].startswith("application/json")
+
+    long = {**body, "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(agent.url + "/v1/chat/completions", json=long, timeout=httpx.Timeout(60, read=1.0))
+    left = time.monotonic()
+    wait_until(lambda: _busy_slots(llama_url) == 0, 10, "the abandoned request's slot to be free")
+    freed_after = time.monotonic() - left
+    assert freed_after < 2.0, f"slot freed only after {freed_after:.2f}s"
+    assert httpx.get(agent.url + "/status", timeout=5).json()["in_flight"] == 0

@@ -1,0 +1,89 @@
+"""Non-streaming requests are served from a streamed upstream: the folded document matches llama-server's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from node_agent import unstream
+
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "llama-server"
+
+
+def _body(name: str) -> str:
+    text = (REFERENCE / name).read_text()
+    return text.split("\n\n", 1)[1]
+
+
+def _fold(endpoint: str, name: str, request: dict[str, object] | None = None) -> dict[str, object]:
+    assembler = unstream.Assembler(endpoint)
+    for line in _body(name).splitlines():
+        assembler.feed_line(line)
+    return assembler.result(request)
+
+
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared/reference is not beside the checkout")
+def test_chat_stream_folds_into_the_non_streamed_shape() -> None:
+    folded = _fold("/v1/chat/completions", "chat-stream-usage.txt")
+    recorded = json.loads(_body("chat-nonstream.txt"))
+    assert folded.keys() == recorded.keys()
+    assert folded["object"] == "chat.completion"
+    choice = folded["choices"][0]  # type: ignore[index]
+    assert choice["message"] == {"role": "assistant", "content": "z\x1f1\n"}
+    assert choice["finish_reason"] == "length"
+    assert folded["usage"]["completion_tokens"] == 4  # type: ignore[index]
+    assert folded["id"] == "chatcmpl-EI9ZD5uKOmcVwGuJhqypHkJF1fsTM2nA"
+
+
+@pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared/reference is not beside the checkout")
+def test_completions_and_native_completion_fold() -> None:
+    folded = _fold("/v1/completions", "completions-stream.txt")
+    assert folded["object"] == "text_completion"
+    assert folded["choices"] == [{"text": ";/LE", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert folded["usage"]["total_tokens"] == 13  # type: ignore[index]
+    native = _fold("/completion", "completion-native-stream.txt")
+    recorded = json.loads(_body("completion-native.txt"))
+    assert native.keys() == recorded.keys()
+    assert native["content"] == "\ufffd##"
+    assert native["stop"] is True and native["tokens"] == []
+    assert native["generation_settings"]["stream"] is False  # type: ignore[index]
+
+
+def test_tool_calls_and_errors_fold() -> None:
+    assembler = unstream.Assembler("/v1/chat/completions")
+    for delta in (
+        {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "get_", "arguments": '{"a"'}}]},
+        {"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": ": 1}"}}]},
+    ):
+        assembler.feed_line("data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}))
+    message = assembler.result()["choices"][0]["message"]
+    assert message["content"] is None
+    assert message["tool_calls"] == [
+        {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": '{"a": 1}'}}
+    ]
+    failing = unstream.Assembler("/v1/completions")
+    failing.feed_line('data: {"error": {"code": 500, "message": "boom", "type": "server_error"}}')
+    assert failing.error == {"code": 500, "message": "boom", "type": "server_error"}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "streams"),
+    [
+        ("/v1/chat/completions", b'{"messages": []}', True),
+        ("/v1/chat/completions", b'{"messages": [], "stream": true}', False),  # already a stream
+        ("/v1/chat/completions", b'{"messages": [], "logprobs": true}', False),  # folds unfaithfully
+        ("/v1/chat/completions", b'{"messages": [], "n": 2}', False),
+        ("/v1/embeddings", b'{"input": "x"}', False),
+        ("/completion", b'{"prompt": "x"}', True),
+        ("/v1/completions", b"{not json", False),  # llama-server's own 400
+    ],
+)
+def test_which_requests_are_streamed_upstream(endpoint: str, body: bytes, streams: bool) -> None:
+    streamed = unstream.streamed_body(endpoint, body)
+    assert (streamed is not None) == streams
+    if streamed is not None:
+        request = json.loads(streamed)
+        assert request["stream"] is True
+        assert ("stream_options" in request) == (endpoint != "/completion")
