@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -77,7 +77,14 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        redis = Redis.from_url(self.settings.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+        # a blocking pool waits for a free connection under a burst instead of failing the request
+        # (redis-py's default pool raises MaxConnectionsError at 100 connections)
+        redis = Redis.from_pool(
+            BlockingConnectionPool.from_url(
+                self.settings.redis_url, max_connections=512, timeout=5.0,
+                socket_connect_timeout=2.0, socket_timeout=5.0,
+            )
+        )
         client = new_client(self.settings)
         pool = PoolView(self.settings, redis, self.keys)
         admission = Admission(self.settings, redis, self.keys, pool, self.metrics)

@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Literal
 
 import anyio
 import httpx
@@ -59,10 +60,6 @@ class Call:
     headers: list[tuple[bytes, bytes]]
     request_id: str
     arrived: float
-
-
-class _ClientStalled(Exception):
-    """The client stopped reading: nothing could be sent to it for the idle timeout."""
 
 
 class _Retry(Exception):
@@ -258,6 +255,9 @@ class Relay(Response):
         self.outcome = str(upstream.status_code)
         self.ended = True  # the last chunk relayed closed its SSE event
         self.background = None
+        self.phase: Literal["read", "send"] = "send"  # what the relay is waiting for
+        self.progress_at = time.monotonic()  # when it last made progress
+        self.stalled: Literal["read", "send"] | None = None  # set by the watchdog
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         raw = [(k.lower(), v) for k, v in self.upstream.headers.raw]
@@ -284,15 +284,27 @@ class Relay(Response):
                                 group.cancel_scope.cancel()
                             return
 
+                async def watchdog() -> None:
+                    # one sleeping task per relay instead of a timeout scope around every read and send:
+                    # the relay loop only stamps its progress (see _relay)
+                    idle = self.forwarder.settings.idle_timeout
+                    while (left := self.progress_at + idle - time.monotonic()) > 0:  # noqa: ASYNC110
+                        await anyio.sleep(left)
+                    self.stalled = self.phase
+                    group.cancel_scope.cancel()
+
                 finished = False
                 group.start_soon(watch_disconnect)
-                try:
-                    await self._relay(self._bounded(send))
-                except _ClientStalled:
-                    self.outcome = "client_stalled"  # the response stays incomplete: the server drops it
-                    log.info("request %s: the client stopped reading; cut off", self.call.request_id)
+                group.start_soon(watchdog)
+                await self._relay(send)
                 finished = True
                 group.cancel_scope.cancel()
+            if self.stalled == "read" and self.outcome != "client_closed":
+                with anyio.move_on_after(self.forwarder.settings.idle_timeout):
+                    await self._fail(send, "idle_timeout")
+            elif self.stalled == "send":
+                self.outcome = "client_stalled"  # the response stays incomplete: the server drops it
+                log.info("request %s: the client stopped reading; cut off", self.call.request_id)
         finally:
             with anyio.CancelScope(shield=True):
                 await _close(self.upstream)
@@ -302,39 +314,27 @@ class Relay(Response):
                 metrics.requests.labels(model=self.call.model, node=node_id, status=self.outcome).inc()
                 metrics.duration.observe(time.monotonic() - self.call.arrived)
 
-    def _bounded(self, send: Send) -> Send:
-        """``send`` that gives up after the idle timeout: a client that stops reading must not keep its
-        slot for as long as the node is willing to generate."""
-        idle = self.forwarder.settings.idle_timeout
-
-        async def bounded(message: Message) -> None:
-            try:
-                with anyio.fail_after(idle):
-                    await send(message)
-            except TimeoutError:
-                raise _ClientStalled from None
-
-        return bounded
-
     async def _relay(self, send: Send) -> None:
+        """Relay every chunk; a stall in either direction is the watchdog's to catch."""
+        self.phase = "send"
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.response_headers()})
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             self.ended = self.first.endswith(b"\n\n")
-        idle = self.forwarder.settings.idle_timeout
         while True:
+            self.phase, self.progress_at = "read", time.monotonic()
             try:
-                with anyio.fail_after(idle):
-                    chunk = await anext(self.chunks, None)
-            except (TimeoutError, httpx.HTTPError) as exc:
-                kind = "idle_timeout" if isinstance(exc, TimeoutError) else "midstream"
-                await self._fail(send, kind)
+                chunk = await anext(self.chunks, None)
+            except httpx.HTTPError:
+                await self._fail(send, "midstream")
                 return
             if chunk is None:
                 break
+            self.phase, self.progress_at = "send", time.monotonic()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.ended = chunk.endswith(b"\n\n")
+        self.phase, self.progress_at = "send", time.monotonic()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _fail(self, send: Send, kind: str) -> None:

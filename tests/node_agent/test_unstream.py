@@ -9,7 +9,8 @@ import pytest
 
 from node_agent import unstream
 
-REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "llama-server"
+# recorded from a real llama-server (copied from shared/reference/llama-server)
+REFERENCE = Path(__file__).resolve().parent / "fixtures" / "llama-server"
 
 
 def _body(name: str) -> str:
@@ -24,7 +25,6 @@ def _fold(endpoint: str, name: str, request: dict[str, object] | None = None) ->
     return assembler.result(request)
 
 
-@pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared/reference is not beside the checkout")
 def test_chat_stream_folds_into_the_non_streamed_shape() -> None:
     folded = _fold("/v1/chat/completions", "chat-stream-usage.txt")
     recorded = json.loads(_body("chat-nonstream.txt"))
@@ -37,7 +37,6 @@ def test_chat_stream_folds_into_the_non_streamed_shape() -> None:
     assert folded["id"] == "chatcmpl-EI9ZD5uKOmcVwGuJhqypHkJF1fsTM2nA"
 
 
-@pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared/reference is not beside the checkout")
 def test_completions_and_native_completion_fold() -> None:
     folded = _fold("/v1/completions", "completions-stream.txt")
     assert folded["object"] == "text_completion"
