@@ -224,8 +224,12 @@ class Admission:
         try:
             raw = await self._reserve(args=args)
         except Exception as exc:
-            self.pool.redis_ok = False
             log.warning("reservation failed: %s: %s", type(exc).__name__, exc)
+            if self.pool.redis_ok:
+                # one failed call is not an outage (the pool view's refresh decides that, every second):
+                # admitting past Redis now would let replicas over-fill a node they cannot see
+                message = "the pool's coordination store did not answer"
+                raise self.reject("pool_unavailable", message) from None
             return "offline", "", 0
         status, node_id, count = (_text(raw[0]), _text(raw[1]), int(raw[2]))
         if status == "queued":

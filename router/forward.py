@@ -39,7 +39,9 @@ def new_client(settings: Settings) -> httpx.AsyncClient:
     """One pooled client for every upstream call; sized for many concurrent streams."""
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=settings.connect_timeout, read=None, write=30.0, pool=30.0),
-        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30.0),
+        # httpcore checks every idle pooled connection (a poll() each) on every request: keep the idle
+        # pool modest; busy streams still get as many connections as they need
+        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64, keepalive_expiry=30.0),
         follow_redirects=False,
         trust_env=False,
     )
