@@ -22,6 +22,7 @@ FLAGS: dict[str, tuple[type, str]] = {
     "queue-timeout": (float, "seconds a request may wait in the queue before 503 queue_timeout"),
     "lease-seconds": (float, "reservation lease; live requests renew it, a crashed router's expire"),
     "max-body-bytes": (int, "largest accepted request body (413 above)"),
+    "request-read-timeout": (float, "seconds a client may take to send a whole request, then cut off"),
     "api-keys-file": (Path, "client API keys, one per line: plaintext or SHA-256 hex digest"),
     "admin-key": (str, "bearer key for /admin/* (admin API disabled when unset)"),
     "agent-token": (str, "token sent to the agents in X-Macpool-Token"),
@@ -68,7 +69,7 @@ def serve(settings: Settings) -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http="httptools" if importlib.util.find_spec("httptools") else "h11",
+        http=_http_protocol(settings),
         access_log=settings.access_log,
         log_level=settings.log_level,
         server_header=False,
@@ -76,6 +77,15 @@ def serve(settings: Settings) -> None:
         backlog=4096,
     )
     uvicorn.Server(config).run()
+
+
+def _http_protocol(settings: Settings) -> Any:
+    """httptools with a bound on reading each request (macpool/http_guard.py); h11 if httptools is missing."""
+    if importlib.util.find_spec("httptools") is None:
+        return "h11"
+    from macpool.http_guard import read_bounded_protocol
+
+    return read_bounded_protocol(settings.request_read_timeout)
 
 
 def main(argv: list[str]) -> int:

@@ -42,6 +42,7 @@ class Settings(BaseSettings):
 
     # forwarding
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    request_read_timeout: float = Field(default=30.0, gt=0)
     connect_timeout: float = Field(default=2.0, gt=0)
     first_byte_timeout: float = Field(default=120.0, gt=0)
     idle_timeout: float = Field(default=60.0, gt=0)
