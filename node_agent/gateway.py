@@ -189,6 +189,8 @@ class Gateway:
         runtime.in_flight += 1  # checked and taken with no await in between: atomic on one event loop
         runtime.metrics.in_flight.set(runtime.in_flight)
         handed_over = False
+        # TTFT counts from here: llama-server sends its response headers only with the first token
+        started = time.perf_counter()
         try:
             body = await request.body()
             streamed = unstream.streamed_body(request.url.path, body)
@@ -196,9 +198,9 @@ class Gateway:
             if isinstance(upstream, Response):
                 return upstream
             if streamed is not None and _is_stream(upstream):
-                return await self._assembled(request, upstream, body)
+                return await self._assembled(request, upstream, body, started)
             handed_over = True  # from here the response releases the slot when it ends
-            return ProxyResponse(upstream, runtime, time.perf_counter(), request.url.path, release=True)
+            return ProxyResponse(upstream, runtime, started, request.url.path, release=True)
         except ClientDisconnect:
             return Response(status_code=499)
         finally:
@@ -206,7 +208,9 @@ class Gateway:
                 runtime.in_flight -= 1
                 runtime.metrics.in_flight.set(runtime.in_flight)
 
-    async def _assembled(self, request: Request, upstream: httpx.Response, body: bytes) -> Response:
+    async def _assembled(
+        self, request: Request, upstream: httpx.Response, body: bytes, started: float
+    ) -> Response:
         """Collect a stream asked for on the client's behalf into one JSON reply (see unstream.py).
 
         The client's connection is watched meanwhile: if it goes, the upstream stream is closed at once,
@@ -214,7 +218,6 @@ class Gateway:
         """
         endpoint = request.url.path
         assembler = unstream.Assembler(endpoint)
-        started = time.perf_counter()
 
         async def collect() -> None:
             async for line in upstream.aiter_lines():

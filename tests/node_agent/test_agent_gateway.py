@@ -61,6 +61,10 @@ def test_heartbeat_document_and_honest_capacity(sim: SimFactory, agent: AgentFac
     assert body.rstrip().endswith(b"data: [DONE]")
     doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.tokens_per_s > 0 and d, what="tokens/s")
     assert doc.ttft_p50_ms is not None and doc.ttft_p50_ms > 0
+    # TTFT counts from the request, not from the response headers (which come with the first token)
+    final = next(line for line in reversed(body.split(b"\n")) if b'"timings"' in line)
+    prompt_wall_ms = json.loads(final.removeprefix(b"data: "))["timings"]["prompt_ms"] / 20  # --speed 20
+    assert doc.ttft_p50_ms >= 0.9 * prompt_wall_ms
     metrics = httpx.get(gateway.url + "/metrics").text
     assert "macpool_agent_capacity_requests 8.0" in metrics
     assert httpx.get(gateway.url + "/v1/models").json()["data"][0]["id"] == "model-14b-q4.gguf"
