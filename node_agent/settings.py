@@ -14,12 +14,12 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
-    InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
 from macpool.contract import DEFAULT_PREFIX
+from macpool.settings import layered
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
 
@@ -175,21 +175,8 @@ def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> Age
     """Merge the three sources (flags win, then ``MACPOOL_*``, then the file) and check the result."""
     file_values = read_toml(config_file) if config_file else {}
 
-    class _WithFile(AgentSettings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, InitSettingsSource(settings_cls, file_values))
-
     try:
-        merged = _WithFile(**{k: v for k, v in flags.items() if v is not None})
-        settings = AgentSettings.model_validate(merged.model_dump())
+        settings = layered(AgentSettings, flags, file_values)
     except ValidationError as exc:
         first = exc.errors()[0]
         key = ".".join(str(part) for part in first["loc"]) or "settings"

@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from macpool.contract import DEFAULT_PREFIX
+from macpool.settings import layered
 
 
 class ConfigError(ValueError):
@@ -71,23 +72,10 @@ def load_settings(overrides: dict[str, Any], config_file: Path | None = None) ->
     """Build the settings: flags (``overrides``) beat ``MACPOOL_*`` env, which beats the TOML file."""
     file_values = read_config_file(config_file) if config_file else {}
 
-    class _Layered(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return init_settings, env_settings, InitSettingsSource(settings_cls, file_values)
-
     try:
-        layered = _Layered(**{k: v for k, v in overrides.items() if v is not None})
+        return layered(Settings, overrides, file_values)
     except ValidationError as exc:
         raise ConfigError(_first_error(exc)) from None
-    return Settings.model_validate(layered.model_dump())
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
