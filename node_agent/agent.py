@@ -125,7 +125,7 @@ class Agent:
                 settings.llama_args,
                 settings.llama_log,
                 settings.restart_backoff_max,
-                on_restart=self.runtime.metrics.restarts.inc,
+                on_restart=self._llama_server_died,
                 on_url=self._set_upstream,
             )
             self.runtime.upstream_url = self.supervisor.url
@@ -160,6 +160,12 @@ class Agent:
             settings.public_url,
             self.runtime.upstream_url,
         )
+
+    def _llama_server_died(self) -> None:
+        """Stop admitting at once, not at the next heartbeat: requests would only meet a dead port."""
+        self.runtime.metrics.restarts.inc()
+        self.runtime.set_state("unhealthy")
+        self.runtime.admitting = False
 
     def _set_upstream(self, url: str) -> None:
         self.runtime.upstream_url = url
