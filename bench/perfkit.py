@@ -562,6 +562,21 @@ def summarize(records: list[Rec]) -> dict[str, Any]:
     }
 
 
+async def measured_chat_load(
+    port: int, pid: int, stream: bool, concurrency: int, warmup: float, duration: float
+) -> tuple[list[Rec], float, float]:
+    """Closed-loop chat requests at ``port`` for ``duration`` s after ``warmup`` s: the records, and the CPU
+    seconds process ``pid`` used and the wall seconds that passed over the measured window."""
+    raw = build_request("/v1/chat/completions", chat_json(stream=stream))
+    load = asyncio.create_task(
+        raw_load(port, lambda _: raw, concurrency, duration_s=duration, warmup_s=warmup)
+    )
+    await asyncio.sleep(warmup)
+    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    records = await load
+    return records, cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+
+
 # --- processes ---------------------------------------------------------------------------------------
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +20,12 @@ from redis import Redis
 from bench.perfkit import (
     Stack,
     UpstreamConfig,
-    build_request,
-    chat_json,
     core_plan,
-    cpu_seconds,
     dump,
+    measured_chat_load,
     ms,
     pct,
     pin_self,
-    raw_load,
     wait_nodes,
 )
 from macpool.contract import RESERVE_OR_ENQUEUE, Keys, now_ms
@@ -60,14 +56,7 @@ def fill(redis_url: str, node_id: str, lease_ms: int = 600_000) -> None:
 
 
 async def measure(port: int, pid: int, concurrency: int, warmup: float, duration: float) -> dict[str, Any]:
-    raw = build_request("/v1/chat/completions", chat_json(stream=True))
-    load = asyncio.create_task(
-        raw_load(port, lambda _: raw, concurrency, duration_s=duration, warmup_s=warmup)
-    )
-    await asyncio.sleep(warmup)
-    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-    records = await load
-    cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    records, cpu, wall = await measured_chat_load(port, pid, True, concurrency, warmup, duration)
     rejected = [r for r in records if r.status == 503]
     latencies = [r.latency_s for r in rejected]
     reasons: dict[str, int] = {}

@@ -31,6 +31,7 @@ from bench.perfkit import (
     core_plan,
     cpu_seconds,
     dump,
+    measured_chat_load,
     ms,
     pct,
     pin_self,
@@ -87,14 +88,7 @@ async def measure_streams(
 async def measure_requests(
     port: int, pid: int, concurrency: int, warmup: float, duration: float
 ) -> dict[str, Any]:
-    raw = build_request("/v1/chat/completions", chat_json(stream=False))
-    load = asyncio.create_task(
-        raw_load(port, lambda _: raw, concurrency, duration_s=duration, warmup_s=warmup)
-    )
-    await asyncio.sleep(warmup)
-    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-    records = await load
-    cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    records, cpu, wall = await measured_chat_load(port, pid, False, concurrency, warmup, duration)
     ok = [r for r in records if r.status == 200]
     latencies = [r.latency_s for r in ok]
     return {

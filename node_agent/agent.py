@@ -17,12 +17,14 @@ import httpx
 import uvicorn
 from redis.asyncio import Redis
 
+from macpool.settings import ConfigError
+
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
 from .heartbeat import Heartbeat
 from .memory import make_probe
 from .runtime import Runtime
-from .settings import AgentSettings, ConfigError
+from .settings import AgentSettings
 from .supervisor import Supervisor
 
 log = logging.getLogger("macpool.agent")

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .settings import ConfigError, load_settings
+from macpool.settings import ConfigError
+
+from .settings import load_settings
 
 PROG = "macpool agent"
 

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from macpool.errors import error_body, error_response
+from macpool.headers import HOP_BY_HOP
 
 from . import unstream
 from .runtime import Runtime
@@ -30,37 +31,8 @@ from .runtime import Runtime
 TOKEN_HEADER = "x-macpool-token"
 # never forwarded upstream: hop-by-hop (RFC 9110 7.6.1), what httpx recomputes, and X-Conversation-Id
 # (llama-server keeps generating after a disconnect when it is present)
-_DROP_REQUEST = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-        "x-conversation-id",
-    }
-)
-_DROP_RESPONSE = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "server",
-        "date",
-    }
-)
+_DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "x-conversation-id"}
+_DROP_RESPONSE = HOP_BY_HOP | {"server", "date"}
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
 
 

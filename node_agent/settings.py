@@ -11,21 +11,16 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AliasChoices, Field
 from pydantic_settings import (
     BaseSettings,
-    PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
 from macpool.contract import DEFAULT_PREFIX
-from macpool.settings import layered
+from macpool.settings import ConfigError, load_layered
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and the value."""
 
 
 class AgentSettings(BaseSettings):
@@ -69,17 +64,6 @@ class AgentSettings(BaseSettings):
     restart_backoff_max: float = Field(default=30.0, gt=0)
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
 
     @property
     def supervise(self) -> bool:
@@ -131,21 +115,6 @@ def _check_http_url(flag: str, url: str) -> None:
         raise ConfigError(f"{flag} {url!r}: bad port") from exc
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """The ``--config`` file: the same keys as the flags, with underscores (``redis_url = "..."``)."""
-    try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"--config {str(path)!r}: no such file") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {str(path)!r}: {exc}") from exc
-    section = data.get("agent", data)
-    if not isinstance(section, dict):
-        raise ConfigError(f"--config {str(path)!r}: [agent] must be a table")
-    return {key.replace("-", "_"): value for key, value in section.items()}
-
-
 def read_calibration(path: Path) -> dict[str, Any]:
     """A ``calibrate --json`` result, or a TOML file written by ``calibrate --write-config``."""
     try:
@@ -173,14 +142,7 @@ def read_calibration(path: Path) -> dict[str, Any]:
 
 def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> AgentSettings:
     """Merge the three sources (flags win, then ``MACPOOL_*``, then the file) and check the result."""
-    file_values = read_toml(config_file) if config_file else {}
-
-    try:
-        settings = layered(AgentSettings, flags, file_values)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        key = ".".join(str(part) for part in first["loc"]) or "settings"
-        raise ConfigError(f"{key}: {first['msg']} (got {first.get('input')!r})") from exc
+    settings = load_layered(AgentSettings, flags, config_file, "agent")
     if settings.calibration is not None:
         settings.check()
         calibrated = read_calibration(settings.calibration)

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from macpool.errors import error_body, error_response
+from macpool.headers import HOP_BY_HOP_RAW
 from router.admission import Admission, Lease, Rejected
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
@@ -22,16 +23,12 @@ from router.settings import Settings
 
 log = logging.getLogger("macpool.router")
 
-HOP_BY_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-    b"trailers", b"transfer-encoding", b"upgrade", b"proxy-connection",
-})
 # never sent upstream: the client's key is for the router, the rest is rebuilt or private
-_DROP_UPSTREAM = HOP_BY_HOP | {
+_DROP_UPSTREAM = HOP_BY_HOP_RAW | {
     b"host", b"content-length", b"authorization", b"x-conversation-id", b"x-request-id",
 }
 # the router's own server/date headers are written by uvicorn
-_DROP_DOWNSTREAM = HOP_BY_HOP | {b"server", b"date", b"x-request-id"}
+_DROP_DOWNSTREAM = HOP_BY_HOP_RAW | {b"server", b"date", b"x-request-id"}
 _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 

@@ -5,19 +5,16 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from macpool.contract import DEFAULT_PREFIX
-from macpool.settings import layered
+from macpool.settings import ConfigError, load_layered
 
-
-class ConfigError(ValueError):
-    """A configuration value or file is invalid; the message names the key and the value."""
+__all__ = ["ConfigError", "Settings", "load_settings"]
 
 
 def _default_router_id() -> str:
@@ -70,30 +67,4 @@ class Settings(BaseSettings):
 
 def load_settings(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
     """Build the settings: flags (``overrides``) beat ``MACPOOL_*`` env, which beats the TOML file."""
-    file_values = read_config_file(config_file) if config_file else {}
-
-    try:
-        return layered(Settings, overrides, file_values)
-    except ValidationError as exc:
-        raise ConfigError(_first_error(exc)) from None
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Top-level keys of a TOML file, or those of its ``[router]`` table when it has one."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path}: {exc}") from None
-    section = data.get("router", data)
-    if not isinstance(section, dict):
-        raise ConfigError(f"config file {path}: [router] must be a table")
-    return {key.replace("-", "_"): value for key, value in section.items()}
-
-
-def _first_error(exc: ValidationError) -> str:
-    error = exc.errors()[0]
-    key = ".".join(str(part) for part in error["loc"]) or "settings"
-    value = error.get("input")
-    return f"invalid {key}={value!r}: {error['msg']}"
+    return load_layered(Settings, overrides, config_file, "router")

@@ -10,15 +10,53 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import redis
 
 from macpool.procs import Child, macpool_argv
 from macpool.redis_server import RedisServer, free_port
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 30.0,
+    what: str = "condition",
+    interval: float = 0.05,
+    ignore: tuple[type[BaseException], ...] = (httpx.HTTPError,),
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy and return that; the ``ignore`` exceptions
+    count as "not yet". Fails with the last value or exception after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except ignore as exc:
+            value, last = None, exc
+        if value:
+            return value
+        last = value if value is not None else last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+def chat(model: str = "", max_tokens: int = 16, stream: bool = True, content: str = "hi") -> dict[str, Any]:
+    """A chat completion request body (``model`` left out when empty)."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+    if model:
+        body["model"] = model
+    return body
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ they skip with a one-line reason.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from macpool import tiny_model
 from macpool.llama_build import find_llama_server
 from macpool.procs import Child, macpool_argv
 from macpool.redis_server import free_port
+from tests.conftest import wait_until as shared_wait_until
 
 PARALLEL = 2
 CTX_PER_SLOT = 1024
@@ -44,20 +44,13 @@ def require_llama_server() -> Path:
     pytest.skip(reason)
 
 
+
+
+
 def wait_until(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll ``check`` until it returns something truthy (exceptions count as not yet)."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-            last = value
-        except (httpx.HTTPError, psutil.Error, KeyError, ValueError) as exc:
-            last = exc
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+    """tests.conftest.wait_until, where a llama-server between processes also counts as "not yet"."""
+    not_yet = (httpx.HTTPError, psutil.Error, KeyError, ValueError)
+    return shared_wait_until(check, timeout, what, ignore=not_yet)
 
 
 @dataclass

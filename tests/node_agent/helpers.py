@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,21 +14,13 @@ from gguf import GGUFWriter
 
 from macpool.contract import Keys, NodeDoc
 from tests.conftest import Server
+from tests.conftest import wait_until as wait_until
 
 INTERVAL = "0.3"  # fast heartbeats keep the tests short
 SIM_COMMAND = f"{sys.executable} -m macpool.cli sim --preset m5max-128g-14b-q4 --speed 20"
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
-    """Poll until ``predicate()`` is truthy; return its value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+
 
 
 def read_node(redis_url: str, node_id: str) -> NodeDoc | None:

@@ -15,6 +15,7 @@ import pytest
 from macpool.contract import heartbeat_ttl_ms
 from macpool.redis_server import RedisServer, free_port
 from tests.conftest import Server
+from tests.conftest import chat as shared_chat
 from tests.node_agent.helpers import (
     AgentFactory,
     node_ttl_ms,
@@ -29,12 +30,7 @@ SimFactory = Callable[..., Server]
 
 
 def chat(max_tokens: int, stream: bool = True) -> dict[str, Any]:
-    return {
-        "model": "model-14b-q4.gguf",
-        "messages": [{"role": "user", "content": "hello " * 50}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    }
+    return shared_chat("model-14b-q4.gguf", max_tokens, stream, content="hello " * 50)
 
 
 def test_heartbeat_document_and_honest_capacity(sim: SimFactory, agent: AgentFactory, redis_url: str) -> None:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.settings import ConfigError, load_settings
+from macpool.settings import ConfigError
+from node_agent.settings import load_settings
 
 
 def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from tests.conftest import wait_until as wait_until
 
 Server = Any  # tests/conftest.py's Server: .child, .url, .port
 
 ADMIN_KEY = "operator-test-admin"
 AGENT_TOKEN = "operator-test-token"
 HEARTBEAT_S = 1.0  # the node key lives about three of these
+
 
 
 @dataclass
@@ -27,14 +28,3 @@ class Pool:
         return data
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``check`` until true; generous timeouts, no timed assertions."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (httpx.HTTPError, KeyError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

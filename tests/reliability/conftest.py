@@ -7,8 +7,7 @@ Heartbeats are fast (0.3 s, TTL about 1 s) so nodes leave the pool quickly when 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,8 @@ import redis
 
 from macpool.contract import Keys, now_ms
 from tests.conftest import Server, SpawnFactory
+from tests.conftest import chat as chat
+from tests.conftest import wait_until as wait_until
 
 AGENT_TOKEN = "reliability-agent-token-7f3a"
 ADMIN_KEY = "reliability-admin-key-91c2"
@@ -27,20 +28,7 @@ HEARTBEAT = "0.3"
 LEAK_MARKERS = ("Traceback", 'File "', AGENT_TOKEN, "x-macpool-token")
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` until truthy (HTTP errors count as not yet); return its value."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except httpx.HTTPError as exc:
-            value, last = None, exc
-        if value:
-            return value
-        last = value if value is not None else last
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
 
 
 def assert_clean(text: str | bytes, *internal: str) -> None:
@@ -50,16 +38,6 @@ def assert_clean(text: str | bytes, *internal: str) -> None:
         assert marker not in body, f"{marker!r} leaked to a client: {body[:500]!r}"
 
 
-def chat(model: str = "", max_tokens: int = 16, stream: bool = True, content: str = "hi") -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        "stream": stream,
-        "ignore_eos": True,
-    }
-    if model:
-        body["model"] = model
-    return body
 
 
 def sse_events(raw: bytes) -> list[dict[str, Any]]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
+
+from tests.conftest import wait_until as wait_until
 
 # the root conftest's Server (child, url, port) and spawn factory
 Server = Any
@@ -17,17 +18,6 @@ SpawnFactory = Callable[..., Any]
 AGENT_TOKEN = "router-test-agent-token"
 PRESET = "m5max-128g-14b-q4"
 
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with the last value after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    value = None
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s (last: {value!r})")
 
 
 @dataclass

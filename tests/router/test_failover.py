@@ -6,6 +6,7 @@ import json
 
 import httpx
 
+from tests.conftest import chat
 from tests.router.conftest import Pool
 
 
@@ -14,13 +15,7 @@ def test_failover_before_first_byte_then_error_event_mid_stream(pool: Pool) -> N
     router = pool.router("--queue-size", "0")
     pool.wait_ready(router, nodes=2)
     model = pool.model(router)
-    long_body = {
-        "model": model,
-        "stream": True,
-        "max_tokens": 4000,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    short_body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    long_body, short_body = chat(model, 4000), chat(model, 4, stream=False)
     with (
         httpx.Client(base_url=router.url, timeout=30) as client,
         client.stream("POST", "/v1/chat/completions", json=long_body) as held,

@@ -9,6 +9,7 @@ import httpx
 import redis
 
 from macpool.contract import Keys
+from tests.conftest import chat
 from tests.router.conftest import Pool, wait_until
 
 
@@ -32,13 +33,7 @@ def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, red
     pool.wait_ready(patient, nodes=1)
     pool.wait_ready(hasty, nodes=1)
     model = pool.model(patient)
-    long_body = {
-        "model": model,
-        "stream": True,
-        "max_tokens": 4000,
-        "messages": [{"role": "user", "content": "hi"}],
-    }
-    short_body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    long_body, short_body = chat(model, 4000), chat(model, 4, stream=False)
     answers: list[httpx.Response] = []
 
     with httpx.Client(timeout=90) as client:
