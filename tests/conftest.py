@@ -86,6 +86,23 @@ class Server:
     port: int
 
 
+@dataclass
+class Node:
+    """A simulated Mac and the agent in front of it."""
+
+    node_id: str
+    sim: Server
+    agent: Server
+
+    def stats(self) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(self.sim.url + "/sim/stats", timeout=5).json()
+        return data
+
+    def status(self) -> dict[str, Any]:
+        data: dict[str, Any] = httpx.get(self.agent.url + "/status", timeout=5).json()
+        return data
+
+
 SpawnFactory = Callable[..., Server]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -16,6 +15,7 @@ import pytest
 import redis
 
 from macpool.contract import Keys, now_ms
+from tests.conftest import Node as Node
 from tests.conftest import Server, SpawnFactory
 from tests.conftest import chat as chat
 from tests.conftest import wait_until as wait_until
@@ -49,19 +49,6 @@ def sse_events(raw: bytes) -> list[dict[str, Any]]:
     return events
 
 
-@dataclass
-class Node:
-    node_id: str
-    sim: Server
-    agent: Server
-
-    def stats(self) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(self.sim.url + "/sim/stats", timeout=5).json()
-        return data
-
-    def status(self) -> dict[str, Any]:
-        data: dict[str, Any] = httpx.get(self.agent.url + "/status", timeout=5).json()
-        return data
 
 
 class Rig:

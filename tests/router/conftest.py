@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.conftest import Node as Node
 from tests.conftest import wait_until as wait_until
 
 # the root conftest's Server (child, url, port) and spawn factory
@@ -20,15 +20,6 @@ PRESET = "m5max-128g-14b-q4"
 
 
 
-@dataclass
-class Node:
-    node_id: str
-    sim: Server
-    agent: Server
-
-    def sim_stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = httpx.get(self.sim.url + "/sim/stats", timeout=5).json()
-        return stats
 
 
 class Pool:

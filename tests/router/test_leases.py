@@ -39,7 +39,7 @@ def test_disconnect_renewal_and_crash(pool: Pool, redis_url: str) -> None:
             assert live() == 1
             left = time.monotonic()
         wait_until(lambda: live() == 0, timeout=5, interval=0.02)
-        wait_until(lambda: node.sim_stats()["processing"] == 0, timeout=5, interval=0.02)
+        wait_until(lambda: node.stats()["processing"] == 0, timeout=5, interval=0.02)
         assert time.monotonic() - left < 1.5  # generous for a loaded 2-core machine; typically ~10 ms
 
         # a live stream keeps its lease past the lease time (the renewal loop)

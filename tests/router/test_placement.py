@@ -79,7 +79,7 @@ def test_two_replicas_never_exceed_node_capacity(pool: Pool, redis_url: str) -> 
     assert statuses[200] >= 8
     assert all(retry_after is not None for status, retry_after in results if status == 503)
     for node in nodes:
-        assert node.sim_stats()["max_concurrent"] <= 4
+        assert node.stats()["max_concurrent"] <= 4
     keys = Keys()
     store = redis.Redis.from_url(redis_url)
     wait_until(lambda: all(store.zcount(keys.reservations(n.node_id), now_ms(), "+inf") == 0 for n in nodes))
