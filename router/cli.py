@@ -27,6 +27,14 @@ FLAGS: dict[str, tuple[type, str]] = {
     "admin-key": (str, "bearer key for /admin/* (admin API disabled when unset)"),
     "agent-token": (str, "token sent to the agents in X-Macpool-Token"),
     "default-model": (str, "model used when a request names none (unset: any node)"),
+    "affinity-abs-threshold": (int, "affinity yields to the least-loaded node when the preferred node has at "
+                                    "least this many more requests in flight (and the relative one holds)"),
+    "affinity-rel-threshold": (float, "affinity yields when the preferred node's utilisation is over this "
+                                      "multiple of the least-loaded node's (and the absolute one holds)"),
+    "affinity-max-entries": (int, "prompt-prefix entries remembered in Redis (least recently used dropped)"),
+    "default-priority": (str, "priority of requests without X-Macpool-Priority or a per-key default"),
+    "batch-queue-share": (float, "share of the queue batch requests may occupy (0: batch never queues)"),
+    "key-max-concurrency": (int, "requests in flight (and queued) per API key, 429 above (0: no limit)"),
     "connect-timeout": (float, "seconds to connect to an agent"),
     "first-byte-timeout": (float, "seconds from sending a request to its first response byte"),
     "idle-timeout": (float, "seconds allowed between two chunks of a response"),
@@ -48,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
     for flag, (type_, help_) in FLAGS.items():
         p.add_argument(f"--{flag}", type=type_, help=help_)
     p.add_argument("--access-log", action="store_true", default=None, help="log every request")
+    p.add_argument("--no-affinity", dest="affinity", action="store_false", default=None,
+                   help="route by load only (no prompt-prefix affinity)")
     return p
 
 

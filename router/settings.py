@@ -38,6 +38,18 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(default=30.0, gt=0)
     default_model: str = ""
 
+    # prefix-cache affinity (router/affinity.py): prefer the node that served a request's prompt prefix,
+    # unless it is busier than the least-loaded candidate by both thresholds (SGLang's rule)
+    affinity: bool = True
+    affinity_abs_threshold: int = Field(default=2, ge=0)
+    affinity_rel_threshold: float = Field(default=1.5, ge=1.0)
+    affinity_max_entries: int = Field(default=100_000, ge=1)
+
+    # priority classes and tenants (docs/router.md "Priorities, fairness and per-key limits")
+    default_priority: Literal["interactive", "batch"] = "interactive"
+    batch_queue_share: float = Field(default=0.25, ge=0.0, le=1.0)
+    key_max_concurrency: int = Field(default=0, ge=0)
+
     # forwarding
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     request_read_timeout: float = Field(default=30.0, gt=0)
