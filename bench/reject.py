@@ -28,7 +28,7 @@ from bench.perfkit import (
     pin_self,
     wait_nodes,
 )
-from macpool.contract import RESERVE_OR_ENQUEUE, Keys, now_ms
+from macpool.contract import RESERVE_OR_ENQUEUE, Keys, reserve_argv
 
 TARGET_REJECTIONS_PER_S = 5000
 TARGET_P99_MS = 5.0
@@ -48,9 +48,8 @@ def fill(redis_url: str, node_id: str, lease_ms: int = 600_000) -> None:
     """Reserve the node's only slot through the router's own script (as a never-ending request would)."""
     with Redis.from_url(redis_url) as redis:
         keys = Keys()
-        result = redis.eval(
-            RESERVE_OR_ENQUEUE, 0, keys.prefix, now_ms(), lease_ms, "bench:holder", 0, 0, 0, node_id, 0, 0.5
-        )
+        argv = reserve_argv(keys, "bench:holder", lease_ms, [(node_id, 0)])
+        result = redis.eval(RESERVE_OR_ENQUEUE, 0, *argv)
         if result[0] not in (b"reserved", "reserved"):
             raise RuntimeError(f"could not fill {node_id}: {result!r}")
 

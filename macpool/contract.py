@@ -6,8 +6,9 @@ protocol in one file.
 Keys (``{p}`` is the configurable prefix, default ``macpool:``):
 
 ``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the :class:`NodeDoc` JSON),
-                      ``capacity`` (int), ``state`` (str). Written by the agent every heartbeat;
-                      a dead Mac disappears when the TTL runs out.
+                      ``capacity`` (int), ``state`` (str), ``models`` (newline-separated).
+                      Written by the agent every heartbeat; a dead Mac disappears when the TTL
+                      runs out.
 ``{p}nodes``          ZSET node id -> last heartbeat (ms). An index for routers; entries whose
                       ``node`` key expired are pruned by routers.
 ``{p}resv:{id}``      ZSET reservation id -> lease expiry (ms). One member per request a router
@@ -15,16 +16,26 @@ Keys (``{p}`` is the configurable prefix, default ``macpool:``):
                       past the lease time; live streams renew theirs.
 ``{p}drained``        SET of node ids an operator drained through a router's admin API.
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
+``{p}qmeta``          HASH waiter id -> its priority, tenant, model, arrival and mark (see the scripts).
+``{p}tenant:{name}``  ZSET reservation id -> lease expiry: one tenant's (API key's) requests in flight,
+                      for fair queueing and per-key concurrency limits.
+``{p}affinity``       HASH prompt-prefix hash -> the node that last served it (prefix-cache affinity);
+``{p}affinity:lru``   ZSET prefix hash -> last use (ms), which bounds it to the newest N entries.
 ``{p}events``         pub/sub channel. Messages: ``node <json doc>`` (a heartbeat),
                       ``gone <id>`` (clean agent shutdown), ``freed <id>`` (a slot was released),
+                      ``granted <request id> <node id>`` (a release handed its slot to a queued request),
+                      ``shed <request id>`` (a queued batch request lost its place),
                       ``drain <id>`` / ``undrain <id>``.
 
-Admission is one atomic Lua call (:data:`RESERVE_OR_ENQUEUE`): pick the least-utilised
-candidate with a free slot and reserve it, or else join the bounded queue, or else say full.
+Admission is one atomic Lua call (:data:`RESERVE_OR_ENQUEUE`): pick the node holding the request's
+prompt prefix or else the least-utilised candidate with a free slot and reserve it, or else join the
+bounded queue in priority and fairness order, or else say full. A release hands its slot straight to
+the first queued request that node can serve (:data:`RELEASE`).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Literal
 
@@ -36,6 +47,7 @@ EVENTS_CHANNEL = "events"
 
 NodeState = Literal["starting", "ready", "draining", "unhealthy", "paging"]
 MemoryState = Literal["healthy", "near_ceiling", "paging", "collapsed"]
+Priority = Literal["interactive", "batch"]
 
 
 class Keys:
@@ -46,6 +58,8 @@ class Keys:
         self.nodes = f"{prefix}nodes"
         self.drained = f"{prefix}drained"
         self.queue = f"{prefix}queue"
+        self.queue_meta = f"{prefix}qmeta"
+        self.affinity = f"{prefix}affinity"
         self.events = f"{prefix}{EVENTS_CHANNEL}"
 
     def node(self, node_id: str) -> str:
@@ -53,6 +67,9 @@ class Keys:
 
     def reservations(self, node_id: str) -> str:
         return f"{self.prefix}resv:{node_id}"
+
+    def tenant(self, name: str) -> str:
+        return f"{self.prefix}tenant:{name}"
 
 
 def now_ms() -> int:
@@ -118,31 +135,211 @@ def heartbeat_ttl_ms(interval_s: float) -> int:
 # --- Lua scripts -------------------------------------------------------------------------------
 # Keys are built inside the scripts from the prefix (ARGV), so the candidate list can be any length.
 # This is fine for a single Redis (or a replicated primary); it is not Redis Cluster-safe.
+#
+# Queue entries: ``{p}queue`` holds each waiter's lease expiry, ``{p}qmeta`` its record
+# "priority \t tenant \t model \t enqueued_ms \t mark", mark being "" (waiting), "g:<node>" (a release
+# reserved a slot on <node> for it: it only has to pick it up) or "shed" (an interactive request took its
+# place). Queue order, for each model: interactive before batch, then the tenant with the fewest requests
+# in flight, then the oldest. Both are trimmed when the waiter's lease runs out, like reservations.
 
-RESERVE_OR_ENQUEUE = """
--- ARGV: prefix, now_ms, lease_ms, request_id, queue_size, enqueue (0/1), dequeue (0/1),
---       then candidates as triples: node_id, tokens_per_s, random tiebreak
+_PRELUDE = """
+local function fields(s)
+  local out, start = {}, 1
+  while true do
+    local i = string.find(s, '\\t', start, true)
+    if not i then out[#out + 1] = string.sub(s, start); return out end
+    out[#out + 1] = string.sub(s, start, i - 1)
+    start = i + 1
+  end
+end
+
+-- every live queue entry as {rid, prio, tenant, model, enq, mark}; expired entries are dropped here
+local function queue_entries(prefix, now)
+  local qkey, mkey = prefix .. 'queue', prefix .. 'qmeta'
+  local expired = redis.call('ZRANGEBYSCORE', qkey, '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', qkey, '-inf', now)
+    redis.call('HDEL', mkey, unpack(expired))
+  end
+  local ids = redis.call('ZRANGE', qkey, 0, -1)
+  local out = {}
+  if #ids == 0 then return out end
+  local metas = redis.call('HMGET', mkey, unpack(ids))
+  for i, rid in ipairs(ids) do
+    if metas[i] then
+      local f = fields(metas[i])
+      out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
+                       mark = f[5] or ''}
+    end
+  end
+  return out
+end
+
+local loads = {}
+-- requests a tenant has in flight (reserved), across every router
+local function tenant_load(prefix, tenant, now)
+  local n = loads[tenant]
+  if n == nil then
+    n = redis.call('ZCOUNT', prefix .. 'tenant:' .. tenant, now, '+inf')
+    loads[tenant] = n
+  end
+  return n
+end
+
+-- queue order: interactive first, then the tenant with fewer requests in flight, then the oldest
+local function before(prefix, now, a, b)
+  local pa, pb = a.prio == 'batch' and 1 or 0, b.prio == 'batch' and 1 or 0
+  if pa ~= pb then return pa < pb end
+  local la, lb = tenant_load(prefix, a.tenant, now), tenant_load(prefix, b.tenant, now)
+  if la ~= lb then return la < lb end
+  if a.enq ~= b.enq then return a.enq < b.enq end
+  return a.rid < b.rid
+end
+
+local function reserve(prefix, node, rid, tenant, now, lease)
+  local rkey, tkey = prefix .. 'resv:' .. node, prefix .. 'tenant:' .. tenant
+  redis.call('ZADD', rkey, now + lease, rid)
+  redis.call('PEXPIRE', rkey, lease * 2)
+  redis.call('ZADD', tkey, now + lease, rid)
+  redis.call('PEXPIRE', tkey, lease * 2)
+  loads[tenant] = nil
+end
+
+local function serves(models, model)
+  if model == '' then return true end
+  if not models then return false end
+  for m in string.gmatch(models, '[^\\n]+') do
+    if m == model then return true end
+  end
+  return false
+end
+
+-- a slot on `node` is free: reserve it for the first waiting request that node can serve
+local function hand_over(prefix, node, now, lease)
+  local f = redis.call('HMGET', prefix .. 'node:' .. node, 'capacity', 'state', 'models')
+  local cap = tonumber(f[1])
+  if not cap or cap <= 0 or f[2] ~= 'ready' or redis.call('SISMEMBER', prefix .. 'drained', node) == 1 then
+    return false
+  end
+  local rkey = prefix .. 'resv:' .. node
+  redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
+  if redis.call('ZCARD', rkey) >= cap then return false end
+  local head = nil
+  for _, e in ipairs(queue_entries(prefix, now)) do
+    if e.mark == '' and serves(f[3], e.model) and (head == nil or before(prefix, now, e, head)) then
+      head = e
+    end
+  end
+  if head == nil then return false end
+  reserve(prefix, node, head.rid, head.tenant, now, lease)
+  local record = table.concat({head.prio, head.tenant, head.model, head.enq, 'g:' .. node}, '\\t')
+  redis.call('HSET', prefix .. 'qmeta', head.rid, record)
+  redis.call('PUBLISH', prefix .. 'events', 'granted ' .. head.rid .. ' ' .. node)
+  return true
+end
+
+local function release(prefix, node, rid, tenant, now, lease)
+  local removed = redis.call('ZREM', prefix .. 'resv:' .. node, rid)
+  redis.call('ZREM', prefix .. 'tenant:' .. tenant, rid)
+  loads[tenant] = nil
+  if removed == 1 and not hand_over(prefix, node, now, lease) then
+    redis.call('PUBLISH', prefix .. 'events', 'freed ' .. node)
+  end
+  return removed
+end
+"""
+
+RESERVE_OR_ENQUEUE = _PRELUDE + """
+-- ARGV: see reserve_argv()
 local prefix = ARGV[1]
-local now = tonumber(ARGV[2])
-local lease = tonumber(ARGV[3])
+local now, lease = tonumber(ARGV[2]), tonumber(ARGV[3])
 local rid = ARGV[4]
 local queue_size = tonumber(ARGV[5])
-local enqueue = ARGV[6] == '1'
-local dequeue = ARGV[7] == '1'
+local enqueue, dequeue = ARGV[6] == '1', ARGV[7] == '1'
+local prio, tenant, model = ARGV[8], ARGV[9], ARGV[10]
+local key_limit, batch_max = tonumber(ARGV[11]), tonumber(ARGV[12])
+local abs_t, rel_t, max_entries = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
+local n_hashes = tonumber(ARGV[16])
+local qkey, mkey = prefix .. 'queue', prefix .. 'qmeta'
+
+-- remember that `node` now holds this request's prompt prefixes (least recently used ones dropped)
+local function remember(node)
+  if n_hashes == 0 then return end
+  local akey, lkey = prefix .. 'affinity', prefix .. 'affinity:lru'
+  local pairs_, scores = {}, {}
+  for i = 17, 16 + n_hashes do
+    pairs_[#pairs_ + 1] = ARGV[i]; pairs_[#pairs_ + 1] = node
+    scores[#scores + 1] = now; scores[#scores + 1] = ARGV[i]
+  end
+  redis.call('HSET', akey, unpack(pairs_))
+  redis.call('ZADD', lkey, unpack(scores))
+  local over = redis.call('ZCARD', lkey) - max_entries
+  if over > 0 then
+    local old = redis.call('ZRANGE', lkey, 0, over - 1)
+    redis.call('ZREMRANGEBYRANK', lkey, 0, over - 1)
+    redis.call('HDEL', akey, unpack(old))
+  end
+end
+
+local entries = queue_entries(prefix, now)
+local me = nil
+if dequeue then
+  for _, e in ipairs(entries) do
+    if e.rid == rid then me = e end
+  end
+  if me and me.mark == 'shed' then
+    redis.call('ZREM', qkey, rid)
+    redis.call('HDEL', mkey, rid)
+    return {'shed', '', 0, ''}
+  end
+  if me and string.sub(me.mark, 1, 2) == 'g:' then
+    local node = string.sub(me.mark, 3)
+    redis.call('ZREM', qkey, rid)
+    redis.call('HDEL', mkey, rid)
+    remember(node)
+    return {'reserved', node, redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf'), 'granted'}
+  end
+end
+
+if me == nil and key_limit > 0 then
+  local n = redis.call('ZCOUNT', prefix .. 'tenant:' .. tenant, now, '+inf')
+  for _, e in ipairs(entries) do
+    if e.tenant == tenant and e.mark == '' then n = n + 1 end
+  end
+  if n >= key_limit then return {'limited', '', n, ''} end
+end
+
+-- waiting requests queued ahead of this one for the same model
+local mine = {rid = rid, prio = prio, tenant = tenant, enq = me and me.enq or now}
+local ahead, waiting, waiting_batch, last_batch = 0, 0, 0, nil
+for _, e in ipairs(entries) do
+  if e.mark == '' and e.rid ~= rid then
+    waiting = waiting + 1
+    if e.prio == 'batch' then
+      waiting_batch = waiting_batch + 1
+      if last_batch == nil or before(prefix, now, last_batch, e) then last_batch = e end
+    end
+    if e.model == model and before(prefix, now, e, mine) then ahead = ahead + 1 end
+  end
+end
+
+-- the least-utilised candidate with a free slot (ties: faster node, then random)
 local best, best_util, best_tps, best_rand, best_n = nil, 2.0, -1.0, 0.0, 0
+local free, open = 0, {}
 local drained = prefix .. 'drained'
-for i = 8, #ARGV, 3 do
+for i = 17 + n_hashes, #ARGV, 3 do
   local id = ARGV[i]
-  local fields = redis.call('HMGET', prefix .. 'node:' .. id, 'capacity', 'state')
-  local cap = tonumber(fields[1])
-  if cap and cap > 0 and fields[2] == 'ready' and redis.call('SISMEMBER', drained, id) == 0 then
+  local f = redis.call('HMGET', prefix .. 'node:' .. id, 'capacity', 'state')
+  local cap = tonumber(f[1])
+  if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', drained, id) == 0 then
     local rkey = prefix .. 'resv:' .. id
     redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
     local n = redis.call('ZCARD', rkey)
     if n < cap then
       local util = n / cap
-      local tps = tonumber(ARGV[i + 1])
-      local rnd = tonumber(ARGV[i + 2])
+      free = free + cap - n
+      open[id] = {n, util}
+      local tps, rnd = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
       local better = util < best_util
       if util == best_util then
         better = tps > best_tps or (tps == best_tps and rnd < best_rand)
@@ -153,51 +350,131 @@ for i = 8, #ARGV, 3 do
     end
   end
 end
-local qkey = prefix .. 'queue'
-if best then
-  local rkey = prefix .. 'resv:' .. best
-  redis.call('ZADD', rkey, now + lease, rid)
-  redis.call('PEXPIRE', rkey, lease * 2)
-  if dequeue then redis.call('ZREM', qkey, rid) end
-  return {'reserved', best, best_n + 1}
+
+-- prefix affinity: the node that served the longest known prefix, unless it is much busier (SGLang's rule)
+local outcome = ''
+if best and n_hashes > 0 then
+  outcome = 'miss'
+  local owners = redis.call('HMGET', prefix .. 'affinity', unpack(ARGV, 17, 16 + n_hashes))
+  for i = 1, n_hashes do
+    local owner = owners[i]
+    if owner then
+      local o = open[owner]
+      if o == nil then
+        outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
+      elseif o[1] - best_n >= abs_t and o[2] > best_util * rel_t then
+        outcome = 'overridden'
+        break
+      else
+        best, best_n, outcome = owner, o[1], 'hit'
+        break
+      end
+    end
+  end
+end
+
+if best and ahead < free then
+  reserve(prefix, best, rid, tenant, now, lease)
+  if me then
+    redis.call('ZREM', qkey, rid)
+    redis.call('HDEL', mkey, rid)
+  end
+  remember(best)
+  return {'reserved', best, best_n + 1, outcome}
 end
 if not enqueue then
-  return {'full', '', 0}
+  return {'full', '', waiting, ''}
 end
-redis.call('ZREMRANGEBYSCORE', qkey, '-inf', now)
-if redis.call('ZSCORE', qkey, rid) then
+if me then  -- still waiting: renew its place
   redis.call('ZADD', qkey, now + lease, rid)
-  return {'queued', '', redis.call('ZCARD', qkey)}
+  return {'queued', '', waiting + 1, ''}
 end
-local depth = redis.call('ZCARD', qkey)
-if depth >= queue_size then
-  return {'full', '', depth}
+if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) then
+  if prio == 'batch' then
+    return {waiting < queue_size and 'shed' or 'full', '', waiting, ''}
+  end
+  if last_batch == nil then
+    return {'full', '', waiting, ''}
+  end
+  -- an interactive request takes the place of the last queued batch request
+  local b = last_batch
+  local record = table.concat({b.prio, b.tenant, b.model, b.enq, 'shed'}, '\\t')
+  redis.call('HSET', mkey, last_batch.rid, record)
+  redis.call('PUBLISH', prefix .. 'events', 'shed ' .. last_batch.rid)
+  waiting = waiting - 1
 end
 redis.call('ZADD', qkey, now + lease, rid)
+redis.call('HSET', mkey, rid, table.concat({prio, tenant, model, now, ''}, '\\t'))
 redis.call('PEXPIRE', qkey, lease * 2)
-return {'queued', '', depth + 1}
+redis.call('PEXPIRE', mkey, lease * 2)
+return {'queued', '', waiting + 1, ''}
 """
 
-RELEASE = """
--- KEYS: reservations key, events channel; ARGV: request_id, node_id
-local removed = redis.call('ZREM', KEYS[1], ARGV[1])
-if removed == 1 then
-  redis.call('PUBLISH', KEYS[2], 'freed ' .. ARGV[2])
-end
-return removed
+RELEASE = _PRELUDE + """
+-- ARGV: prefix, now_ms, lease_ms, request_id, node_id, tenant
+return release(ARGV[1], ARGV[5], ARGV[4], ARGV[6], tonumber(ARGV[2]), tonumber(ARGV[3]))
 """
 
 RENEW = """
--- KEYS: reservations key; ARGV: request_id, new expiry ms, lease ms
+-- KEYS: reservations key, tenant key; ARGV: request_id, new expiry ms, lease ms
 local r = redis.call('ZADD', KEYS[1], 'XX', 'CH', ARGV[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) * 2)
+redis.call('ZADD', KEYS[2], 'XX', ARGV[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]) * 2)
 return r
 """
 
-LEAVE_QUEUE = """
--- KEYS: queue key; ARGV: request_id
-return redis.call('ZREM', KEYS[1], ARGV[1])
+LEAVE_QUEUE = _PRELUDE + """
+-- ARGV: prefix, now_ms, lease_ms, request_id. A slot already handed to the request goes to the next one.
+local prefix, rid = ARGV[1], ARGV[4]
+local meta = redis.call('HGET', prefix .. 'qmeta', rid)
+redis.call('ZREM', prefix .. 'queue', rid)
+redis.call('HDEL', prefix .. 'qmeta', rid)
+if meta then
+  local f = fields(meta)
+  if string.sub(f[5] or '', 1, 2) == 'g:' then
+    release(prefix, string.sub(f[5], 3), rid, f[2], tonumber(ARGV[2]), tonumber(ARGV[3]))
+    return 2
+  end
+end
+return 1
 """
+
+
+def reserve_argv(
+    keys: Keys,
+    request_id: str,
+    lease_ms: int,
+    candidates: list[tuple[str, float]],
+    *,
+    queue_size: int = 0,
+    enqueue: bool = False,
+    dequeue: bool = False,
+    priority: Priority = "interactive",
+    tenant: str = "anonymous",
+    model: str = "",
+    key_limit: int = 0,
+    batch_queue_max: int = 0,
+    prefixes: tuple[str, ...] = (),
+    affinity_abs: int = 4,
+    affinity_rel: float = 1.5,
+    affinity_max_entries: int = 100_000,
+    now: int | None = None,
+) -> list[str | int | float]:
+    """The ARGV of :data:`RESERVE_OR_ENQUEUE`; candidates are (node id, tokens/s), prefixes longest first.
+
+    Returns ``[status, node_id, count, affinity]``; status is reserved, queued, full, shed (a batch request
+    turned away, or a queued one whose place an interactive request took) or limited (the tenant is at its
+    concurrency limit); affinity is "", hit, miss, overridden or granted (a release handed it the slot).
+    """
+    args: list[str | int | float] = [
+        keys.prefix, now_ms() if now is None else now, lease_ms, request_id, queue_size, int(enqueue),
+        int(dequeue), priority, tenant, model, key_limit, batch_queue_max, affinity_abs, affinity_rel,
+        affinity_max_entries, len(prefixes), *prefixes,
+    ]
+    for node_id, tokens_per_s in candidates:
+        args += [node_id, tokens_per_s, random.random()]
+    return args
 
 
 # --- The heartbeat path and the pool read, shared by both sides -----------------------------------
@@ -206,7 +483,9 @@ async def write_heartbeat(redis: Redis, keys: Keys, doc: NodeDoc, ttl_ms: int) -
     """Write one heartbeat in a single transaction and announce it on the events channel."""
     raw = doc.encode()
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.node(doc.node_id), mapping={"doc": raw, "capacity": doc.capacity, "state": doc.state})
+        pipe.hset(keys.node(doc.node_id), mapping={
+            "doc": raw, "capacity": doc.capacity, "state": doc.state, "models": "\n".join(doc.models),
+        })
         pipe.pexpire(keys.node(doc.node_id), ttl_ms)
         pipe.zadd(keys.nodes, {doc.node_id: doc.updated_at_ms or now_ms()})
         pipe.publish(keys.events, f"node {raw}")
@@ -229,21 +508,38 @@ class PoolSnapshot(BaseModel):
     reservations: dict[str, int] = Field(default_factory=dict)
     drained: set[str] = Field(default_factory=set)
     queue_depth: int = 0
+    queued: dict[str, dict[str, int]] = Field(default_factory=dict)  # tenant -> priority -> waiting
+    in_flight: dict[str, int] = Field(default_factory=dict)  # tenant -> requests in flight
 
 
-async def read_pool(redis: Redis, keys: Keys) -> PoolSnapshot:
-    """Read every live node, its live reservations, the drained set and the queue depth.
+async def read_pool(redis: Redis, keys: Keys, tenants: list[str] | None = None) -> PoolSnapshot:
+    """Read every live node, its live reservations, the drained set and who waits in the queue.
 
-    Two round trips whatever the pool size; index entries whose node key expired are pruned.
+    Two round trips whatever the pool size; index entries whose node key expired are pruned. ``tenants``
+    also get their requests in flight counted.
     """
     now = now_ms()
+    tenants = tenants or []
     async with redis.pipeline(transaction=False) as pipe:
         pipe.zrange(keys.nodes, 0, -1)
         pipe.smembers(keys.drained)
-        pipe.zcount(keys.queue, now, "+inf")
-        ids_raw, drained_raw, depth = await pipe.execute()
+        pipe.zrangebyscore(keys.queue, now, "+inf")
+        pipe.hgetall(keys.queue_meta)
+        for tenant in tenants:
+            pipe.zcount(keys.tenant(tenant), now, "+inf")
+        ids_raw, drained_raw, waiting_raw, meta_raw, *loads = await pipe.execute()
     ids = [_text(i) for i in ids_raw]
-    snapshot = PoolSnapshot(drained={_text(d) for d in drained_raw}, queue_depth=int(depth))
+    snapshot = PoolSnapshot(drained={_text(d) for d in drained_raw},
+                            in_flight=dict(zip(tenants, (int(n) for n in loads), strict=True)))
+    meta = {_text(k): _text(v).split("\t") for k, v in meta_raw.items()}
+    for rid in waiting_raw:
+        record = meta.get(_text(rid))
+        if record is None or len(record) < 5 or record[4]:
+            continue  # not waiting any more: handed a slot, or shed
+        priority, tenant = record[0], record[1]
+        by_priority = snapshot.queued.setdefault(tenant, {})
+        by_priority[priority] = by_priority.get(priority, 0) + 1
+        snapshot.queue_depth += 1
     if not ids:
         return snapshot
     async with redis.pipeline(transaction=False) as pipe:

@@ -1,7 +1,9 @@
 """Admission: reserve a slot atomically in Redis, or wait in the bounded global queue, or reject.
 
-The admitted path costs two Redis round trips in all: the reservation (one EVALSHA) and the release.
-Live leases are renewed by one loop for the whole process, not one task per request.
+The admitted path costs two Redis round trips in all: the reservation (one EVALSHA, which also applies
+prefix affinity, the queue order and the per-key limit) and the release (which hands the slot straight to
+the first queued request that node can serve). Live leases are renewed by one loop for the whole process,
+not one task per request.
 """
 
 from __future__ import annotations
@@ -11,17 +13,28 @@ import contextlib
 import logging
 import math
 import random
+import statistics
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 from redis.asyncio import Redis
 
-from macpool.contract import LEAVE_QUEUE, RELEASE, RENEW, RESERVE_OR_ENQUEUE, Keys, NodeDoc, now_ms
+from macpool.contract import (
+    LEAVE_QUEUE,
+    RELEASE,
+    RENEW,
+    RESERVE_OR_ENQUEUE,
+    Keys,
+    NodeDoc,
+    Priority,
+    now_ms,
+    reserve_argv,
+)
 from router.loops import every
 from router.metrics import RouterMetrics
 from router.pool import PoolView
@@ -29,7 +42,9 @@ from router.settings import Settings
 
 log = logging.getLogger("macpool.router")
 
-RejectReason = Literal["pool_full", "queue_timeout", "no_nodes", "pool_unavailable"]
+RejectReason = Literal["pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed"]
+AffinityOutcome = Literal["", "hit", "miss", "overridden", "granted"]
+ANONYMOUS = "anonymous"  # the tenant of every request when the router has no API keys
 
 # A queued request re-checks on its own this often even if no `freed` message arrives (a message lost
 # during a pub/sub reconnect, or capacity that appeared through a new heartbeat rather than a release).
@@ -45,22 +60,53 @@ class Rejected(Exception):
         self.retry_after = 1
 
 
+class Limited(Exception):
+    """The tenant (API key) has its maximum of requests in flight; 429, retry after ``retry_after`` s."""
+
+    def __init__(self, tenant: str, limit: int, retry_after: int) -> None:
+        super().__init__(f"this API key already has {limit} requests in flight or queued (its limit)")
+        self.tenant = tenant
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Who asks, how urgently, and for what prompt: what admission needs besides the candidates."""
+
+    tenant: str = ANONYMOUS
+    priority: Priority = "interactive"
+    key_limit: int = 0  # requests in flight + queued for this tenant (0: no limit)
+    model: str = ""
+    prefixes: tuple[str, ...] = ()  # prompt-prefix hashes, longest first (router/affinity.py)
+
+
 @dataclass(eq=False)
 class Lease:
     """One reserved slot on one node, held until released exactly once."""
 
     request_id: str
     node: NodeDoc
+    tenant: str = ANONYMOUS
     acquired_at: float = field(default_factory=time.monotonic)
     released: bool = False
     queued_s: float = 0.0
+    affinity: AffinityOutcome = ""
     local: bool = False  # taken while Redis was unreachable: counted by this router only
 
 
 @dataclass(eq=False)
 class _Waiter:
+    request_id: str
     nodes: set[str]
     woken: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _Attempt:
+    status: str  # reserved, queued, full, shed, limited or offline
+    node_id: str = ""
+    count: int = 0
+    affinity: AffinityOutcome = ""
 
 
 class Admission:
@@ -73,14 +119,20 @@ class Admission:
         self.pool = pool
         self.metrics = metrics
         self.lease_ms = max(int(settings.lease_seconds * 1000), 1)
+        self.batch_queue_max = int(settings.queue_size * settings.batch_queue_share)
         self.active: dict[str, Lease] = {}
         self._waiters: deque[_Waiter] = deque()
+        self._waiting: dict[str, _Waiter] = {}  # request id -> waiter, for `granted` and `shed` messages
+        # this replica's recent queue waits, for the dashboard: (priority, tenant, seconds)
+        self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
+        self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
         self._reserve = redis.register_script(RESERVE_OR_ENQUEUE)
         self._release = redis.register_script(RELEASE)
         self._renew = redis.register_script(RENEW)
         self._leave = redis.register_script(LEAVE_QUEUE)
         self._renewer: asyncio.Task[None] | None = None
         pool.freed_listeners.append(self.wake)
+        pool.waiter_listeners.append(self.wake_request)
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -97,30 +149,33 @@ class Admission:
 
     # --- acquire / release -------------------------------------------------------------------------
 
-    async def acquire(self, candidates: Callable[[], list[NodeDoc]]) -> Lease:
-        """Reserve a slot on the least-utilised candidate, queueing up to ``queue_timeout`` if none is free.
+    async def acquire(self, candidates: Callable[[], list[NodeDoc]], ticket: Ticket | None = None) -> Lease:
+        """Reserve a slot (on the node holding the prompt's prefix, or the least-utilised candidate),
+        queueing up to ``queue_timeout`` if none is free.
 
         ``candidates`` is re-evaluated on every attempt (the pool view changes while a request waits);
-        it may raise NoNodes / ModelNotFound. Raises :class:`Rejected` when the pool cannot take it.
+        it may raise NoNodes / ModelNotFound. Raises :class:`Rejected` when the pool cannot take it and
+        :class:`Limited` when the ticket's tenant is at its concurrency limit.
         """
         request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
+        ticket = ticket or Ticket()
         docs = candidates()
-        status, node_id, count = await self._try(request_id, docs, dequeue=False)
-        if status == "reserved":
-            return self._lease(request_id, docs, node_id, count)
-        if status == "offline":
-            return self._local_lease(request_id, docs)
-        if status == "full":
-            raise self.reject("pool_full", "every node is at capacity and the queue is full")
-        return await self._wait(request_id, candidates, docs)
+        attempt = await self._try(request_id, docs, ticket, dequeue=False)
+        if attempt.status == "reserved":
+            return self._lease(request_id, docs, attempt, ticket)
+        if attempt.status == "offline":
+            return self._local_lease(request_id, docs, ticket)
+        self._refuse(attempt, ticket)
+        return await self._wait(request_id, candidates, docs, ticket)
 
     async def _wait(
-        self, request_id: str, candidates: Callable[[], list[NodeDoc]], docs: list[NodeDoc]
+        self, request_id: str, candidates: Callable[[], list[NodeDoc]], docs: list[NodeDoc], ticket: Ticket
     ) -> Lease:
         started = time.monotonic()
         deadline = started + self.settings.queue_timeout
-        waiter = _Waiter(nodes={doc.node_id for doc in docs})
+        waiter = _Waiter(request_id, nodes={doc.node_id for doc in docs})
         self._waiters.append(waiter)
+        self._waiting[request_id] = waiter
         admitted = False
         try:
             while True:
@@ -132,24 +187,43 @@ class Admission:
                 waiter.woken.clear()
                 docs = candidates()
                 waiter.nodes = {doc.node_id for doc in docs}
-                status, node_id, count = await self._try(request_id, docs, dequeue=True)
-                if status == "offline":
+                attempt = await self._try(request_id, docs, ticket, dequeue=True)
+                if attempt.status == "offline":
                     admitted = True
-                    return self._local_lease(request_id, docs)
-                if status == "reserved":
+                    return self._local_lease(request_id, docs, ticket)
+                if attempt.status == "reserved":
+                    waited = time.monotonic() - started
+                    # a release may hand us a slot on a node outside `docs` (one this request already tried,
+                    # or whose circuit is open here): use it all the same if this router knows the node
+                    known = {doc.node_id: doc for doc in docs} | self.pool.snapshot.nodes
+                    if attempt.node_id not in known:
+                        stray = Lease(request_id, NodeDoc(node_id=attempt.node_id, url=""), ticket.tenant)
+                        await self.release(stray)  # the slot goes to the next in line; we queue again
+                        continue
                     admitted = True
                     waited = time.monotonic() - started
-                    self.metrics.queue_wait.observe(waited)
-                    lease = self._lease(request_id, docs, node_id, count)
+                    labels = {"priority": ticket.priority, "tenant": ticket.tenant}
+                    self.metrics.queue_wait.labels(**labels).observe(waited)
+                    self.recent_waits.append((ticket.priority, ticket.tenant, waited))
+                    lease = self._lease(request_id, [known[attempt.node_id]], attempt, ticket)
                     lease.queued_s = waited
                     return lease
-                if status == "full":  # our queue entry expired and others took the room
-                    raise self.reject("pool_full", "every node is at capacity and the queue is full")
+                self._refuse(attempt, ticket)  # shed, limited, or our entry expired and others took the room
         finally:
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
+            self._waiting.pop(request_id, None)
             if not admitted:
                 await self._leave_queue(request_id)
+
+    def _refuse(self, attempt: _Attempt, ticket: Ticket) -> None:
+        """Raise for every outcome but ``queued``."""
+        if attempt.status == "full":
+            raise self.reject("pool_full", "every node is at capacity and the queue is full")
+        if attempt.status == "shed":
+            raise self.reject("batch_shed", "the pool is saturated: batch requests are shed first")
+        if attempt.status == "limited":
+            raise Limited(ticket.tenant, ticket.key_limit, self.retry_after_limited(ticket.key_limit))
 
     async def release(self, lease: Lease) -> None:
         """Give the slot back (exactly once; safe to call again, and from a cancelled task)."""
@@ -163,9 +237,10 @@ class Admission:
         node_id = lease.node.node_id
         with anyio.move_on_after(5, shield=True):
             try:
-                await self._release(
-                    keys=[self.keys.reservations(node_id), self.keys.events], args=[lease.request_id, node_id]
-                )
+                args: list[str | int] = [
+                    self.keys.prefix, now_ms(), self.lease_ms, lease.request_id, node_id, lease.tenant,
+                ]
+                await self._release(args=args)
             except Exception as exc:  # the lease expires on its own
                 log.warning("release of %s on %s failed (%s); the lease will expire", lease.request_id,
                             node_id, type(exc).__name__)
@@ -185,14 +260,49 @@ class Admission:
             seconds = waiting / rate if rate > 0 else max(self.settings.queue_timeout, 1.0)
         return min(30, max(1, math.ceil(seconds)))
 
+    def retry_after_limited(self, limit: int) -> int:
+        """Seconds until one of a tenant's ``limit`` requests is likely done (Little's law on the pool)."""
+        rate = self.pool.freed.rate()
+        busy = self.pool.totals()["busy"]
+        mean_duration = busy / rate if rate > 0 and busy else 1.0
+        return min(30, max(1, math.ceil(mean_duration / max(limit, 1))))
+
+    # --- reporting ---------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """This replica's affinity hit rate and recent queue waits by priority and tenant (for /api/pool)."""
+        counts = self.affinity_counts
+        looked_up = sum(counts.values())
+        waits: dict[str, dict[str, list[float]]] = {"priority": {}, "tenant": {}}
+        for priority, tenant, seconds in self.recent_waits:
+            waits["priority"].setdefault(priority, []).append(seconds)
+            waits["tenant"].setdefault(tenant, []).append(seconds)
+        return {
+            "affinity": {
+                "enabled": self.settings.affinity,
+                **counts,
+                "hit_rate": round(counts["hit"] / looked_up, 4) if looked_up else None,
+            },
+            "queue_wait_p50_ms": {
+                group: {name: round(statistics.median(values) * 1000, 1) for name, values in by.items()}
+                for group, by in waits.items()
+            },
+        }
+
     # --- queue wake-up -----------------------------------------------------------------------------
 
     def wake(self, node_id: str) -> None:
-        """A slot was freed on ``node_id``: wake the oldest waiter that could use it."""
+        """A slot was freed on ``node_id`` (and no queued request was handed it): wake one waiter to look."""
         for waiter in self._waiters:
             if not waiter.woken.is_set() and (node_id in waiter.nodes or not waiter.nodes):
                 waiter.woken.set()
                 return
+
+    def wake_request(self, request_id: str) -> None:
+        """A release handed ``request_id`` a slot, or an interactive request took its place."""
+        waiter = self._waiting.get(request_id)
+        if waiter is not None:
+            waiter.woken.set()
 
     # --- renewal -----------------------------------------------------------------------------------
 
@@ -204,7 +314,7 @@ class Admission:
         async with self.redis.pipeline(transaction=False) as pipe:
             for lease in leases:
                 await self._renew(
-                    keys=[self.keys.reservations(lease.node.node_id)],
+                    keys=[self.keys.reservations(lease.node.node_id), self.keys.tenant(lease.tenant)],
                     args=[lease.request_id, expiry, self.lease_ms],
                     client=pipe,
                 )
@@ -215,12 +325,17 @@ class Admission:
 
     # --- Redis calls -------------------------------------------------------------------------------
 
-    async def _try(self, request_id: str, docs: list[NodeDoc], dequeue: bool) -> tuple[str, str, int]:
-        args: list[str | int | float] = [
-            self.keys.prefix, now_ms(), self.lease_ms, request_id, self.settings.queue_size, 1, int(dequeue),
-        ]
-        for doc in docs:
-            args += [doc.node_id, doc.tokens_per_s, random.random()]
+    async def _try(self, request_id: str, docs: list[NodeDoc], ticket: Ticket, dequeue: bool) -> _Attempt:
+        settings = self.settings
+        args = reserve_argv(
+            self.keys, request_id, self.lease_ms, [(doc.node_id, doc.tokens_per_s) for doc in docs],
+            queue_size=settings.queue_size, enqueue=True, dequeue=dequeue, priority=ticket.priority,
+            tenant=ticket.tenant, model=ticket.model, key_limit=ticket.key_limit,
+            batch_queue_max=self.batch_queue_max,
+            prefixes=ticket.prefixes if settings.affinity else (),
+            affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
+            affinity_max_entries=settings.affinity_max_entries,
+        )
         try:
             raw = await self._reserve(args=args)
         except Exception as exc:
@@ -230,13 +345,17 @@ class Admission:
                 # admitting past Redis now would let replicas over-fill a node they cannot see
                 message = "the pool's coordination store did not answer"
                 raise self.reject("pool_unavailable", message) from None
-            return "offline", "", 0
-        status, node_id, count = (_text(raw[0]), _text(raw[1]), int(raw[2]))
-        if status == "queued":
-            self.pool.snapshot.queue_depth = count
-        return status, node_id, count
+            return _Attempt("offline")
+        affinity = _text(raw[3])
+        attempt = _Attempt(_text(raw[0]), _text(raw[1]), int(raw[2]), affinity)  # type: ignore[arg-type]
+        if attempt.status == "queued":
+            self.pool.snapshot.queue_depth = attempt.count
+        if affinity in self.affinity_counts:
+            self.affinity_counts[affinity] += 1
+            self.metrics.affinity.labels(outcome=affinity).inc()
+        return attempt
 
-    def _local_lease(self, request_id: str, docs: list[NodeDoc]) -> Lease:
+    def _local_lease(self, request_id: str, docs: list[NodeDoc], ticket: Ticket) -> Lease:
         """Redis is unreachable: admit from the last pool view, counting only this router's own leases.
 
         Other replicas cannot be seen meanwhile; each agent's hard cap refuses what would overfill its Mac
@@ -249,21 +368,22 @@ class Admission:
         if not free:
             raise self.reject("pool_full", "every node is at capacity (coordination store unreachable)")
         node = min(free, key=lambda d: (mine.get(d.node_id, 0) / d.capacity, random.random()))
-        lease = Lease(request_id=request_id, node=node, local=True)
+        lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, local=True)
         self.active[request_id] = lease
         return lease
 
-    def _lease(self, request_id: str, docs: list[NodeDoc], node_id: str, count: int) -> Lease:
+    def _lease(self, request_id: str, docs: list[NodeDoc], attempt: _Attempt, ticket: Ticket) -> Lease:
+        node_id = attempt.node_id
         node = next(doc for doc in docs if doc.node_id == node_id)
-        lease = Lease(request_id=request_id, node=node)
+        lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, affinity=attempt.affinity)
         self.active[request_id] = lease
-        self.pool.reserved(node_id, count)
+        self.pool.reserved(node_id, attempt.count)
         return lease
 
     async def _leave_queue(self, request_id: str) -> None:
         with anyio.move_on_after(5, shield=True):
             try:
-                await self._leave(keys=[self.keys.queue], args=[request_id])
+                await self._leave(args=[self.keys.prefix, now_ms(), self.lease_ms, request_id])
             except Exception as exc:  # the queue entry expires on its own
                 log.warning("leaving the queue failed: %s", type(exc).__name__)
 

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,10 +21,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from macpool.contract import Keys
+from macpool.contract import Keys, Priority
 from macpool.errors import error_response
-from router.admission import Admission
-from router.auth import KeyRing, bearer_token, digest, load_key_digests
+from router.admission import ANONYMOUS, Admission, Ticket
+from router.affinity import prefix_hashes
+from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
 from router.forward import Call, Forwarder, new_client
 from router.metrics import RouterMetrics
 from router.pool import PoolView
@@ -61,8 +62,8 @@ class Router:
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
         self.metrics = RouterMetrics()
-        self.api_keys = KeyRing(load_key_digests(settings.api_keys_file) if settings.api_keys_file else [])
-        self.admin_key = KeyRing([digest(settings.admin_key)] if settings.admin_key else [])
+        self.api_keys = KeyRing(load_api_keys(settings.api_keys_file) if settings.api_keys_file else [])
+        self.admin_key = KeyRing([ApiKey(digest(settings.admin_key), "admin")] if settings.admin_key else [])
         self._services: Services | None = None
         # the dashboard's history and the scale hint (and its webhook), sampled while the app runs
         self.scale = ScaleWatch(self.pool_json, ScaleConfig.from_settings(settings))
@@ -86,7 +87,8 @@ class Router:
             )
         )
         client = new_client(self.settings)
-        pool = PoolView(self.settings, redis, self.keys)
+        tenants = [key.tenant for key in self.api_keys.keys] or [ANONYMOUS]
+        pool = PoolView(self.settings, redis, self.keys, tenants)
         admission = Admission(self.settings, redis, self.keys, pool, self.metrics)
         forwarder = Forwarder(self.settings, client, pool, admission, self.metrics)
         try:
@@ -106,21 +108,32 @@ class Router:
 
     def pool_json(self) -> dict[str, Any]:
         """The /api/pool document (also what the dashboard streams)."""
-        return self.services.pool.to_json()
+        services = self.services
+        return services.pool.to_json() | services.admission.summary()
 
     # --- proxied endpoints -------------------------------------------------------------------------
 
     async def proxy(self, request: Request) -> Response:
         arrived = time.monotonic()
-        if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
+        key = self.api_keys.match(bearer_token(request.headers.get("authorization")))
+        if self.api_keys.enabled and key is None:
             return error_response(401, "invalid or missing API key", "invalid_api_key")
         try:
+            priority = self._priority(request.headers.get("x-macpool-priority"), key)
             body = await _read_body(request, self.settings.max_body_bytes)
-            model, stream = _inspect(body, self.settings.default_model)
+            payload, model, stream = _inspect(body, self.settings.default_model)
         except BadRequest as exc:
             return error_response(exc.status, str(exc), exc.code)
         except ClientDisconnect:
             return Response(status_code=400)
+        limit = key.max_concurrency if key and key.max_concurrency else self.settings.key_max_concurrency
+        ticket = Ticket(
+            tenant=key.tenant if key else ANONYMOUS,
+            priority=priority,
+            key_limit=limit,
+            model=model,
+            prefixes=prefix_hashes(request.url.path, payload, model) if self.settings.affinity else (),
+        )
         call = Call(
             path=request.url.path,
             body=body,
@@ -129,8 +142,17 @@ class Router:
             headers=[(k.lower(), v) for k, v in request.headers.raw],
             request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
             arrived=arrived,
+            ticket=ticket,
         )
         return await self.services.forwarder.handle(call, request.receive)
+
+    def _priority(self, header: str | None, key: ApiKey | None) -> Priority:
+        if header is None:
+            return key.priority if key and key.priority else self.settings.default_priority
+        value = header.strip().lower()
+        if value not in PRIORITIES:
+            raise BadRequest(400, "X-Macpool-Priority must be interactive or batch", "invalid_priority")
+        return cast(Priority, value)
 
     # --- read-only endpoints -----------------------------------------------------------------------
 
@@ -244,8 +266,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def _inspect(body: bytes, default_model: str) -> tuple[str, bool]:
-    """Read only ``model`` and ``stream``; the body itself is forwarded untouched."""
+def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str, bool]:
+    """The parsed body, its ``model`` and ``stream``; the body itself is forwarded untouched."""
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -257,7 +279,7 @@ def _inspect(body: bytes, default_model: str) -> tuple[str, bool]:
     model = payload.get("model") or default_model
     if not isinstance(model, str):
         raise BadRequest(400, "`model` must be a string", "invalid_model")
-    return model, payload.get("stream") is True
+    return payload, model, payload.get("stream") is True
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

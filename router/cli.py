@@ -23,7 +23,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "lease-seconds": (float, "reservation lease; live requests renew it, a crashed router's expire"),
     "max-body-bytes": (int, "largest accepted request body (413 above)"),
     "request-read-timeout": (float, "seconds a client may take to send a whole request, then cut off"),
-    "api-keys-file": (Path, "client API keys, one per line: plaintext or SHA-256 hex digest"),
+    "api-keys-file": (Path, "client API keys, one per line: plaintext or SHA-256 hex digest, then optional "
+                            "name=TENANT priority=interactive|batch max_concurrency=N"),
     "admin-key": (str, "bearer key for /admin/* (admin API disabled when unset)"),
     "agent-token": (str, "token sent to the agents in X-Macpool-Token"),
     "default-model": (str, "model used when a request names none (unset: any node)"),
@@ -102,9 +103,9 @@ def main(argv: list[str]) -> int:
     try:
         settings = build_settings(argv)
         if settings.api_keys_file:
-            from router.auth import load_key_digests
+            from router.auth import load_api_keys
 
-            load_key_digests(settings.api_keys_file)  # fail at the edge, not at first request
+            load_api_keys(settings.api_keys_file)  # fail at the edge, not at first request
     except ConfigError as exc:
         print(f"macpool router: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
@@ -16,7 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP_RAW
-from router.admission import Admission, Lease, Rejected
+from router.admission import Admission, Lease, Limited, Rejected, Ticket
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
@@ -59,6 +59,7 @@ class Call:
     headers: list[tuple[bytes, bytes]]
     request_id: str
     arrived: float
+    ticket: Ticket = field(default_factory=Ticket)
 
 
 class _Retry(Exception):
@@ -116,10 +117,13 @@ class Forwarder:
                 if tried and not [d for d in docs if d.node_id not in tried]:
                     break
                 lease = await self.admission.acquire(
-                    lambda: [d for d in self.pool.candidates(call.model) if d.node_id not in tried]
+                    lambda: [d for d in self.pool.candidates(call.model) if d.node_id not in tried],
+                    call.ticket,
                 )
             except Rejected as rejected:
                 return self.rejection(rejected, call)
+            except Limited as limited:
+                return self.limited(limited, call)
             except NoNodes as exc:
                 return self.rejection(self.admission.reject("no_nodes", str(exc)), call)
             except ModelNotFound:
@@ -147,6 +151,13 @@ class Forwarder:
         headers = {"Retry-After": str(rejected.retry_after), "X-Macpool-Reason": rejected.reason,
                    "X-Request-ID": call.request_id}
         return error_response(503, str(rejected), rejected.reason, headers=headers)
+
+    def limited(self, limited: Limited, call: Call) -> Response:
+        self.metrics.key_limited.labels(tenant=limited.tenant).inc()
+        self.metrics.requests.labels(model=call.model, node="", status="429").inc()
+        headers = {"Retry-After": str(limited.retry_after), "X-Macpool-Reason": "key_limit",
+                   "X-Request-ID": call.request_id}
+        return error_response(429, str(limited), "key_limit", headers=headers)
 
     async def _open(self, call: Call, lease: Lease) -> Response:
         """Send upstream and wait for the first byte; raise _Retry when another node should try."""

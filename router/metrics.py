@@ -21,7 +21,25 @@ class RouterMetrics:
         )
         self.queue_depth = Gauge("macpool_queue_depth", "Requests waiting in the global queue", registry=r)
         self.queue_wait = Histogram(
-            "macpool_queue_wait_seconds", "Time a queued request waited", buckets=_WAIT_BUCKETS, registry=r
+            "macpool_queue_wait_seconds", "Time a queued request waited, by priority class and tenant",
+            ["priority", "tenant"], buckets=_WAIT_BUCKETS, registry=r,
+        )
+        self.queued = Gauge(
+            "macpool_queued", "Requests waiting in the global queue by priority class and tenant",
+            ["priority", "tenant"], registry=r,
+        )
+        self.tenant_in_flight = Gauge(
+            "macpool_tenant_in_flight", "Requests in flight per tenant (API key), across routers", ["tenant"],
+            registry=r,
+        )
+        self.key_limited = Counter(
+            "macpool_key_limited_total", "429 answers: the API key was at its concurrency limit", ["tenant"],
+            registry=r,
+        )
+        self.affinity = Counter(
+            "macpool_affinity_total",
+            "Prefix-affinity lookups: hit (sent to the node holding the prompt prefix), miss (no node holds "
+            "it), overridden (that node was full or too busy)", ["outcome"], registry=r,
         )
         self.ttft = Histogram(
             "macpool_ttft_seconds", "Arrival to first upstream byte", buckets=_LATENCY_BUCKETS, registry=r

@@ -74,10 +74,13 @@ class Circuit:
 class PoolView:
     """Nodes, reservations, drained set and queue depth as last heard from Redis."""
 
-    def __init__(self, settings: Settings, redis: Redis, keys: Keys) -> None:
+    def __init__(
+        self, settings: Settings, redis: Redis, keys: Keys, tenants: list[str] | None = None
+    ) -> None:
         self.settings = settings
         self.redis = redis
         self.keys = keys
+        self.tenants = tenants or []  # whose requests in flight the refresh counts (the configured API keys)
         self.snapshot = PoolSnapshot()
         self.redis_ok = False
         self.redis_seen = time.monotonic()  # when Redis last answered a full read
@@ -86,7 +89,8 @@ class PoolView:
         self.freed = RateMeter(window=30.0)
         self.requests = RateMeter(window=10.0)
         self.rejections = RateMeter(window=10.0)
-        self.freed_listeners: list[Callable[[str], None]] = []
+        self.freed_listeners: list[Callable[[str], None]] = []  # called with a node id
+        self.waiter_listeners: list[Callable[[str], None]] = []  # called with a request id (granted, shed)
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -113,7 +117,7 @@ class PoolView:
     async def refresh(self) -> None:
         """Re-read the whole pool (catches expired heartbeats and anything pub/sub missed)."""
         try:
-            snapshot = await read_pool(self.redis, self.keys)
+            snapshot = await read_pool(self.redis, self.keys, self.tenants)
         except Exception:
             self.redis_ok = False
             raise
@@ -163,6 +167,14 @@ class PoolView:
             if self.snapshot.reservations.get(rest, 0) > 0:
                 self.snapshot.reservations[rest] -= 1
             for listener in self.freed_listeners:
+                listener(rest)
+        elif kind == "granted":  # a slot freed and handed straight to a queued request
+            self.freed.mark()
+            request_id = rest.partition(" ")[0]
+            for listener in self.waiter_listeners:
+                listener(request_id)
+        elif kind == "shed":
+            for listener in self.waiter_listeners:
                 listener(rest)
         elif kind == "drain":
             self.snapshot.drained.add(rest)
@@ -278,12 +290,18 @@ class PoolView:
                 "drained": doc.node_id in self.snapshot.drained,
                 "circuit": self.circuit_state(doc.node_id),
             })
+        tenants = sorted(set(self.snapshot.queued) | set(self.snapshot.in_flight))
         return {
             "ts_ms": now_ms(),
             "router_id": self.settings.router_id,
             "redis_ok": self.redis_ok,
             "pool": self.totals(),
             "nodes": nodes,
+            "tenants": [
+                {"tenant": t, "in_flight": self.snapshot.in_flight.get(t),
+                 "queued": {p: self.snapshot.queued.get(t, {}).get(p, 0) for p in ("interactive", "batch")}}
+                for t in tenants
+            ],
         }
 
     def export(self, metrics: RouterMetrics) -> None:
@@ -299,6 +317,12 @@ class PoolView:
             counts[state] = counts.get(state, 0) + 1
         for state, count in counts.items():
             metrics.nodes.labels(state=state).set(count)
+        metrics.queued.clear()
+        for tenant, by_priority in self.snapshot.queued.items():
+            for priority, waiting in by_priority.items():
+                metrics.queued.labels(priority=priority, tenant=tenant).set(waiting)
+        for tenant, in_flight in self.snapshot.in_flight.items():
+            metrics.tenant_in_flight.labels(tenant=tenant).set(in_flight)
 
 
 def _text(value: str | bytes) -> str:

@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     # prefix-cache affinity (router/affinity.py): prefer the node that served a request's prompt prefix,
     # unless it is busier than the least-loaded candidate by both thresholds (SGLang's rule)
     affinity: bool = True
-    affinity_abs_threshold: int = Field(default=2, ge=0)
+    affinity_abs_threshold: int = Field(default=4, ge=0)
     affinity_rel_threshold: float = Field(default=1.5, ge=1.0)
     affinity_max_entries: int = Field(default=100_000, ge=1)
 

@@ -180,8 +180,8 @@ def test_client_keys_are_hashed_and_compared_in_constant_time(
             assert reply.status_code == expected, (key, path, reply.text)
             assert_clean(reply.text, "sk-plain-one", hashed)
     # what the router keeps: 32-byte SHA-256 digests, never the plaintext
-    digests = auth.load_key_digests(keys)
-    assert digests == [hashlib.sha256(b"sk-plain-one").digest(), bytes.fromhex(hashed)]
+    loaded = auth.load_api_keys(keys)
+    assert [k.digest for k in loaded] == [hashlib.sha256(b"sk-plain-one").digest(), bytes.fromhex(hashed)]
     # every stored digest is compared with hmac.compare_digest, whichever matches (or none)
     calls: list[int] = []
     real = auth.hmac.compare_digest
@@ -191,11 +191,11 @@ def test_client_keys_are_hashed_and_compared_in_constant_time(
         return real(a, b)
 
     monkeypatch.setattr(auth.hmac, "compare_digest", counting)
-    ring = auth.KeyRing(digests * 4)
+    ring = auth.KeyRing(loaded * 4)
     for presented in ("sk-plain-one", "sk-hashed-two", "nope"):
         calls.clear()
         ring.accepts(presented)
-        assert len(calls) == len(ring.digests)
+        assert len(calls) == len(ring.keys)
 
 
 def test_redis_password_and_acl_user(spawn: SpawnFactory, tmp_path: Path) -> None:

@@ -97,7 +97,8 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
         assert client.post("/v1/chat/completions", json=body, headers=auth).status_code == 200
 
         view = client.get("/api/pool").json()
-        assert set(view) == {"ts_ms", "router_id", "redis_ok", "pool", "nodes"}
+        assert set(view) == {"ts_ms", "router_id", "redis_ok", "pool", "nodes", "tenants", "affinity",
+                             "queue_wait_p50_ms"}
         assert set(view["pool"]) == {
             "capacity",
             "busy",
@@ -125,6 +126,10 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
             "macpool_pool_slots",
             "macpool_nodes",
             "macpool_pool_saturation",
+            "macpool_affinity_total",
+            "macpool_queued",
+            "macpool_tenant_in_flight",
+            "macpool_key_limited_total",
         ):
             assert f"# TYPE {name}" in metrics, name
         assert 'macpool_rejections_total{reason="no_nodes"} 2.0' in metrics

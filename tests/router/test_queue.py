@@ -62,7 +62,8 @@ def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, red
         # the held stream ends: its slot is freed, the queued request is admitted
         waiter.join(timeout=60)
     assert answers and answers[0].status_code == 200, answers
-    assert _metric(patient.url, "macpool_queue_wait_seconds_count") == 1
+    labels = '{priority="interactive",tenant="anonymous"}'
+    assert _metric(patient.url, "macpool_queue_wait_seconds_count" + labels) == 1
     assert _metric(hasty.url, 'macpool_rejections_total{reason="queue_timeout"}') == 1
     wait_until(lambda: httpx.get(patient.url + "/api/pool").json()["pool"]["queued"] == 0)
     store.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from macpool.procs import macpool_argv
-from router.auth import KeyRing, load_key_digests
+from router.auth import KeyRing, load_api_keys
 from router.cli import build_settings
 from router.settings import ConfigError
 
@@ -38,7 +38,24 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path: Path) -> None:
 def test_api_keys_file_accepts_digests_and_plaintext(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text(f"# clients\nplain-key\n\n{hashlib.sha256(b'hashed-key').hexdigest()}\n")
-    ring = KeyRing(load_key_digests(keys))
+    ring = KeyRing(load_api_keys(keys))
     assert ring.accepts("plain-key") and ring.accepts("hashed-key")
     assert not ring.accepts("other") and not ring.accepts(None)
     assert KeyRing([]).accepts(None)
+
+
+def test_api_keys_file_tenant_attributes(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-a name=team-a max_concurrency=3\nsk-b priority=batch\n")
+    ring = KeyRing(load_api_keys(keys))
+    a, b = ring.match("sk-a"), ring.match("sk-b")
+    assert a is not None and (a.tenant, a.priority, a.max_concurrency) == ("team-a", None, 3)
+    assert b is not None and b.priority == "batch" and b.max_concurrency is None
+    assert b.tenant == "key-" + hashlib.sha256(b"sk-b").hexdigest()[:8]
+    assert ring.match("sk-c") is None
+    for bad, said in (("sk-x color=red", "unknown attribute"), ("sk-x priority=urgent", "priority="),
+                      ("sk-x max_concurrency=0", "max_concurrency="), ("sk-x name=a/b", "name="),
+                      ("sk-x name=t\nsk-y name=t", "used twice")):
+        keys.write_text(bad + "\n")
+        with pytest.raises(ConfigError, match=said):
+            load_api_keys(keys)
