@@ -559,6 +559,8 @@ class SimServer:
             "sim_time_s": round(self.runner.sim_now(), 6),
             "busy_time_s": round(c.busy_s, 6),
             "tokens_predicted_total": c.tokens_generated,
+            "prompt_tokens_total": c.prompt_tokens_total,
+            "prompt_tokens_cached_total": c.prompt_tokens_cached_total,
             "peak_pinned_gb": round(c.peak_pinned_gb, 3),
             "worst_state": c.worst_state,
         })

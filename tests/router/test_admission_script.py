@@ -1,0 +1,166 @@
+"""The admission scripts themselves, on a real Redis: affinity, queue order, hand-over, shedding, limits.
+
+Nodes here are just their Redis hashes (what a heartbeat writes); the end-to-end behaviour through real
+routers is in test_tenants.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from macpool.contract import LEAVE_QUEUE, RELEASE, RESERVE_OR_ENQUEUE, Keys, now_ms, reserve_argv
+
+KEYS = Keys()
+LEASE = 60_000
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.reserve = self.r.register_script(RESERVE_OR_ENQUEUE)
+        self.release_script = self.r.register_script(RELEASE)
+        self.leave_script = self.r.register_script(LEAVE_QUEUE)
+        self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        self.pubsub.subscribe(KEYS.events)
+
+    def node(self, node_id: str, cap: int, models: str = "m") -> None:
+        self.r.hset(KEYS.node(node_id), mapping={"capacity": cap, "state": "ready", "models": models})
+
+    def ask(self, rid: str, nodes: list[str], **kw: Any) -> list[Any]:
+        kw.setdefault("queue_size", 8)
+        kw.setdefault("enqueue", True)
+        kw.setdefault("model", "m")
+        result: list[Any] = self.reserve(args=reserve_argv(KEYS, rid, LEASE, [(n, 0) for n in nodes], **kw))
+        return result
+
+    def release(self, rid: str, node: str, tenant: str = "anonymous") -> None:
+        self.release_script(args=[KEYS.prefix, now_ms(), LEASE, rid, node, tenant])
+
+    def leave(self, rid: str) -> int:
+        return int(self.leave_script(args=[KEYS.prefix, now_ms(), LEASE, rid]))
+
+    def events(self) -> list[str]:
+        out = []
+        while (message := self.pubsub.get_message(timeout=0.05)) is not None:
+            out.append(message["data"])
+        return out
+
+
+@pytest.fixture
+def store(redis_url: str) -> Store:
+    return Store(redis_url)
+
+
+def test_affinity_prefers_the_prefix_holder_until_it_is_much_busier(store: Store) -> None:
+    store.node("a", 8)
+    store.node("b", 8)
+    conversation = ("h3", "h2", "h1")
+    first = store.ask("r1", ["a", "b"], prefixes=conversation)
+    assert first[0] == "reserved" and first[3] == "miss"
+    holder, other = first[1], "b" if first[1] == "a" else "a"
+    # the next turn (a longer prefix whose shorter prefixes were recorded) goes back to the holder...
+    turn = store.ask("r2", ["a", "b"], prefixes=("h4", *conversation))
+    assert turn[:2] == ["reserved", holder] and turn[3] == "hit"
+    # ...until it has affinity_abs more in flight than the least-loaded node and a higher relative load
+    store.ask("r3", ["a", "b"], prefixes=("x1",))  # an unrelated prompt: least-loaded goes to the other
+    for i in range(3):
+        assert store.ask(f"r{4 + i}", ["a", "b"], prefixes=conversation)[1] == holder
+    # holder: r1 r2 r4 r5 r6 = 5 in flight, other: r3 = 1; the gap 4 meets the absolute threshold
+    over = store.ask("r9", ["a", "b"], prefixes=conversation, affinity_abs=4, affinity_rel=1.5)
+    assert over[:2] == ["reserved", other] and over[3] == "overridden"
+    # no prefixes: no affinity outcome at all
+    assert store.ask("r10", ["a", "b"])[3] == ""
+
+
+def test_affinity_memory_is_bounded_least_recently_used_first(store: Store) -> None:
+    store.node("a", 100)
+    for i in range(10):
+        store.ask(f"r{i}", ["a"], prefixes=(f"p{i}",), affinity_max_entries=4)
+    assert store.r.hlen(KEYS.affinity) == 4
+    assert set(store.r.hkeys(KEYS.affinity)) == {"p6", "p7", "p8", "p9"}
+
+
+def test_release_hands_the_slot_to_the_head_of_the_queue_priority_then_fairness(store: Store) -> None:
+    store.node("a", 2)
+    assert store.ask("busy-1", ["a"], tenant="flood")[0] == "reserved"
+    assert store.ask("busy-2", ["a"], tenant="flood")[0] == "reserved"
+    assert store.ask("q-batch", ["a"], tenant="light", priority="batch", batch_queue_max=4)[0] == "queued"
+    assert store.ask("q-flood", ["a"], tenant="flood")[0] == "queued"
+    assert store.ask("q-light", ["a"], tenant="light")[0] == "queued"
+    store.events()
+    # interactive before batch; among interactive, the tenant with fewer in flight (light: 0, flood: 2)
+    store.release("busy-1", "a", "flood")
+    assert store.events() == ["granted q-light a"]
+    picked = store.ask("q-light", ["a"], tenant="light", dequeue=True)
+    assert picked[:2] == ["reserved", "a"] and picked[3] == "granted"
+    store.release("busy-2", "a", "flood")
+    assert store.events() == ["granted q-flood a"]
+    # the flood tenant's pick-up is slow; meanwhile nothing can jump the queue: a new arrival waits
+    assert store.ask("late", ["a"], tenant="flood")[0] == "queued"
+    # a waiter that gives up after being handed a slot passes it on to the next in line
+    assert store.leave("q-flood") == 2
+    assert store.events() == ["granted late a"]
+    store.release("q-light", "a", "light")
+    assert store.events() == ["granted q-batch a"]
+
+
+def test_a_new_arrival_does_not_jump_waiters_but_ranks_ahead_of_lower_classes(store: Store) -> None:
+    store.node("a", 1)
+    store.ask("busy", ["a"])
+    assert store.ask("w-batch", ["a"], priority="batch", batch_queue_max=4)[0] == "queued"
+    # capacity grows (a heartbeat, not a release): the interactive arrival takes the new slot at once
+    store.node("a", 2)
+    assert store.ask("new-int", ["a"])[0] == "reserved"
+    store.node("a", 3)
+    # a batch arrival queues behind the batch waiter; the waiter itself takes the slot
+    assert store.ask("new-batch", ["a"], priority="batch", batch_queue_max=4)[0] == "queued"
+    assert store.ask("w-batch", ["a"], priority="batch", dequeue=True)[0] == "reserved"
+
+
+def test_batch_is_shed_first_when_the_queue_fills(store: Store) -> None:
+    store.node("a", 1)
+    store.ask("busy", ["a"])
+    assert store.ask("b1", ["a"], priority="batch", queue_size=3, batch_queue_max=1)[0] == "queued"
+    # batch may hold only its share of the queue: the next one is shed (503), not queued
+    assert store.ask("b2", ["a"], priority="batch", queue_size=3, batch_queue_max=1)[0] == "shed"
+    assert store.ask("i1", ["a"], queue_size=3)[0] == "queued"
+    assert store.ask("i2", ["a"], queue_size=3)[0] == "queued"
+    store.events()
+    # the queue is full: an interactive request takes the queued batch request's place
+    assert store.ask("i3", ["a"], queue_size=3)[0] == "queued"
+    assert store.events() == ["shed b1"]
+    assert store.ask("b1", ["a"], priority="batch", dequeue=True)[0] == "shed"
+    # full of interactive requests: the next one is refused outright
+    assert store.ask("i4", ["a"], queue_size=3)[0] == "full"
+
+
+def test_per_key_limit_counts_in_flight_and_queued(store: Store) -> None:
+    store.node("a", 2)
+    assert store.ask("t1", ["a"], tenant="t", key_limit=3)[0] == "reserved"
+    assert store.ask("t2", ["a"], tenant="t", key_limit=3)[0] == "reserved"
+    assert store.ask("t3", ["a"], tenant="t", key_limit=3)[0] == "queued"
+    limited = store.ask("t4", ["a"], tenant="t", key_limit=3)
+    assert limited[0] == "limited" and limited[2] == 3
+    assert store.ask("u1", ["a"], tenant="u", key_limit=3)[0] == "queued"  # other tenants are unaffected
+    store.events()
+    store.release("t1", "a", "t")
+    assert store.events() == ["granted u1 a"]  # fairness: u has nothing in flight, t has one
+    assert store.ask("t3", ["a"], tenant="t", key_limit=3, dequeue=True)[0] == "queued"
+    assert store.ask("t5", ["a"], tenant="t", key_limit=3)[0] == "queued"  # t2 + t3 + t5 = 3
+    assert store.ask("t6", ["a"], tenant="t", key_limit=3)[0] == "limited"
+
+
+def test_models_decide_who_may_take_a_released_slot(store: Store) -> None:
+    store.node("a", 1, models="m1")
+    store.node("b", 1, models="m2")
+    store.ask("busy-a", ["a"], model="m1")
+    store.ask("busy-b", ["b"], model="m2")
+    store.ask("wants-m2", ["b"], model="m2")
+    store.events()
+    store.release("busy-a", "a")
+    assert store.events() == ["freed a"]  # the only waiter cannot run on a: nobody is handed the slot
+    store.release("busy-b", "b")
+    assert store.events() == ["granted wants-m2 b"]
