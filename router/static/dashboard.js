@@ -104,6 +104,10 @@ function onPool(msg) {
   $("p-rejections").textContent = fmt(pool.rejections_per_s);
   $("p-saturation").textContent = fmt(100 * (pool.saturation || 0), 0) + "%";
   $("p-nodes").textContent = `${pool.nodes_ready ?? "-"} / ${pool.nodes_total ?? "-"}`;
+  const affinity = view.affinity || {};
+  $("p-affinity").textContent = !affinity.enabled ? "off" : affinity.hit_rate === null || affinity.hit_rate === undefined
+    ? "-" : fmt(100 * affinity.hit_rate, 0) + "%";
+  renderQueues(view);
   const scale = msg.scale || {};
   $("p-desired").textContent = scale.desired_nodes ?? "-";
   $("p-reason").textContent = scale.reason ? "scale hint: " + scale.reason : "";
@@ -126,6 +130,30 @@ function onPool(msg) {
 
   if (msg.point && (!history.length || msg.point.ts_ms > history[history.length - 1].ts_ms)) history.push(msg.point);
   drawSparks();
+}
+
+function cells(row, values) {
+  row.replaceChildren(...values.map((v) => { const td = document.createElement("td"); td.textContent = v; return td; }));
+  return row;
+}
+
+function renderQueues(view) {
+  const waits = view.queue_wait_p50_ms || {};
+  const ms = (v) => v === undefined ? "-" : fmt(v, 0) + " ms";
+  const tenants = view.tenants || [];
+  const classes = ["interactive", "batch"].map((c) => cells(document.createElement("tr"), [
+    c, tenants.reduce((n, t) => n + ((t.queued || {})[c] || 0), 0), ms((waits.priority || {})[c]),
+  ]));
+  $("classes").tBodies[0].replaceChildren(...classes);
+  const rows = tenants.map((t) => {
+    const row = cells(document.createElement("tr"), [
+      t.tenant, t.in_flight ?? "-", (t.queued || {}).interactive || 0, (t.queued || {}).batch || 0,
+      ms((waits.tenant || {})[t.tenant]),
+    ]);
+    row.dataset.tenant = t.tenant;
+    return row;
+  });
+  $("tenants").tBodies[0].replaceChildren(...rows);
 }
 
 function spark(svg, points, key, floorMax) {

@@ -111,3 +111,68 @@ def test_dashboard_shows_every_node_and_a_killed_one_goes(pool: Callable[..., Po
         for t in loaders:
             t.join(30)
     assert not errors, errors
+
+
+def _tenant_load(router_url: str, key: str, priority: str, stop: threading.Event) -> None:
+    """One client of one API key: a long shared document then a short question, streamed (bounded)."""
+    body = {"model": "op-model", "stream": True, "max_tokens": 200,
+            "messages": [{"role": "system", "content": "Reference manual. " * 60},
+                         {"role": "user", "content": f"a question from {key}"}]}
+    headers = {"Authorization": f"Bearer {key}", "X-Macpool-Priority": priority}
+    deadline = time.monotonic() + 120
+    with httpx.Client(timeout=60, headers=headers) as client:
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                with client.stream("POST", f"{router_url}/v1/chat/completions", json=body) as response:
+                    for _ in response.iter_bytes():
+                        if stop.is_set():
+                            return
+                if response.status_code != 200:
+                    stop.wait(0.3)
+            except httpx.HTTPError:
+                stop.wait(0.3)
+
+
+@pytest.mark.slow
+def test_dashboard_shows_affinity_and_queues_by_class_and_key(
+    pool: Callable[..., Pool], page: Any, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-app name=app\nsk-nightly name=nightly priority=batch\n")
+    running = pool(nodes=1, router_args=("--api-keys-file", str(keys), "--queue-size", "32",
+                                         "--batch-queue-share", "0.5", "--queue-timeout", "30"))
+    stop = threading.Event()
+    clients = [("sk-app", "interactive")] * 6 + [("sk-nightly", "batch")] * 6
+    url = running.router.url
+    loaders = [threading.Thread(target=_tenant_load, args=(url, k, p, stop)) for k, p in clients]
+    for t in loaders:
+        t.start()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+
+    def row(table: str, name: str) -> list[str]:
+        cells: list[str] = page.evaluate(
+            f"() => [...document.querySelectorAll('#{table} tbody tr')]"
+            f".filter(r => r.cells[0].textContent === '{name}')"
+            ".flatMap(r => [...r.cells].map(c => c.textContent))"
+        )
+        return cells
+
+    try:
+        page.goto(f"{running.router.url}/dashboard")
+        wait_until(lambda: page.inner_text("#conn") == "live", 30, "the SSE stream to be live")
+        wait_until(lambda: page.inner_text("#p-affinity").endswith("%")
+                   and page.inner_text("#p-affinity") != "0%", 60, "an affinity hit rate")
+        wait_until(lambda: len(row("tenants", "app")) == 5 and len(row("tenants", "nightly")) == 5, 30,
+                   "both API keys in the tenants table")
+        wait_until(lambda: int(row("classes", "batch")[1]) > 0 or int(row("classes", "interactive")[1]) > 0,
+                   60, "queued requests by class")
+        wait_until(lambda: row("classes", "interactive")[2].endswith("ms"), 60, "an interactive wait p50")
+        assert int(row("tenants", "app")[1]) + int(row("tenants", "nightly")[1]) > 0  # in flight
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dashboard-tenants.png"), full_page=True)
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(timeout=70)
+    assert not errors, errors
