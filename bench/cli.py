@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "peers": ("bench.peers", "added TTFT and relay rate beside nginx and the LiteLLM proxy, as ratios"),
     "scale": ("bench.scale", "50 nodes x 2 routers: decision time, Redis round trips, no over-admission"),
     "soak": ("bench.soak", "1.5x capacity for minutes with node churn: no errors but 503, no leaks"),
+    "affinity": ("bench.affinity", "long multi-turn chats: TTFT and throughput, prefix affinity on vs off"),
 }
 
 
