@@ -136,11 +136,11 @@ def heartbeat_ttl_ms(interval_s: float) -> int:
 # Keys are built inside the scripts from the prefix (ARGV), so the candidate list can be any length.
 # This is fine for a single Redis (or a replicated primary); it is not Redis Cluster-safe.
 #
-# Queue entries: ``{p}queue`` holds each waiter's lease expiry, ``{p}qmeta`` its record
-# "priority \t tenant \t model \t enqueued_ms \t mark", mark being "" (waiting), "g:<node>" (a release
-# reserved a slot on <node> for it: it only has to pick it up) or "shed" (an interactive request took its
-# place). Queue order, for each model: interactive before batch, then the tenant with the fewest requests
-# in flight, then the oldest. Both are trimmed when the waiter's lease runs out, like reservations.
+# Queue entries: ``{p}queue`` holds each waiter's lease expiry (short, renewed on each attempt),
+# ``{p}qmeta`` its record "priority \t tenant \t model \t enqueued_ms \t mark", mark being "" (waiting),
+# "g:<node>" (a release reserved a slot on <node> for it: it only has to take it) or "shed" (an interactive
+# request took its place). Queue order, for each model: interactive before batch, then the tenant with the
+# fewest requests in flight, then the oldest. Both are trimmed when the waiter's lease runs out.
 
 _PRELUDE = """
 local function fields(s)
@@ -259,7 +259,8 @@ local enqueue, dequeue = ARGV[6] == '1', ARGV[7] == '1'
 local prio, tenant, model = ARGV[8], ARGV[9], ARGV[10]
 local key_limit, batch_max = tonumber(ARGV[11]), tonumber(ARGV[12])
 local abs_t, rel_t, max_entries = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
-local n_hashes = tonumber(ARGV[16])
+local queue_lease = tonumber(ARGV[16])  -- waiters renew their place every attempt, so this is short
+local n_hashes = tonumber(ARGV[17])
 local qkey, mkey = prefix .. 'queue', prefix .. 'qmeta'
 
 -- remember that `node` now holds this request's prompt prefixes (least recently used ones dropped)
@@ -267,7 +268,7 @@ local function remember(node)
   if n_hashes == 0 then return end
   local akey, lkey = prefix .. 'affinity', prefix .. 'affinity:lru'
   local pairs_, scores = {}, {}
-  for i = 17, 16 + n_hashes do
+  for i = 18, 17 + n_hashes do
     pairs_[#pairs_ + 1] = ARGV[i]; pairs_[#pairs_ + 1] = node
     scores[#scores + 1] = now; scores[#scores + 1] = ARGV[i]
   end
@@ -293,9 +294,13 @@ if dequeue then
     return {'shed', '', 0, ''}
   end
   if me and string.sub(me.mark, 1, 2) == 'g:' then
+    -- the slot was handed over with the short queue lease (in case this waiter's router is dead): now
+    -- that the waiter is alive to take it, it gets the full lease
     local node = string.sub(me.mark, 3)
     redis.call('ZREM', qkey, rid)
     redis.call('HDEL', mkey, rid)
+    redis.call('ZADD', prefix .. 'resv:' .. node, 'XX', now + lease, rid)
+    redis.call('ZADD', prefix .. 'tenant:' .. tenant, 'XX', now + lease, rid)
     remember(node)
     return {'reserved', node, redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf'), 'granted'}
   end
@@ -327,7 +332,7 @@ end
 local best, best_util, best_tps, best_rand, best_n = nil, 2.0, -1.0, 0.0, 0
 local free, open = 0, {}
 local drained = prefix .. 'drained'
-for i = 17 + n_hashes, #ARGV, 3 do
+for i = 18 + n_hashes, #ARGV, 3 do
   local id = ARGV[i]
   local f = redis.call('HMGET', prefix .. 'node:' .. id, 'capacity', 'state')
   local cap = tonumber(f[1])
@@ -355,7 +360,7 @@ end
 local outcome = ''
 if best and n_hashes > 0 then
   outcome = 'miss'
-  local owners = redis.call('HMGET', prefix .. 'affinity', unpack(ARGV, 17, 16 + n_hashes))
+  local owners = redis.call('HMGET', prefix .. 'affinity', unpack(ARGV, 18, 17 + n_hashes))
   for i = 1, n_hashes do
     local owner = owners[i]
     if owner then
@@ -386,7 +391,7 @@ if not enqueue then
   return {'full', '', waiting, ''}
 end
 if me then  -- still waiting: renew its place
-  redis.call('ZADD', qkey, now + lease, rid)
+  redis.call('ZADD', qkey, now + queue_lease, rid)
   return {'queued', '', waiting + 1, ''}
 end
 if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) then
@@ -403,7 +408,7 @@ if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) the
   redis.call('PUBLISH', prefix .. 'events', 'shed ' .. last_batch.rid)
   waiting = waiting - 1
 end
-redis.call('ZADD', qkey, now + lease, rid)
+redis.call('ZADD', qkey, now + queue_lease, rid)
 redis.call('HSET', mkey, rid, table.concat({prio, tenant, model, now, ''}, '\\t'))
 redis.call('PEXPIRE', qkey, lease * 2)
 redis.call('PEXPIRE', mkey, lease * 2)
@@ -411,7 +416,8 @@ return {'queued', '', waiting + 1, ''}
 """
 
 RELEASE = _PRELUDE + """
--- ARGV: prefix, now_ms, lease_ms, request_id, node_id, tenant
+-- ARGV: prefix, now_ms, queue_lease_ms (of a slot handed to a waiter until it takes it), request_id, node_id,
+-- tenant
 return release(ARGV[1], ARGV[5], ARGV[4], ARGV[6], tonumber(ARGV[2]), tonumber(ARGV[3]))
 """
 
@@ -425,7 +431,7 @@ return r
 """
 
 LEAVE_QUEUE = _PRELUDE + """
--- ARGV: prefix, now_ms, lease_ms, request_id. A slot already handed to the request goes to the next one.
+-- ARGV: prefix, now_ms, queue_lease_ms, request_id. A slot already handed to it goes to the next in line.
 local prefix, rid = ARGV[1], ARGV[4]
 local meta = redis.call('HGET', prefix .. 'qmeta', rid)
 redis.call('ZREM', prefix .. 'queue', rid)
@@ -459,6 +465,7 @@ def reserve_argv(
     affinity_abs: int = 4,
     affinity_rel: float = 1.5,
     affinity_max_entries: int = 100_000,
+    queue_lease_ms: int = 3_000,
     now: int | None = None,
 ) -> list[str | int | float]:
     """The ARGV of :data:`RESERVE_OR_ENQUEUE`; candidates are (node id, tokens/s), prefixes longest first.
@@ -470,7 +477,7 @@ def reserve_argv(
     args: list[str | int | float] = [
         keys.prefix, now_ms() if now is None else now, lease_ms, request_id, queue_size, int(enqueue),
         int(dequeue), priority, tenant, model, key_limit, batch_queue_max, affinity_abs, affinity_rel,
-        affinity_max_entries, len(prefixes), *prefixes,
+        affinity_max_entries, queue_lease_ms, len(prefixes), *prefixes,
     ]
     for node_id, tokens_per_s in candidates:
         args += [node_id, tokens_per_s, random.random()]

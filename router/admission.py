@@ -49,6 +49,9 @@ ANONYMOUS = "anonymous"  # the tenant of every request when the router has no AP
 # A queued request re-checks on its own this often even if no `freed` message arrives (a message lost
 # during a pub/sub reconnect, or capacity that appeared through a new heartbeat rather than a release).
 SAFETY_RECHECK_S = 0.5
+# Each re-check renews the waiter's place in the queue; a waiter whose router died drops out after this long
+# (and so does a slot handed to it that nobody took).
+QUEUE_LEASE_MS = 3_000
 
 
 class Rejected(Exception):
@@ -238,7 +241,7 @@ class Admission:
         with anyio.move_on_after(5, shield=True):
             try:
                 args: list[str | int] = [
-                    self.keys.prefix, now_ms(), self.lease_ms, lease.request_id, node_id, lease.tenant,
+                    self.keys.prefix, now_ms(), QUEUE_LEASE_MS, lease.request_id, node_id, lease.tenant,
                 ]
                 await self._release(args=args)
             except Exception as exc:  # the lease expires on its own
@@ -334,7 +337,7 @@ class Admission:
             batch_queue_max=self.batch_queue_max,
             prefixes=ticket.prefixes if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
-            affinity_max_entries=settings.affinity_max_entries,
+            affinity_max_entries=settings.affinity_max_entries, queue_lease_ms=QUEUE_LEASE_MS,
         )
         try:
             raw = await self._reserve(args=args)
@@ -383,7 +386,7 @@ class Admission:
     async def _leave_queue(self, request_id: str) -> None:
         with anyio.move_on_after(5, shield=True):
             try:
-                await self._leave(args=[self.keys.prefix, now_ms(), self.lease_ms, request_id])
+                await self._leave(args=[self.keys.prefix, now_ms(), QUEUE_LEASE_MS, request_id])
             except Exception as exc:  # the queue entry expires on its own
                 log.warning("leaving the queue failed: %s", type(exc).__name__)
 

@@ -6,6 +6,7 @@ routers is in test_tenants.py.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from macpool.contract import LEAVE_QUEUE, RELEASE, RESERVE_OR_ENQUEUE, Keys, now
 
 KEYS = Keys()
 LEASE = 60_000
+QUEUE_LEASE = 3_000
 
 
 class Store:
@@ -33,14 +35,15 @@ class Store:
         kw.setdefault("queue_size", 8)
         kw.setdefault("enqueue", True)
         kw.setdefault("model", "m")
+        kw.setdefault("queue_lease_ms", QUEUE_LEASE)
         result: list[Any] = self.reserve(args=reserve_argv(KEYS, rid, LEASE, [(n, 0) for n in nodes], **kw))
         return result
 
     def release(self, rid: str, node: str, tenant: str = "anonymous") -> None:
-        self.release_script(args=[KEYS.prefix, now_ms(), LEASE, rid, node, tenant])
+        self.release_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid, node, tenant])
 
     def leave(self, rid: str) -> int:
-        return int(self.leave_script(args=[KEYS.prefix, now_ms(), LEASE, rid]))
+        return int(self.leave_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid]))
 
     def events(self) -> list[str]:
         out = []
@@ -164,3 +167,27 @@ def test_models_decide_who_may_take_a_released_slot(store: Store) -> None:
     assert store.events() == ["freed a"]  # the only waiter cannot run on a: nobody is handed the slot
     store.release("busy-b", "b")
     assert store.events() == ["granted wants-m2 b"]
+
+
+def test_a_slot_handed_to_a_dead_waiter_comes_back_after_the_queue_lease(store: Store) -> None:
+    store.node("a", 1)
+    store.ask("busy", ["a"])
+    assert store.ask("waiter", ["a"], queue_lease_ms=200)[0] == "queued"
+    store.events()
+    store.release("busy", "a")
+    assert store.events() == ["granted waiter a"]
+    # nobody picks it up (the waiter's router died): the slot is free again once the short lease runs out
+    assert store.ask("next", ["a"], enqueue=False)[0] == "full"
+    time.sleep(3.2)  # the queue lease of a handed-over slot
+    assert store.ask("next", ["a"], enqueue=False)[0] == "reserved"
+
+
+def test_a_waiter_taking_its_slot_gets_the_full_lease(store: Store) -> None:
+    store.node("a", 1)
+    store.ask("busy", ["a"])
+    store.ask("waiter", ["a"])
+    store.release("busy", "a")
+    assert store.ask("waiter", ["a"], dequeue=True)[0] == "reserved"
+    expiry = store.r.zscore(KEYS.reservations("a"), "waiter")
+    assert expiry is not None and expiry > now_ms() + LEASE - 5_000
+    assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") == expiry
