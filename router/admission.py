@@ -52,6 +52,10 @@ SAFETY_RECHECK_S = 0.5
 # Each re-check renews the waiter's place in the queue; a waiter whose router died drops out after this long
 # (and so does a slot handed to it that nobody took).
 QUEUE_LEASE_MS = 3_000
+# After Redis answers "every candidate is full and so is the queue", arrivals for the same model are refused
+# from memory for up to this long, unless an event that may free room arrives first (see PoolView.version):
+# under overload the reject path then costs no Redis round trip at all.
+FULL_MEMO_S = 0.05
 
 
 class Rejected(Exception):
@@ -129,6 +133,7 @@ class Admission:
         # this replica's recent queue waits, for the dashboard: (priority, tenant, seconds)
         self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
+        self._full: dict[str, tuple[int, float]] = {}  # model -> (pool version, when) of the last "full"
         self._reserve = redis.register_script(RESERVE_OR_ENQUEUE)
         self._release = redis.register_script(RELEASE)
         self._renew = redis.register_script(RENEW)
@@ -160,10 +165,14 @@ class Admission:
         it may raise NoNodes / ModelNotFound. Raises :class:`Rejected` when the pool cannot take it and
         :class:`Limited` when the ticket's tenant is at its concurrency limit.
         """
-        request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
         ticket = ticket or Ticket()
         docs = candidates()
+        if self._known_full(ticket.model):
+            raise self.reject("pool_full", "every node is at capacity and the queue is full")
+        request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
         attempt = await self._try(request_id, docs, ticket, dequeue=False)
+        if attempt.status == "full":
+            self._full[ticket.model] = (self.pool.version, time.monotonic())
         if attempt.status == "reserved":
             return self._lease(request_id, docs, attempt, ticket)
         if attempt.status == "offline":
@@ -218,6 +227,16 @@ class Admission:
             self._waiting.pop(request_id, None)
             if not admitted:
                 await self._leave_queue(request_id)
+
+    def _known_full(self, model: str) -> bool:
+        memo = self._full.get(model)
+        if memo is None:
+            return False
+        version, when = memo
+        if version == self.pool.version and time.monotonic() - when < FULL_MEMO_S:
+            return True
+        del self._full[model]
+        return False
 
     def _refuse(self, attempt: _Attempt, ticket: Ticket) -> None:
         """Raise for every outcome but ``queued``."""

@@ -89,6 +89,9 @@ class PoolView:
         self.freed = RateMeter(window=30.0)
         self.requests = RateMeter(window=10.0)
         self.rejections = RateMeter(window=10.0)
+        # bumped by every event that may free room (a release, a hand-over, a node's capacity or state
+        # changing, a drain, a full refresh): admission's memo of a "full" answer is good until it changes
+        self.version = 0
         self.freed_listeners: list[Callable[[str], None]] = []  # called with a node id
         self.waiter_listeners: list[Callable[[str], None]] = []  # called with a request id (granted, shed)
         self._tasks: list[asyncio.Task[None]] = []
@@ -123,6 +126,7 @@ class PoolView:
             raise
         self.redis_ok = True
         self.redis_seen = time.monotonic()
+        self.version += 1
         for doc in snapshot.nodes.values():
             self._heard(doc)
         self.snapshot = snapshot
@@ -151,12 +155,17 @@ class PoolView:
     def apply(self, message: str) -> None:
         """Apply one message of the events channel (see macpool.contract)."""
         kind, _, rest = message.partition(" ")
+        if kind != "node":
+            self.version += 1
         if kind == "node":
             try:
                 doc = NodeDoc.decode(rest)
             except ValidationError:
                 log.warning("pool events: undecodable heartbeat ignored")
                 return
+            previous = self.snapshot.nodes.get(doc.node_id)
+            if previous is None or (previous.capacity, previous.state) != (doc.capacity, doc.state):
+                self.version += 1
             self._heard(doc)
             self.snapshot.nodes[doc.node_id] = doc
             self.snapshot.reservations.setdefault(doc.node_id, 0)

@@ -67,3 +67,32 @@ def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, red
     assert _metric(hasty.url, 'macpool_rejections_total{reason="queue_timeout"}') == 1
     wait_until(lambda: httpx.get(patient.url + "/api/pool").json()["pool"]["queued"] == 0)
     store.close()
+
+
+def test_a_full_pool_is_remembered_briefly_so_rejections_skip_redis(pool: Pool, redis_url: str) -> None:
+    store = redis.Redis.from_url(redis_url)
+    pool.node("n1", cap=1, speed=1)
+    router = pool.router("--queue-size", "0")
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+
+    def evalsha_calls() -> int:
+        stats = store.info("commandstats").get("cmdstat_evalsha", {})
+        return int(stats.get("calls", 0))
+
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", router.url + "/v1/chat/completions", json=chat(model, 4000)) as held:
+            chunks = held.iter_raw()
+            next(chunks)
+            before = evalsha_calls()
+            codes = [client.post(router.url + "/v1/chat/completions", json=chat(model, 4, stream=False))
+                     for _ in range(40)]
+            calls = evalsha_calls() - before
+        assert all(r.status_code == 503 and r.headers["x-macpool-reason"] == "pool_full" for r in codes)
+        # the first refusal asks Redis; the next ones within 50 ms (and no release meanwhile) do not
+        print(f"{calls} reservation calls for 40 refusals")
+        assert calls < 30, calls
+        # a release makes the router ask again at once: the next request is admitted
+        wait_until(lambda: client.post(router.url + "/v1/chat/completions",
+                                       json=chat(model, 4, stream=False)).status_code == 200)
+    store.close()
