@@ -54,7 +54,7 @@ def test_times_and_rates_are_sane(result: dict[str, Any]) -> None:
     for run in result["runs"].values():
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] < run["latency_p50_s"] * 10
         assert run["throughput_tok_s"] > 0
-        assert 0.5 * 4 < run["speed_achieved"] < 1.5 * 4
+        assert 0 < run["speed_achieved"] <= 4 * 1.05  # the simulators never outrun --speed 4
 
 
 def test_cached_tokens_never_exceed_what_the_histories_allow(result: dict[str, Any]) -> None:
