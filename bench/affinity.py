@@ -1,8 +1,9 @@
 """``macpool bench affinity``: multi-turn chats with long histories, prefix-cache affinity on versus off.
 
 The pool: a real Redis-protocol server, ``--nodes`` simulated Macs (``m5max-128g-14b-q4``, ``--parallel``
-slots each, metrics on), an agent per Mac capped at its slot count, and one router. The workload: as many
-conversations in flight as the pool has slots, each a closed loop of chats. A conversation opens with a long
+slots each, metrics on), an agent per Mac capped at ``--cap`` (default: its slot count), and one router.
+The workload: as many conversations in flight as the pool admits at once (``--clients`` to change it), each a
+closed loop of chats. A conversation opens with a long
 document of its own (``--doc-tokens``) as the system message; every turn sends the previous turn's messages
 plus the assistant's reply plus a new user message, so the whole history is a prefix of the next prompt and
 a slot that still holds it only prefills the new tail (the simulator models llama-server's per-slot cache).
@@ -55,8 +56,9 @@ _LABEL_VALUE = re.compile(r'="([^"]*)"')
 @dataclass
 class Conditions:
     nodes: int = 3
-    parallel: int = 4  # slots per simulated Mac, and its agent's cap
-    clients: int = 0  # conversations in flight; 0: the pool's slots (nodes x parallel)
+    parallel: int = 4  # slots per simulated Mac
+    cap: int = 0  # each agent's cap; 0: the slots (a bigger -np than cap keeps more histories cached)
+    clients: int = 0  # conversations in flight; 0: what the pool admits at once (nodes x cap)
     per_client: int = 3  # conversations each client holds, one after another
     turns: int = 6
     doc_tokens: int = 3000  # the conversation's own document (system message)
@@ -68,8 +70,12 @@ class Conditions:
     preset: str = PRESET
 
     @property
+    def node_cap(self) -> int:
+        return self.cap or self.parallel
+
+    @property
     def in_flight(self) -> int:
-        return self.clients or self.nodes * self.parallel
+        return self.clients or self.nodes * self.node_cap
 
     @property
     def ctx_per_slot(self) -> int:
@@ -303,7 +309,7 @@ class Pool:
                 "--port", str(port),
             )
             sim = self.stack.spawn(f"sim-{i}", argv, port)
-            self.stack.agent(f"agent-{i}", sim.url, self.redis_url, f"mac-{i}", cap=c.parallel)
+            self.stack.agent(f"agent-{i}", sim.url, self.redis_url, f"mac-{i}", cap=c.node_cap)
             self.sims[f"mac-{i}"] = sim.url
 
     def router(self, name: str, affinity: bool) -> Proc:
@@ -422,7 +428,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def run(c: Conditions, stack: Stack, log: Any) -> dict[str, Any]:
     pool = Pool(stack, c)
     pool.start()
-    log(f"pool: {c.nodes} x {c.preset} (--parallel {c.parallel}, agents capped at {c.parallel}); "
+    log(f"pool: {c.nodes} x {c.preset} (--parallel {c.parallel}, agents capped at {c.node_cap}); "
         f"{c.in_flight} conversations in flight, {c.per_client} each, {c.turns} turns, speed {c.speed:g}")
     runs: list[dict[str, Any]] = []
     for name, affinity in (("affinity_on", True), ("affinity_off", False)):
@@ -444,7 +450,9 @@ def run(c: Conditions, stack: Stack, log: Any) -> dict[str, Any]:
             ttft_ratio is not None and ttft_ratio >= TARGET_TTFT_RATIO
             and throughput_ratio is not None and throughput_ratio >= TARGET_THROUGHPUT_RATIO
         ),
-        "conditions": {**asdict(c), "in_flight": c.in_flight, "ctx_per_slot": c.ctx_per_slot},
+        "conditions": {
+            **asdict(c), "node_cap": c.node_cap, "in_flight": c.in_flight, "ctx_per_slot": c.ctx_per_slot,
+        },
         "runs": {r["name"]: r for r in runs},
     }
 
@@ -453,8 +461,9 @@ def parser() -> argparse.ArgumentParser:
     d = Conditions()
     p = argparse.ArgumentParser(prog="macpool bench affinity", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=d.nodes, help="simulated Macs")
-    p.add_argument("--parallel", type=int, default=d.parallel, help="slots per Mac (and its agent's cap)")
-    p.add_argument("--clients", type=int, default=d.clients, help="conversations in flight (0: all slots)")
+    p.add_argument("--parallel", type=int, default=d.parallel, help="slots per Mac")
+    p.add_argument("--cap", type=int, default=d.cap, help="each agent's cap (0: the slots)")
+    p.add_argument("--clients", type=int, default=d.clients, help="conversations in flight (0: nodes x cap)")
     p.add_argument("--per-client", type=int, default=d.per_client, help="conversations per client, in turn")
     p.add_argument("--turns", type=int, default=d.turns, help="turns per conversation")
     p.add_argument("--doc-tokens", type=int, default=d.doc_tokens, help="each conversation's document")
@@ -489,10 +498,10 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     c = Conditions(
-        nodes=args.nodes, parallel=args.parallel, clients=args.clients, per_client=args.per_client,
-        turns=args.turns, doc_tokens=args.doc_tokens, user_tokens=args.user_tokens,
-        reply_tokens=args.reply_tokens, think_s=args.think, speed=args.speed, max_wall_s=args.max_wall,
-        preset=args.preset,
+        nodes=args.nodes, parallel=args.parallel, cap=args.cap, clients=args.clients,
+        per_client=args.per_client, turns=args.turns, doc_tokens=args.doc_tokens,
+        user_tokens=args.user_tokens, reply_tokens=args.reply_tokens, think_s=args.think, speed=args.speed,
+        max_wall_s=args.max_wall, preset=args.preset,
     )
     stack = Stack(logs=args.logs, keep_logs=True) if args.logs else Stack()
     if args.logs:
