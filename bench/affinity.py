@@ -32,6 +32,7 @@ import re
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,7 +319,7 @@ class Pool:
         return router
 
 
-async def measure(name: str, router: Proc, pool: Pool, log: Any) -> dict[str, Any]:
+async def measure(name: str, router: Proc, pool: Pool, log: Callable[[str], None]) -> dict[str, Any]:
     """One run of the workload through ``router``, the simulators idle and reset first."""
     c = pool.conditions
     urls = list(pool.sims.values())
@@ -425,7 +426,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def run(c: Conditions, stack: Stack, log: Any) -> dict[str, Any]:
+def run(c: Conditions, stack: Stack, log: Callable[[str], None]) -> dict[str, Any]:
     pool = Pool(stack, c)
     pool.start()
     log(f"pool: {c.nodes} x {c.preset} (--parallel {c.parallel}, agents capped at {c.node_cap}); "
