@@ -137,12 +137,17 @@ def heartbeat_ttl_ms(interval_s: float) -> int:
 # This is fine for a single Redis (or a replicated primary); it is not Redis Cluster-safe.
 #
 # Queue entries: ``{p}queue`` holds each waiter's lease expiry (short, renewed on each attempt),
-# ``{p}qmeta`` its record "priority \t tenant \t model \t enqueued_ms \t mark", mark being "" (waiting),
-# "g:<node>" (a release reserved a slot on <node> for it: it only has to take it) or "shed" (an interactive
-# request took its place). Queue order, for each model: interactive before batch, then the tenant with the
-# fewest requests in flight, then the oldest. Both are trimmed when the waiter's lease runs out.
+# ``{p}qmeta`` its record "priority \t tenant \t model \t enqueued_ms \t mark \t preferred node \t hashed",
+# mark being "" (waiting), "g:<node>" (a release reserved a slot on <node> for it: it only has to take it)
+# or "shed" (an interactive request took its place); the preferred node holds its prompt prefix (affinity).
+# Queue order, for each model: interactive before batch, then the tenant with the fewest requests in
+# flight, then the oldest - except that a release may hand its slot to a request that prefers that node
+# among the first AFFINITY_SKIP equally ranked ones. Both are trimmed when the waiter's lease runs out.
 
 _PRELUDE = """
+local AFFINITY_SKIP = 8  -- queued requests a hand-over may look past the head for one this node has cached
+local AFFINITY_SKIP_MS = 1000  -- ... only while the head has waited less than this
+
 local function fields(s)
   local out, start = {}, 1
   while true do
@@ -169,7 +174,7 @@ local function queue_entries(prefix, now)
     if metas[i] then
       local f = fields(metas[i])
       out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
-                       mark = f[5] or ''}
+                       mark = f[5] or '', pref = f[6] or '', hashed = f[7] or ''}
     end
   end
   return out
@@ -224,16 +229,26 @@ local function hand_over(prefix, node, now, lease)
   local rkey = prefix .. 'resv:' .. node
   redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
   if redis.call('ZCARD', rkey) >= cap then return false end
-  local head = nil
+  local ranked = {}
   for _, e in ipairs(queue_entries(prefix, now)) do
-    if e.mark == '' and serves(f[3], e.model) and (head == nil or before(prefix, now, e, head)) then
-      head = e
+    if e.mark == '' and serves(f[3], e.model) then ranked[#ranked + 1] = e end
+  end
+  if #ranked == 0 then return false end
+  table.sort(ranked, function(a, b) return before(prefix, now, a, b) end)
+  -- prefix affinity within fairness: among the first few requests exactly as deserving as the head (same
+  -- class, same tenant load), one whose prompt this node holds goes first - while the head is young
+  local head = ranked[1]
+  if now - head.enq < AFFINITY_SKIP_MS then
+    local head_load = tenant_load(prefix, head.tenant, now)
+    for i = 1, math.min(#ranked, AFFINITY_SKIP) do
+      local e = ranked[i]
+      if e.prio ~= head.prio or tenant_load(prefix, e.tenant, now) ~= head_load then break end
+      if e.pref == node then head = e; break end
     end
   end
-  if head == nil then return false end
   reserve(prefix, node, head.rid, head.tenant, now, lease)
-  local record = table.concat({head.prio, head.tenant, head.model, head.enq, 'g:' .. node}, '\\t')
-  redis.call('HSET', prefix .. 'qmeta', head.rid, record)
+  local record = {head.prio, head.tenant, head.model, head.enq, 'g:' .. node, head.pref, head.hashed}
+  redis.call('HSET', prefix .. 'qmeta', head.rid, table.concat(record, '\\t'))
   redis.call('PUBLISH', prefix .. 'events', 'granted ' .. head.rid .. ' ' .. node)
   return true
 end
@@ -302,7 +317,11 @@ if dequeue then
     redis.call('ZADD', prefix .. 'resv:' .. node, 'XX', now + lease, rid)
     redis.call('ZADD', prefix .. 'tenant:' .. tenant, 'XX', now + lease, rid)
     remember(node)
-    return {'reserved', node, redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf'), 'granted'}
+    local outcome = ''
+    if me.hashed ~= '' then
+      outcome = me.pref == node and 'hit' or (me.pref ~= '' and 'overridden' or 'miss')
+    end
+    return {'reserved', node, redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf'), outcome}
   end
 end
 
@@ -330,10 +349,11 @@ end
 
 -- the least-utilised candidate with a free slot (ties: faster node, then random)
 local best, best_util, best_tps, best_rand, best_n = nil, 2.0, -1.0, 0.0, 0
-local free, open = 0, {}
+local free, open, known = 0, {}, {}
 local drained = prefix .. 'drained'
 for i = 18 + n_hashes, #ARGV, 3 do
   local id = ARGV[i]
+  known[id] = true
   local f = redis.call('HMGET', prefix .. 'node:' .. id, 'capacity', 'state')
   local cap = tonumber(f[1])
   if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', drained, id) == 0 then
@@ -357,13 +377,14 @@ for i = 18 + n_hashes, #ARGV, 3 do
 end
 
 -- prefix affinity: the node that served the longest known prefix, unless it is much busier (SGLang's rule)
-local outcome = ''
-if best and n_hashes > 0 then
+local outcome, pref = '', ''
+if n_hashes > 0 then
   outcome = 'miss'
   local owners = redis.call('HMGET', prefix .. 'affinity', unpack(ARGV, 18, 17 + n_hashes))
   for i = 1, n_hashes do
     local owner = owners[i]
-    if owner then
+    if owner and pref == '' and known[owner] then pref = owner end  -- kept with a queued request
+    if owner and best then
       local o = open[owner]
       if o == nil then
         outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
@@ -403,13 +424,14 @@ if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) the
   end
   -- an interactive request takes the place of the last queued batch request
   local b = last_batch
-  local record = table.concat({b.prio, b.tenant, b.model, b.enq, 'shed'}, '\\t')
+  local record = table.concat({b.prio, b.tenant, b.model, b.enq, 'shed', b.pref, b.hashed}, '\\t')
   redis.call('HSET', mkey, last_batch.rid, record)
   redis.call('PUBLISH', prefix .. 'events', 'shed ' .. last_batch.rid)
   waiting = waiting - 1
 end
 redis.call('ZADD', qkey, now + queue_lease, rid)
-redis.call('HSET', mkey, rid, table.concat({prio, tenant, model, now, ''}, '\\t'))
+local hashed = n_hashes > 0 and '1' or ''
+redis.call('HSET', mkey, rid, table.concat({prio, tenant, model, now, '', pref, hashed}, '\\t'))
 redis.call('PEXPIRE', qkey, lease * 2)
 redis.call('PEXPIRE', mkey, lease * 2)
 return {'queued', '', waiting + 1, ''}
@@ -472,7 +494,8 @@ def reserve_argv(
 
     Returns ``[status, node_id, count, affinity]``; status is reserved, queued, full, shed (a batch request
     turned away, or a queued one whose place an interactive request took) or limited (the tenant is at its
-    concurrency limit); affinity is "", hit, miss, overridden or granted (a release handed it the slot).
+    concurrency limit); affinity is "" (no prompt prefix), hit, miss or overridden - also for a request a
+    release handed a slot to (hit when that node held its prefix).
     """
     args: list[str | int | float] = [
         keys.prefix, now_ms() if now is None else now, lease_ms, request_id, queue_size, int(enqueue),

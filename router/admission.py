@@ -43,7 +43,7 @@ from router.settings import Settings
 log = logging.getLogger("macpool.router")
 
 RejectReason = Literal["pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed"]
-AffinityOutcome = Literal["", "hit", "miss", "overridden", "granted"]
+AffinityOutcome = Literal["", "hit", "miss", "overridden"]
 ANONYMOUS = "anonymous"  # the tenant of every request when the router has no API keys
 
 # A queued request re-checks on its own this often even if no `freed` message arrives (a message lost

@@ -98,7 +98,7 @@ def test_release_hands_the_slot_to_the_head_of_the_queue_priority_then_fairness(
     store.release("busy-1", "a", "flood")
     assert store.events() == ["granted q-light a"]
     picked = store.ask("q-light", ["a"], tenant="light", dequeue=True)
-    assert picked[:2] == ["reserved", "a"] and picked[3] == "granted"
+    assert picked[:2] == ["reserved", "a"] and picked[3] == ""  # no prompt prefix: no affinity outcome
     store.release("busy-2", "a", "flood")
     assert store.events() == ["granted q-flood a"]
     # the flood tenant's pick-up is slow; meanwhile nothing can jump the queue: a new arrival waits
@@ -191,3 +191,50 @@ def test_a_waiter_taking_its_slot_gets_the_full_lease(store: Store) -> None:
     expiry = store.r.zscore(KEYS.reservations("a"), "waiter")
     assert expiry is not None and expiry > now_ms() + LEASE - 5_000
     assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") == expiry
+
+
+def test_a_hand_over_prefers_a_waiter_whose_prefix_the_node_holds_among_equals(store: Store) -> None:
+    store.node("a", 1)
+    store.node("b", 1)
+    store.ask("seed-a", ["a", "b"], prefixes=("conv-a",))  # a now holds conv-a (the least-loaded pick)
+    holder = store.r.hget(KEYS.affinity, "conv-a")
+    other = "b" if holder == "a" else "a"
+    store.ask("busy", ["a", "b"])  # fills the other node
+    assert store.ask("first", ["a", "b"], prefixes=("conv-x",))[0] == "queued"
+    assert store.ask("second", ["a", "b"], prefixes=("conv-a",))[0] == "queued"
+    store.events()
+    # the holder frees a slot: the younger waiter that holds a prefix there goes before the head
+    store.release("seed-a", holder)
+    assert store.events() == [f"granted second {holder}"]
+    picked = store.ask("second", ["a", "b"], prefixes=("conv-a",), dequeue=True)
+    assert picked[:2] == ["reserved", holder] and picked[3] == "hit"
+    store.release("busy", other)
+    assert store.events() == [f"granted first {other}"]
+    assert store.ask("first", ["a", "b"], prefixes=("conv-x",), dequeue=True)[3] == "miss"
+
+
+def test_affinity_never_overrides_priority_or_fairness_in_a_hand_over(store: Store) -> None:
+    store.node("a", 1)
+    store.node("b", 1)
+    store.ask("t1-b", ["b"], tenant="t1")  # t1 keeps one request in flight on b throughout
+    store.ask("seed", ["a"], prefixes=("conv",), tenant="t1")  # a holds conv
+    assert store.ask("light", ["a"], tenant="t2")[0] == "queued"
+    assert store.ask("heavy", ["a"], prefixes=("conv",), tenant="t1")[0] == "queued"
+    assert store.ask("batch", ["a"], prefixes=("conv",), tenant="t2", priority="batch",
+                     batch_queue_max=4)[0] == "queued"
+    store.events()
+    store.release("seed", "a", "t1")  # t1 still has 1 in flight, t2 none: light goes first
+    assert store.events() == ["granted light a"]
+    assert store.ask("light", ["a"], tenant="t2", dequeue=True)[0] == "reserved"
+    store.release("light", "a", "t2")  # interactive heavy before batch, whatever batch holds
+    assert store.events() == ["granted heavy a"]
+
+
+def test_a_hand_over_does_not_pass_over_a_head_that_has_waited_long(store: Store) -> None:
+    store.node("a", 1)
+    store.ask("seed", ["a"], prefixes=("conv",))
+    store.ask("old", ["a"], now=now_ms() - 1500)  # queued 1.5 s ago
+    store.ask("young", ["a"], prefixes=("conv",))
+    store.events()
+    store.release("seed", "a")
+    assert store.events() == ["granted old a"]
