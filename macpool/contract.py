@@ -137,16 +137,17 @@ def heartbeat_ttl_ms(interval_s: float) -> int:
 # This is fine for a single Redis (or a replicated primary); it is not Redis Cluster-safe.
 #
 # Queue entries: ``{p}queue`` holds each waiter's lease expiry (short, renewed on each attempt),
-# ``{p}qmeta`` its record "priority \t tenant \t model \t enqueued_ms \t mark \t preferred node \t hashed",
+# ``{p}qmeta`` its record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes",
 # mark being "" (waiting), "g:<node>" (a release reserved a slot on <node> for it: it only has to take it)
 # or "shed" (an interactive request took its place); the preferred node holds its prompt prefix (affinity).
 # Queue order, for each model: interactive before batch, then the tenant with the fewest requests in
 # flight, then the oldest - except that a release may hand its slot to a request that prefers that node
-# among the first AFFINITY_SKIP equally ranked ones. Both are trimmed when the waiter's lease runs out.
+# among the first AFFINITY_SKIP equally ranked ones (passing each over at most MAX_PASSES times). Both are
+# trimmed when the waiter's lease runs out.
 
 _PRELUDE = """
 local AFFINITY_SKIP = 8  -- queued requests a hand-over may look past the head for one this node has cached
-local AFFINITY_SKIP_MS = 1000  -- ... only while the head has waited less than this
+local MAX_PASSES = 4  -- ... and how often one request may be passed over that way
 
 local function fields(s)
   local out, start = {}, 1
@@ -174,7 +175,8 @@ local function queue_entries(prefix, now)
     if metas[i] then
       local f = fields(metas[i])
       out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
-                       mark = f[5] or '', pref = f[6] or '', hashed = f[7] or ''}
+                       mark = f[5] or '', pref = f[6] or '', hashed = f[7] or '',
+                       passes = tonumber(f[8]) or 0}
     end
   end
   return out
@@ -236,18 +238,27 @@ local function hand_over(prefix, node, now, lease)
   if #ranked == 0 then return false end
   table.sort(ranked, function(a, b) return before(prefix, now, a, b) end)
   -- prefix affinity within fairness: among the first few requests exactly as deserving as the head (same
-  -- class, same tenant load), one whose prompt this node holds goes first - while the head is young
+  -- class, same tenant load), one whose prompt this node holds goes first; a request can be passed over
+  -- at most MAX_PASSES times, so nobody waits long for it
   local head = ranked[1]
-  if now - head.enq < AFFINITY_SKIP_MS then
-    local head_load = tenant_load(prefix, head.tenant, now)
-    for i = 1, math.min(#ranked, AFFINITY_SKIP) do
-      local e = ranked[i]
-      if e.prio ~= head.prio or tenant_load(prefix, e.tenant, now) ~= head_load then break end
-      if e.pref == node then head = e; break end
+  local head_load = tenant_load(prefix, head.tenant, now)
+  for i = 1, math.min(#ranked, AFFINITY_SKIP) do
+    local e = ranked[i]
+    if e.prio ~= head.prio or tenant_load(prefix, e.tenant, now) ~= head_load then break end
+    if e.pref == node then
+      for j = 1, i - 1 do
+        local p = ranked[j]
+        local passed = {p.prio, p.tenant, p.model, p.enq, '', p.pref, p.hashed, p.passes + 1}
+        redis.call('HSET', prefix .. 'qmeta', p.rid, table.concat(passed, '\\t'))
+      end
+      head = e
+      break
     end
+    if e.passes >= MAX_PASSES then break end
   end
   reserve(prefix, node, head.rid, head.tenant, now, lease)
-  local record = {head.prio, head.tenant, head.model, head.enq, 'g:' .. node, head.pref, head.hashed}
+  local record = {head.prio, head.tenant, head.model, head.enq, 'g:' .. node, head.pref, head.hashed,
+                  head.passes}
   redis.call('HSET', prefix .. 'qmeta', head.rid, table.concat(record, '\\t'))
   redis.call('PUBLISH', prefix .. 'events', 'granted ' .. head.rid .. ' ' .. node)
   return true
@@ -424,14 +435,14 @@ if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) the
   end
   -- an interactive request takes the place of the last queued batch request
   local b = last_batch
-  local record = table.concat({b.prio, b.tenant, b.model, b.enq, 'shed', b.pref, b.hashed}, '\\t')
+  local record = table.concat({b.prio, b.tenant, b.model, b.enq, 'shed', b.pref, b.hashed, b.passes}, '\\t')
   redis.call('HSET', mkey, last_batch.rid, record)
   redis.call('PUBLISH', prefix .. 'events', 'shed ' .. last_batch.rid)
   waiting = waiting - 1
 end
 redis.call('ZADD', qkey, now + queue_lease, rid)
 local hashed = n_hashes > 0 and '1' or ''
-redis.call('HSET', mkey, rid, table.concat({prio, tenant, model, now, '', pref, hashed}, '\\t'))
+redis.call('HSET', mkey, rid, table.concat({prio, tenant, model, now, '', pref, hashed, 0}, '\\t'))
 redis.call('PEXPIRE', qkey, lease * 2)
 redis.call('PEXPIRE', mkey, lease * 2)
 return {'queued', '', waiting + 1, ''}

@@ -230,11 +230,19 @@ def test_affinity_never_overrides_priority_or_fairness_in_a_hand_over(store: Sto
     assert store.events() == ["granted heavy a"]
 
 
-def test_a_hand_over_does_not_pass_over_a_head_that_has_waited_long(store: Store) -> None:
+def test_a_request_is_passed_over_for_affinity_at_most_four_times(store: Store) -> None:
     store.node("a", 1)
     store.ask("seed", ["a"], prefixes=("conv",))
-    store.ask("old", ["a"], now=now_ms() - 1500)  # queued 1.5 s ago
-    store.ask("young", ["a"], prefixes=("conv",))
+    store.ask("patient", ["a"])  # no prefix anywhere: the head of the queue
+    for i in range(6):
+        store.ask(f"warm-{i}", ["a"], prefixes=("conv",))  # each prefers a
     store.events()
-    store.release("seed", "a")
-    assert store.events() == ["granted old a"]
+    granted = []
+    holder = "seed"
+    for _ in range(6):
+        store.release(holder, "a")
+        (event,) = store.events()
+        holder = event.split()[1]
+        granted.append(holder)
+        store.ask(holder, ["a"], prefixes=("conv",), dequeue=True)
+    assert granted[:5] == ["warm-0", "warm-1", "warm-2", "warm-3", "patient"]
