@@ -300,7 +300,8 @@ local function remember(node)
   end
   redis.call('HSET', akey, unpack(pairs_))
   redis.call('ZADD', lkey, unpack(scores))
-  local over = redis.call('ZCARD', lkey) - max_entries
+  -- at most 1,000 of the oldest per call (Lua's unpack has a limit; a lowered bound converges over calls)
+  local over = math.min(redis.call('ZCARD', lkey) - max_entries, 1000)
   if over > 0 then
     local old = redis.call('ZRANGE', lkey, 0, over - 1)
     redis.call('ZREMRANGEBYRANK', lkey, 0, over - 1)

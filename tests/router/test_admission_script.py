@@ -84,6 +84,12 @@ def test_affinity_memory_is_bounded_least_recently_used_first(store: Store) -> N
         store.ask(f"r{i}", ["a"], prefixes=(f"p{i}",), affinity_max_entries=4)
     assert store.r.hlen(KEYS.affinity) == 4
     assert set(store.r.hkeys(KEYS.affinity)) == {"p6", "p7", "p8", "p9"}
+    # a much lower bound (another replica's setting, or a restart with a smaller one) converges, never fails
+    store.r.hset(KEYS.affinity, mapping={f"old{i}": "a" for i in range(12_000)})
+    store.r.zadd(KEYS.affinity + ":lru", {f"old{i}": i for i in range(12_000)})
+    for i in range(14):
+        assert store.ask(f"s{i}", ["a"], prefixes=(f"q{i}",), affinity_max_entries=10)[0] == "reserved"
+    assert store.r.zcard(KEYS.affinity + ":lru") == 10 and store.r.hlen(KEYS.affinity) == 10
 
 
 def test_release_hands_the_slot_to_the_head_of_the_queue_priority_then_fairness(store: Store) -> None:
