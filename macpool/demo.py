@@ -57,8 +57,8 @@ class DemoSettings:
     load_seconds: float = 300.0
     load_factor: float = 1.5
     speed: float = 1.0
-    admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(12))
-    agent_token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    admin_key: str = field(default_factory=lambda: secrets.token_hex(12))
+    agent_token: str = field(default_factory=lambda: secrets.token_hex(16))
     heartbeat_interval: float = 1.0
 
 
@@ -111,12 +111,12 @@ class Pool:
             self.spawn(
                 f"agent-{i + 1}", "agent", "run", "--upstream", f"http://127.0.0.1:{sim_port}",
                 "--redis-url", redis_url, "--node-id", f"mac-{i + 1}", "--port", str(port),
-                "--advertise-url", f"http://127.0.0.1:{port}", "--token", s.agent_token,
+                "--advertise-url", f"http://127.0.0.1:{port}", f"--token={s.agent_token}",
                 "--heartbeat-interval", str(s.heartbeat_interval),
             )
         self.spawn(
             "router", "router", "--redis-url", redis_url, "--host", s.host, "--port", str(s.port),
-            "--admin-key", s.admin_key, "--agent-token", s.agent_token,
+            f"--admin-key={s.admin_key}", f"--agent-token={s.agent_token}",
         )
         urls = [f"http://127.0.0.1:{p}/health" for p in sims + agents] + [f"{self.router_url}/health"]
         for child, url in zip(self.children, urls, strict=True):
