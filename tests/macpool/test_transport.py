@@ -204,3 +204,25 @@ def test_a_streamed_request_body_goes_through_the_fallback(serve) -> None:
             assert (await http.post(url, content=body())).content == b"ok"
 
     run(main())
+
+
+def test_a_slow_reader_pauses_the_socket_and_still_gets_every_byte(serve, client) -> None:
+    body = bytes(range(256)) * 8192  # 2 MiB, well past the read pause threshold
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+        writer.write(body)
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async def main() -> None:
+        _, url = await serve(handler)
+        async with client() as http, http.stream("GET", url) as response:
+            await asyncio.sleep(0.3)  # let the server fill every buffer
+            parts = [part async for part in response.aiter_raw()]
+        # reading paused past the threshold (256 KiB, plus at most one socket read): not all buffered
+        assert len(parts[0]) <= 512 * 1024
+        assert b"".join(parts) == body
+
+    run(main())
