@@ -20,8 +20,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
 
+from macpool.asgi import DirectPosts
 from macpool.contract import Keys
 from macpool.errors import error_response
 from router.admission import Admission
@@ -212,38 +212,14 @@ class Router:
 def create_app(settings: Settings) -> Starlette:
     """The router application for ``settings``; services open and close with its lifespan."""
     router = Router(settings)
-    return _RouterApp(
-        router,
+    # the proxied POSTs skip Starlette's routing and per-send middleware wrappers (macpool/asgi.py)
+    return DirectPosts(
+        dict.fromkeys(PROXIED_PATHS, router.proxy),
+        on_error=_internal_error,
         routes=router.routes(),
         lifespan=router.lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
-
-
-class _RouterApp(Starlette):
-    """Starlette, except that the proxied POSTs go straight to ``Router.proxy``.
-
-    Their responses relay every streamed chunk, and Starlette's routing and middleware would wrap every
-    one of those sends (docs/profiles/router-findings.md, finding 3). The rest is Starlette's, as routed.
-    """
-
-    def __init__(self, router: Router, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._proxy = router.proxy
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in PROXIED_PATHS
-                or scope.get("root_path")):
-            await super().__call__(scope, receive, send)
-            return
-        scope["app"] = self
-        request = Request(scope, receive, send)
-        try:
-            response = await self._proxy(request)
-        except Exception as exc:  # as Starlette's ServerErrorMiddleware: a 500, then the server logs it
-            await (await _internal_error(request, exc))(scope, receive, send)
-            raise
-        await response(scope, receive, send)
 
 
 def _dashboard_routes(router: Router) -> list[BaseRoute]:
