@@ -11,7 +11,7 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 
 import httpx
 import uvicorn
@@ -236,16 +236,6 @@ def run_agent(settings: AgentSettings) -> int:
     if settings.port == 0:
         settings = settings.model_copy(update={"port": sock.getsockname()[1]})
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            return runner.run(Agent(settings, sock).run())
+        return asyncio.run(Agent(settings, sock).run())
     finally:
         sock.close()
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop when installed (it comes with uvicorn[standard]), as in the router."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
