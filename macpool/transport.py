@@ -12,8 +12,10 @@ differs only in cost:
 - idle keep-alive connections are known dead the moment the peer closes them (the event loop reports
   it), so reusing one needs no syscall.
 
-Reading applies backpressure: past ``_HIGH_WATER`` unread bytes the socket stops being read.
-Anything it does not handle (https, a streamed request body) goes to httpx's default transport.
+Reading applies backpressure: past ``_HIGH_WATER`` unread bytes the socket stops being read. There is no
+cap on open connections (httpx's ``max_connections``): the router's admission and the agent's in-flight cap
+bound them. Anything it does not handle (https, a streamed request body, HEAD) goes to httpx's default
+transport.
 """
 
 from __future__ import annotations
@@ -249,7 +251,8 @@ class HTTP11Transport(httpx.AsyncBaseTransport):
             body = request.content
         except httpx.RequestNotRead:
             body = None
-        if url.scheme != "http" or body is None or (body and "content-length" not in request.headers):
+        if (url.scheme != "http" or body is None or request.method == "HEAD"
+                or (body and "content-length" not in request.headers)):
             return await self.fallback.handle_async_request(request)
         if self._closed:
             raise RuntimeError("the transport is closed")
