@@ -6,16 +6,22 @@ closed-loop clients on another core. Every answer should be 503 ``pool_full`` wi
 
 Keys: ``rejections_per_s`` (per second of wall time with the router core busy), ``rejections_per_cpu_s``,
 ``reject_p50_ms``, ``reject_p99_ms``.
+
+``--floor`` also measures, pinned to the same core under the same load, a bare ASGI app on uvicorn (uvloop,
+httptools) that answers every POST with the router's 503: what uvicorn alone costs per rejection, the ceiling
+for any router served by it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
 from redis import Redis
+from starlette.types import Receive, Scope, Send
 
 from bench.perfkit import (
     Stack,
@@ -26,9 +32,12 @@ from bench.perfkit import (
     ms,
     pct,
     pin_self,
+    pinned,
     wait_nodes,
 )
 from macpool.contract import RESERVE_OR_ENQUEUE, Keys, reserve_argv
+from macpool.errors import error_body
+from macpool.redis_server import free_port
 
 TARGET_REJECTIONS_PER_S = 5000
 TARGET_P99_MS = 5.0
@@ -40,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeatable)")
+    p.add_argument("--floor", action="store_true", help="also measure a bare uvicorn app answering the 503")
     p.add_argument("--json", type=Path)
     return p
 
@@ -78,6 +88,39 @@ async def measure(port: int, pid: int, concurrency: int, warmup: float, duration
     }
 
 
+_FLOOR_503 = error_body(503, "every node is full", "pool_full")
+
+
+async def floor_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """Every POST answered with the router's 503 after reading the body; GET /health with 200."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    post = scope["method"] == "POST"
+    body = _FLOOR_503 if post else b'{"status":"ok"}'
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    if post:
+        headers += [(b"retry-after", b"1"), (b"x-macpool-reason", b"pool_full")]
+    await send({"type": "http.response.start", "status": 503 if post else 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def serve_floor(port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(floor_app, host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+                log_level="warning", access_log=False, server_header=False)
+
+
+def floor(args: argparse.Namespace, cpu: int | None) -> dict[str, Any]:
+    with Stack() as stack:
+        port = free_port()
+        argv = [sys.executable, "-c", f"from bench.reject import serve_floor; serve_floor({port})"]
+        app = stack.spawn("floor", pinned(argv, cpu), port)
+        return asyncio.run(measure(app.port, app.pid, args.concurrency, args.warmup, args.duration))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     router_cpu, other_cpu = core_plan()
     pin_self(other_cpu)
@@ -91,7 +134,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result = asyncio.run(measure(router.port, router.pid, args.concurrency, args.warmup, args.duration))
     rate = result["rejections_per_cpu_s"]
     p99 = result["reject_p99_ms"]
+    extra = {"floor_uvicorn": floor(args, router_cpu)} if args.floor else {}
     return {
+        **extra,
         "bench": "reject",
         "router_core": router_cpu,
         "rejections_per_s": rate,

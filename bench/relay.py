@@ -38,6 +38,7 @@ from bench.perfkit import (
     raw_load,
     wait_nodes,
 )
+from macpool.transport import HTTP11Transport
 
 TARGET_CHUNKS_PER_S = 20_000
 
@@ -53,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-transports",
         action="store_true",
-        help="also measure httpx transports (default vs httpx-aiohttp) as an upstream client",
+        help="also measure httpx transports (default, httpx-aiohttp, macpool's) as an upstream client",
     )
     p.add_argument("--json", type=Path, help="write the result here")
     return p
@@ -113,6 +114,8 @@ async def transport_cost(
         from httpx_aiohttp import AiohttpTransport
 
         client = httpx.AsyncClient(transport=AiohttpTransport(), timeout=60.0)
+    elif transport == "macpool":
+        client = httpx.AsyncClient(transport=HTTP11Transport(512), timeout=60.0)
     else:
         client = httpx.AsyncClient(limits=limits, timeout=60.0)
     stream_body, short_body = chat_json(stream=True), chat_json(stream=False)
@@ -122,8 +125,8 @@ async def transport_cost(
 
     async def one_stream() -> None:
         async with client.stream("POST", path, content=stream_body) as response:
-            async for _ in response.aiter_raw():
-                chunks[0] += 1
+            async for part in response.aiter_raw():
+                chunks[0] += part.count(b"\n\n")  # SSE events: a transport may hand over several at once
                 if stop.is_set():
                     return
 
@@ -154,13 +157,14 @@ async def transport_cost(
 
 
 def compare_transports(args: argparse.Namespace) -> dict[str, Any]:
-    """httpx's default transport (httpcore + h11) against httpx-aiohttp's, as the router's upstream client."""
+    """httpx's default transport (httpcore + h11), httpx-aiohttp's and macpool/transport.py's (what the router
+    uses), each as the upstream client of one process."""
     _, other_cpu = core_plan()
     config = UpstreamConfig(events=10**9, interval_s=args.interval_ms / 1000.0, nodes=1)
     out: dict[str, Any] = {}
     with Stack() as stack:
         upstream = stack.upstream("upstream", config, cpu=other_cpu)
-        for transport in ("httpcore", "aiohttp"):
+        for transport in ("httpcore", "aiohttp", "macpool"):
             try:
                 import uvloop
 

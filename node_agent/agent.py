@@ -18,6 +18,7 @@ import uvicorn
 from redis.asyncio import Redis
 
 from macpool.settings import ConfigError
+from macpool.transport import HTTP11Transport
 
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
@@ -107,7 +108,9 @@ class Agent:
         settings = self.settings
         timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self.runtime.http = httpx.AsyncClient(timeout=timeout, limits=limits)
+        # the C-parser transport (macpool/transport.py): the agent relays every token the router does
+        transport = HTTP11Transport(64, fallback=httpx.AsyncHTTPTransport(limits=limits))
+        self.runtime.http = httpx.AsyncClient(timeout=timeout, transport=transport)
         self.redis = Redis.from_url(
             settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, health_check_interval=10
         )

@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from macpool.asgi import DirectPosts
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP
 
@@ -293,4 +294,6 @@ def create_app(runtime: Runtime) -> Starlette:
         Route("/status", gateway.status, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    # the generation POSTs skip Starlette's routing and per-send middleware wrappers (macpool/asgi.py)
+    direct = dict.fromkeys(PROXIED, gateway.generate)
+    return DirectPosts(direct, routes=routes, exception_handlers={HTTPException: _http_error})

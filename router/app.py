@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from macpool.asgi import DirectPosts
 from macpool.contract import Keys, Priority
 from macpool.errors import error_response
 from router.admission import ANONYMOUS, Admission, Ticket
@@ -233,7 +234,10 @@ class Router:
 def create_app(settings: Settings) -> Starlette:
     """The router application for ``settings``; services open and close with its lifespan."""
     router = Router(settings)
-    return Starlette(
+    # the proxied POSTs skip Starlette's routing and per-send middleware wrappers (macpool/asgi.py)
+    return DirectPosts(
+        dict.fromkeys(PROXIED_PATHS, router.proxy),
+        on_error=_internal_error,
         routes=router.routes(),
         lifespan=router.lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},

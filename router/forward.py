@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP_RAW
+from macpool.transport import HTTP11Transport
 from router.admission import Admission, Lease, Limited, Rejected, Ticket
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
@@ -34,11 +35,12 @@ _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 
 def new_client(settings: Settings) -> httpx.AsyncClient:
     """One pooled client for every upstream call; sized for many concurrent streams."""
+    # busy streams get as many connections as they need; the idle pool stays modest
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=64, keepalive_expiry=30.0)
     client = httpx.AsyncClient(
+        # the C-parser transport (macpool/transport.py); https agents go through httpx's default one
+        transport=HTTP11Transport(64, 30.0, fallback=httpx.AsyncHTTPTransport(limits=limits)),
         timeout=httpx.Timeout(connect=settings.connect_timeout, read=None, write=30.0, pool=30.0),
-        # httpcore checks every idle pooled connection (a poll() each) on every request: keep the idle
-        # pool modest; busy streams still get as many connections as they need
-        limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64, keepalive_expiry=30.0),
         follow_redirects=False,
         trust_env=False,
     )
