@@ -47,12 +47,15 @@ def page(tmp_path: Path) -> Iterator[Any]:
             context.close()
 
 
-def _load(router_url: str, stop: threading.Event) -> None:
-    """A few long streams so the slot and memory bars have something to show (bounded)."""
-    body = {"model": "op-model", "stream": True, "max_tokens": 400,
-            "messages": [{"role": "user", "content": "fill the dashboard"}]}
-    deadline = time.monotonic() + 180
-    with httpx.Client(timeout=60) as client:
+def _load(
+    router_url: str, stop: threading.Event, body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None, seconds: float = 180,
+) -> None:
+    """Streams one after another so the page has something to show (bounded)."""
+    body = body or {"model": "op-model", "stream": True, "max_tokens": 400,
+                    "messages": [{"role": "user", "content": "fill the dashboard"}]}
+    deadline = time.monotonic() + seconds
+    with httpx.Client(timeout=60, headers=headers) as client:
         while not stop.is_set() and time.monotonic() < deadline:
             try:
                 with client.stream("POST", f"{router_url}/v1/chat/completions", json=body) as response:
@@ -60,9 +63,9 @@ def _load(router_url: str, stop: threading.Event) -> None:
                         if stop.is_set():
                             return
                 if response.status_code != 200:
-                    stop.wait(0.5)
+                    stop.wait(0.3)
             except httpx.HTTPError:
-                stop.wait(0.5)
+                stop.wait(0.3)
 
 
 def _node_states(page: Any) -> dict[str, str]:
@@ -119,18 +122,7 @@ def _tenant_load(router_url: str, key: str, priority: str, stop: threading.Event
             "messages": [{"role": "system", "content": "Reference manual. " * 60},
                          {"role": "user", "content": f"a question from {key}"}]}
     headers = {"Authorization": f"Bearer {key}", "X-Macpool-Priority": priority}
-    deadline = time.monotonic() + 120
-    with httpx.Client(timeout=60, headers=headers) as client:
-        while not stop.is_set() and time.monotonic() < deadline:
-            try:
-                with client.stream("POST", f"{router_url}/v1/chat/completions", json=body) as response:
-                    for _ in response.iter_bytes():
-                        if stop.is_set():
-                            return
-                if response.status_code != 200:
-                    stop.wait(0.3)
-            except httpx.HTTPError:
-                stop.wait(0.3)
+    _load(router_url, stop, body, headers, seconds=120)
 
 
 @pytest.mark.slow
