@@ -95,6 +95,16 @@ class TopView:
         )
         rejections = float(pool.get("rejections_per_s") or 0)
         totals.append(f"503/s {rejections:.1f}", "bold red" if rejections > 0 else "")
+        affinity = view.get("affinity") or {}
+        if affinity.get("enabled"):
+            rate = affinity.get("hit_rate")
+            totals.append("  affinity hits " + ("-" if rate is None else f"{100 * float(rate):.0f}%"))
+        queues = Text()
+        for tenant in view.get("tenants") or []:
+            queued = tenant.get("queued") or {}
+            interactive, batch = queued.get("interactive", 0), queued.get("batch", 0)
+            queues.append(f"{tenant.get('tenant')}: {tenant.get('in_flight') or 0} in flight, "
+                          f"queued {interactive} interactive / {batch} batch   ")
 
         columns = COLUMNS if width >= REASON_MIN_WIDTH else COLUMNS[:-1]
         table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
@@ -121,7 +131,7 @@ class TopView:
             table.add_row(*cells[: len(columns)], style="dim" if state == "gone" else "")
         if not table.rows:
             table.add_row("(no node in the pool)", *[""] * (len(columns) - 1))
-        return Group(header, totals, table)
+        return Group(header, totals, queues, table) if queues else Group(header, totals, table)
 
 
 def fetch(client: httpx.Client, url: str) -> dict[str, Any]:

@@ -45,3 +45,19 @@ def test_a_node_that_left_shows_as_gone_for_a_while() -> None:
     rows = top.update(view("a"), now=1)
     assert [(doc["node_id"], state) for doc, state in rows] == [("a", "healthy"), ("b", "gone")]
     assert [doc["node_id"] for doc, _ in top.update(view("a"), now=2 + GONE_KEEP_S)] == ["a"]
+
+
+def test_top_shows_the_affinity_hit_rate_and_each_keys_queue() -> None:
+    from rich.console import Console
+
+    from router.top import TopView
+
+    view = {"pool": {"capacity": 4}, "nodes": [], "affinity": {"enabled": True, "hit_rate": 0.75},
+            "tenants": [{"tenant": "app", "in_flight": 3, "queued": {"interactive": 2, "batch": 0}},
+                        {"tenant": "nightly", "in_flight": 1, "queued": {"interactive": 0, "batch": 5}}]}
+    console = Console(width=200, record=True)
+    console.print(TopView().render(view, "http://router", now=0))
+    text = console.export_text()
+    assert "affinity hits 75%" in text
+    assert "app: 3 in flight, queued 2 interactive / 0 batch" in text
+    assert "nightly: 1 in flight, queued 0 interactive / 5 batch" in text
