@@ -171,7 +171,8 @@ class Admission:
             raise self.reject("pool_full", "every node is at capacity and the queue is full")
         request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
         attempt = await self._try(request_id, docs, ticket, dequeue=False)
-        if attempt.status == "full":
+        if attempt.status == "full" and ticket.priority == "interactive":
+            # (a batch request's "full" may leave room for an interactive one, which displaces queued batch)
             self._full[ticket.model] = (self.pool.version, time.monotonic())
         if attempt.status == "reserved":
             return self._lease(request_id, docs, attempt, ticket)

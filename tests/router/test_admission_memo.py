@@ -1,0 +1,65 @@
+"""Admission in-process on a real Redis: the "full" memo never refuses what Redis would queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from macpool.contract import Keys, NodeDoc
+from router.admission import Admission, Rejected, Ticket
+from router.metrics import RouterMetrics
+from router.pool import PoolView
+from router.settings import Settings
+
+
+def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(redis_url: str) -> None:
+    async def scenario() -> None:
+        settings = Settings(redis_url=redis_url, queue_size=1, batch_queue_share=1.0, queue_timeout=5.0)
+        redis = Redis.from_url(redis_url)
+        keys = Keys()
+        pool = PoolView(settings, redis, keys)
+        pool.redis_ok = True
+        admission = Admission(settings, redis, keys, pool, RouterMetrics())
+        node = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready", models=["m"])
+        await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
+
+        async def evalsha_calls() -> int:
+            stats = (await redis.info("commandstats")).get("cmdstat_evalsha", {})
+            return int(stats.get("calls", 0))
+
+        try:
+            holder = await admission.acquire(lambda: [node], Ticket(model="m"))
+            batch_ticket = Ticket(model="m", priority="batch")
+            batch = asyncio.create_task(admission.acquire(lambda: [node], batch_ticket))
+            await asyncio.sleep(0.2)  # the batch request waits in the queue, which is now full
+            with pytest.raises(Rejected) as refused:
+                await admission.acquire(lambda: [node], Ticket(model="m", priority="batch"))
+            assert refused.value.reason == "pool_full"
+            # an interactive request right after still reaches Redis and takes the batch request's place
+            interactive = asyncio.create_task(admission.acquire(lambda: [node], Ticket(model="m")))
+            with pytest.raises(Rejected) as shed:
+                await batch
+            assert shed.value.reason == "batch_shed"
+            await admission.release(holder)
+            lease = await asyncio.wait_for(interactive, 5)
+            assert lease.node.node_id == "a"
+            await admission.release(lease)
+            # an interactive "full" is remembered: the next refusal makes no Redis call
+            holder = await admission.acquire(lambda: [node], Ticket(model="m"))
+            waiting = asyncio.create_task(admission.acquire(lambda: [node], Ticket(model="m")))
+            await asyncio.sleep(0.2)
+            with pytest.raises(Rejected):
+                await admission.acquire(lambda: [node], Ticket(model="m"))
+            before = await evalsha_calls()
+            with pytest.raises(Rejected) as remembered:
+                await admission.acquire(lambda: [node], Ticket(model="m"))
+            assert remembered.value.reason == "pool_full"
+            assert await evalsha_calls() == before
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(scenario())
