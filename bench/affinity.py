@@ -30,7 +30,6 @@ import json
 import random
 import re
 import secrets
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from bench.perfkit import Proc, Stack, pct, wait_nodes
+from bench.perfkit import Proc, Stack, pct, run_and_report, wait_nodes
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
 from simulator import tokens
@@ -504,15 +503,5 @@ def main(argv: list[str]) -> int:
         user_tokens=args.user_tokens, reply_tokens=args.reply_tokens, think_s=args.think, speed=args.speed,
         max_wall_s=args.max_wall, preset=args.preset,
     )
-    stack = Stack(logs=args.logs, keep_logs=True) if args.logs else Stack()
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
-    with stack:
-        result = run(c, stack, lambda line: print(line, file=sys.stderr, flush=True))
-    print(table(result))
-    summary = {k: v for k, v in result.items() if k not in ("conditions", "runs")}
-    print(json.dumps(summary))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    details = ("conditions", "runs")  # left out of the printed summary line
+    return run_and_report(lambda stack, say: run(c, stack, say), table, args.logs, args.json, details)

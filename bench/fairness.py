@@ -31,11 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import random
 import re
 import secrets
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -45,7 +43,7 @@ from typing import Any
 import httpx
 
 from bench.affinity import samples
-from bench.perfkit import Stack, pct, wait_nodes
+from bench.perfkit import Stack, pct, run_and_report, wait_nodes
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
 from simulator import tokens
@@ -419,15 +417,5 @@ def main(argv: list[str]) -> int:
         phase_s=args.phase, batch_phase_s=args.batch_phase, queue_size=args.queue_size,
         queue_timeout=args.queue_timeout, preset=args.preset,
     )
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
-    stack = Stack(logs=args.logs, keep_logs=True) if args.logs else Stack()
-    with stack:
-        result = run(c, stack, lambda line: print(line, file=sys.stderr, flush=True))
-    print(table(result))
-    summary = {k: v for k, v in result.items() if k not in ("conditions", "phases")}
-    print(json.dumps(summary))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    details = ("conditions", "phases")  # left out of the printed summary line
+    return run_and_report(lambda stack, say: run(c, stack, say), table, args.logs, args.json, details)

@@ -59,6 +59,15 @@ def chat(model: str = "", max_tokens: int = 16, stream: bool = True, content: st
     return body
 
 
+def metric(url: str, series: str) -> float:
+    """One sample of ``url``/metrics: ``series`` is the name with its labels as printed
+    (``macpool_rejections_total{reason="pool_full"}``); 0 when the page does not have it."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
     external = os.environ.get("MACPOOL_TEST_REDIS_URL")

@@ -5,13 +5,11 @@ No speed target here (the machine is shared): the ratios are what the bench comm
 
 from __future__ import annotations
 
-import json
-import subprocess
 from typing import Any
 
 import pytest
 
-from macpool.procs import macpool_argv
+from tests.bench.conftest import run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,18 +24,11 @@ RUN_KEYS = {
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("affinity") / "affinity.json"
     args = [
         "--nodes", "2", "--parallel", "2", "--per-client", str(PER_CLIENT), "--turns", str(TURNS),
         "--doc-tokens", "1500", "--reply-tokens", "32", "--speed", "4", "--max-wall", "60",
     ]
-    done = subprocess.run(
-        macpool_argv("bench", "affinity", *args, "--json", str(out)), capture_output=True, text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
+    return run_bench(tmp_path_factory.mktemp("affinity"), "affinity", *args, timeout=240)
 
 
 def test_both_runs_complete_every_turn(result: dict[str, Any]) -> None:

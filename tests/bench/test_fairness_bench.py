@@ -7,13 +7,11 @@ router cannot favour them, and the bound that the ``fair`` phase must meet has t
 
 from __future__ import annotations
 
-import json
-import subprocess
 from typing import Any
 
 import pytest
 
-from macpool.procs import macpool_argv
+from tests.bench.conftest import run_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -37,15 +35,8 @@ TENANTS = {
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("fairness") / "fairness.json"
     args = ["--unloaded", "3", "--warmup", "2", "--phase", "8", "--batch-phase", str(BATCH_PHASE_S)]
-    done = subprocess.run(
-        macpool_argv("bench", "fairness", *args, "--json", str(out)), capture_output=True, text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
+    return run_bench(tmp_path_factory.mktemp("fairness"), "fairness", *args, timeout=240)
 
 
 def light_wait_is_bounded(phase: dict[str, Any], service_s: float) -> bool:

@@ -5,31 +5,16 @@ No timing targets here (the machine is shared): speed is what the bench commands
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench import peers
-from macpool.procs import macpool_argv
+from tests.bench.conftest import run_bench
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def bench(tmp_path: Path, name: str, *args: str, timeout: float = 400) -> dict[str, Any]:
-    out = tmp_path / f"{name}.json"
-    result = subprocess.run(
-        macpool_argv("bench", name, *args, "--json", str(out)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    data: dict[str, Any] = json.loads(out.read_text())
-    return data
 
 
 def positive(value: Any) -> bool:
@@ -37,7 +22,7 @@ def positive(value: Any) -> bool:
 
 
 def test_relay(tmp_path: Path) -> None:
-    data = bench(
+    data = run_bench(
         tmp_path, "relay", "--streams", "8", "--concurrency", "4", "--warmup", "0.5", "--duration", "1"
     )
     for key in ("chunks_per_s", "requests_per_s", "cpu_s_per_1000"):
@@ -47,7 +32,7 @@ def test_relay(tmp_path: Path) -> None:
 
 
 def test_reject(tmp_path: Path) -> None:
-    data = bench(tmp_path, "reject", "--concurrency", "4", "--warmup", "0.5", "--duration", "1")
+    data = run_bench(tmp_path, "reject", "--concurrency", "4", "--warmup", "0.5", "--duration", "1")
     assert positive(data["rejections_per_s"])
     assert positive(data["reject_p99_ms"])
     measured = data["measured"]
@@ -57,7 +42,7 @@ def test_reject(tmp_path: Path) -> None:
 
 
 def test_overhead(tmp_path: Path) -> None:
-    data = bench(tmp_path, "overhead", "--levels", "1,4", "--duration", "1", "--warmup", "0.3")
+    data = run_bench(tmp_path, "overhead", "--levels", "1,4", "--duration", "1", "--warmup", "0.3")
     assert set(data["levels"]) == {"1", "4"}
     for row in data["levels"].values():
         for path in ("direct", "routed", "router_only"):
@@ -68,7 +53,7 @@ def test_overhead(tmp_path: Path) -> None:
 
 
 def test_scale(tmp_path: Path) -> None:
-    data = bench(
+    data = run_bench(
         tmp_path,
         "scale",
         "--nodes",
@@ -103,7 +88,7 @@ def test_peers_fails_clearly_without_a_peer(monkeypatch: pytest.MonkeyPatch, tmp
     reason="peers not installed (run `macpool bench peers` once to install nginx and LiteLLM)",
 )
 def test_peers(tmp_path: Path) -> None:
-    data = bench(
+    data = run_bench(
         tmp_path,
         "peers",
         "--skip-install",

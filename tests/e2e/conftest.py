@@ -47,6 +47,36 @@ def require_llama_server() -> Path:
 
 
 
+@dataclass
+class RealSetup:
+    """What every real-llama-server pool starts from: the binary, the tiny model, and a folder for logs."""
+
+    binary: Path
+    model: Path
+    logs: Path
+
+    def agent_argv(self, redis_url: str, node_id: str, port: int, parallel: int, ctx_per_slot: int,
+                   *extra: str) -> list[str]:
+        """An agent supervising its own llama-server on one thread (servers share two cores with the rest)."""
+        return macpool_argv(
+            "agent", "run", "--redis-url", redis_url, "--node-id", node_id, "--port", str(port),
+            "--llama-server", str(self.binary), "--model", str(self.model), "--parallel", str(parallel),
+            "--ctx-per-slot", str(ctx_per_slot), "--llama-log", str(self.logs / f"llama-{node_id}.log"),
+            *extra, "--", "-t", "1",
+        )
+
+
+def real_setup(redis_server: str, tmp_path_factory: pytest.TempPathFactory, name: str) -> RealSetup:
+    """The llama-server binary (built and cached; a skip or, in CI, a failure if missing), the tiny model, an
+    empty Redis, and a logs folder for one test module's pool."""
+    binary = require_llama_server()
+    model = tiny_model.ensure("tiny")
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+    return RealSetup(binary, model, tmp_path_factory.mktemp(f"{name}-logs"))
+
+
 def wait_until(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """tests.conftest.wait_until, where a llama-server between processes also counts as "not yet"."""
     not_yet = (httpx.HTTPError, psutil.Error, KeyError, ValueError)
@@ -109,12 +139,8 @@ class Pool:
 
 @pytest.fixture(scope="module")
 def pool(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
-    binary = require_llama_server()
-    model = tiny_model.ensure("tiny")
-    client = redis.Redis.from_url(redis_server)
-    client.flushall()
-    client.close()
-    logs = tmp_path_factory.mktemp("e2e-logs")
+    setup = real_setup(redis_server, tmp_path_factory, "e2e")
+    logs = setup.logs
     children: list[Child] = []
     try:
         router_port = free_port()
@@ -126,20 +152,12 @@ def pool(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             name="router", log_path=logs / "router.log",
         ).start()
         children.append(router)
-        result = Pool(redis_server, f"http://127.0.0.1:{router_port}", router, model)
+        result = Pool(redis_server, f"http://127.0.0.1:{router_port}", router, setup.model)
         for node_id, cap in NODE_CAPS.items():
             port = free_port()
-            argv = [
-                "agent", "run", "--redis-url", redis_server, "--node-id", node_id, "--port", str(port),
-                "--llama-server", str(binary), "--model", str(model), "--parallel", str(PARALLEL),
-                "--ctx-per-slot", str(CTX_PER_SLOT), "--llama-log", str(logs / f"llama-{node_id}.log"),
-            ]
-            if cap is not None:
-                argv += ["--cap", str(cap)]
-            # one thread each: three servers share two cores with everything else
-            agent = Child(
-                macpool_argv(*argv, "--", "-t", "1"), name=node_id, log_path=logs / f"agent-{node_id}.log"
-            ).start()
+            extra = ("--cap", str(cap)) if cap is not None else ()
+            argv = setup.agent_argv(redis_server, node_id, port, PARALLEL, CTX_PER_SLOT, *extra)
+            agent = Child(argv, name=node_id, log_path=logs / f"agent-{node_id}.log").start()
             children.append(agent)
             result.nodes.append(Node(node_id, cap, agent, f"http://127.0.0.1:{port}"))
         router.wait_http(result.router_url + "/health", timeout=30)

@@ -23,11 +23,10 @@ import httpx
 import pytest
 import redis
 
-from macpool import tiny_model
 from macpool.contract import Keys, now_ms
 from macpool.procs import Child, macpool_argv
 from macpool.redis_server import free_port
-from tests.e2e.conftest import require_llama_server, wait_until
+from tests.e2e.conftest import real_setup, wait_until
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
 
@@ -75,12 +74,8 @@ class AffinityPool:
 
 @pytest.fixture(scope="module")
 def affinity_pool(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AffinityPool]:
-    binary = require_llama_server()
-    model = tiny_model.ensure("tiny")
-    client = redis.Redis.from_url(redis_server)
-    client.flushall()
-    client.close()
-    logs = tmp_path_factory.mktemp("affinity-logs")
+    setup = real_setup(redis_server, tmp_path_factory, "affinity")
+    logs = setup.logs
     children: list[Child] = []
     try:
         pool = AffinityPool(redis_server, {}, {})
@@ -91,12 +86,7 @@ def affinity_pool(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -
             pool.routers[name] = f"http://127.0.0.1:{port}"
         for node_id in NODES:
             port = free_port()
-            argv = macpool_argv(
-                "agent", "run", "--redis-url", redis_server, "--node-id", node_id, "--port", str(port),
-                "--llama-server", str(binary), "--model", str(model), "--parallel", str(PARALLEL),
-                "--ctx-per-slot", str(CTX_PER_SLOT), "--llama-log", str(logs / f"llama-{node_id}.log"),
-                "--", "-t", "1",
-            )
+            argv = setup.agent_argv(redis_server, node_id, port, PARALLEL, CTX_PER_SLOT)
             children.append(Child(argv, name=node_id, log_path=logs / f"agent-{node_id}.log").start())
             pool.agents[node_id] = f"http://127.0.0.1:{port}"
         ready_paths = ["/health"] * len(pool.routers) + ["/status"] * len(pool.agents)

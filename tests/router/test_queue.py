@@ -9,20 +9,13 @@ import httpx
 import redis
 
 from macpool.contract import Keys
-from tests.conftest import chat
+from tests.conftest import chat, metric
 from tests.router.conftest import Pool, wait_until
 
 
 def queued(router_url: str) -> int:
     depth: int = httpx.get(router_url + "/api/pool").json()["pool"]["queued"]
     return depth
-
-
-def _metric(router_url: str, name: str) -> float:
-    for line in httpx.get(router_url + "/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, redis_url: str) -> None:
@@ -63,8 +56,8 @@ def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, red
         waiter.join(timeout=60)
     assert answers and answers[0].status_code == 200, answers
     labels = '{priority="interactive",tenant="anonymous"}'
-    assert _metric(patient.url, "macpool_queue_wait_seconds_count" + labels) == 1
-    assert _metric(hasty.url, 'macpool_rejections_total{reason="queue_timeout"}') == 1
+    assert metric(patient.url, "macpool_queue_wait_seconds_count" + labels) == 1
+    assert metric(hasty.url, 'macpool_rejections_total{reason="queue_timeout"}') == 1
     wait_until(lambda: httpx.get(patient.url + "/api/pool").json()["pool"]["queued"] == 0)
     store.close()
 

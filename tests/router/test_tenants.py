@@ -11,17 +11,10 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import chat
+from tests.conftest import chat, metric
 from tests.router.conftest import Pool, wait_until
 
 LONG_DOCUMENT = "The quarterly report says revenue grew in every region. " * 40  # ~2.2 KB: worth caching
-
-
-def _metric(router_url: str, line_start: str) -> float:
-    for line in httpx.get(router_url + "/metrics").text.splitlines():
-        if line.startswith(line_start + " "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def _model(router_url: str, key: str) -> str:
@@ -51,9 +44,9 @@ def test_a_conversation_stays_on_the_node_holding_its_prefix_across_replicas(poo
     assert len(set(served)) == 1, served  # every turn, through either replica, on the node holding the prefix
     holder = nodes[served[0]]
     assert holder.stats()["prompt_tokens_cached_total"] > 5 * 400  # five turns re-used the document's KV
-    hits = sum(_metric(r.url, 'macpool_affinity_total{outcome="hit"}') for r in routers)
+    hits = sum(metric(r.url, 'macpool_affinity_total{outcome="hit"}') for r in routers)
     assert hits == 5
-    assert _metric(routers[0].url, 'macpool_affinity_total{outcome="miss"}') == 1
+    assert metric(routers[0].url, 'macpool_affinity_total{outcome="miss"}') == 1
     view = httpx.get(routers[1].url + "/api/pool").json()
     assert view["affinity"]["enabled"] is True and view["affinity"]["hit_rate"] == 1.0
 
@@ -105,8 +98,8 @@ def test_a_key_over_its_concurrency_limit_gets_429_and_others_are_served(pool: P
         # the held stream is over (its release is a moment behind the client closing it): small may send again
         again = chat(model, 4, stream=False)
         wait_until(lambda: client.post(url, json=again, headers=small).status_code == 200)
-    assert _metric(router.url, 'macpool_key_limited_total{tenant="small"}') >= 1
-    assert _metric(router.url, 'macpool_key_limited_total{tenant="big"}') == 1
+    assert metric(router.url, 'macpool_key_limited_total{tenant="small"}') >= 1
+    assert metric(router.url, 'macpool_key_limited_total{tenant="big"}') == 1
     bad = httpx.post(url, json=chat(model, 4, stream=False), headers=big | {"X-Macpool-Priority": "urgent"})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_priority"
 
@@ -155,7 +148,7 @@ def test_batch_is_shed_first_while_interactive_requests_queue(pool: Pool) -> Non
     assert answers["interactive-1"].status_code == answers["interactive-2"].status_code == 200
     view = httpx.get(router.url + "/api/pool").json()
     assert set(view["queue_wait_p50_ms"]["priority"]) == {"interactive"}
-    assert _metric(router.url, 'macpool_rejections_total{reason="batch_shed"}') == 2
+    assert metric(router.url, 'macpool_rejections_total{reason="batch_shed"}') == 2
 
 
 def test_a_flooding_tenant_cannot_starve_a_light_one(pool: Pool, tmp_path: Path) -> None:
