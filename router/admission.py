@@ -56,6 +56,7 @@ QUEUE_LEASE_MS = 3_000
 # from memory for up to this long, unless an event that may free room arrives first (see PoolView.version):
 # under overload the reject path then costs no Redis round trip at all.
 FULL_MEMO_S = 0.05
+FULL_MESSAGE = "every node is at capacity and the queue is full"
 
 
 class Rejected(Exception):
@@ -167,8 +168,8 @@ class Admission:
         """
         ticket = ticket or Ticket()
         docs = candidates()
-        if self._known_full(ticket.model):
-            raise self.reject("pool_full", "every node is at capacity and the queue is full")
+        if self.known_full(ticket.model):
+            raise self.reject("pool_full", FULL_MESSAGE)
         request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
         attempt = await self._try(request_id, docs, ticket, dequeue=False)
         if attempt.status == "full" and ticket.priority == "interactive":
@@ -229,7 +230,13 @@ class Admission:
             if not admitted:
                 await self._leave_queue(request_id)
 
-    def _known_full(self, model: str) -> bool:
+    def remembers_full(self) -> bool:
+        """Whether a "full" answer is remembered for some model (it may have lapsed since)."""
+        return bool(self._full)
+
+    def known_full(self, model: str) -> bool:
+        """Whether Redis said ``model``'s nodes and the queue were full less than FULL_MEMO_S ago, with no
+        event since that may have freed room."""
         memo = self._full.get(model)
         if memo is None:
             return False
@@ -242,7 +249,7 @@ class Admission:
     def _refuse(self, attempt: _Attempt, ticket: Ticket) -> None:
         """Raise for every outcome but ``queued``."""
         if attempt.status == "full":
-            raise self.reject("pool_full", "every node is at capacity and the queue is full")
+            raise self.reject("pool_full", FULL_MESSAGE)
         if attempt.status == "shed":
             raise self.reject("batch_shed", "the pool is saturated: batch requests are shed first")
         if attempt.status == "limited":

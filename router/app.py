@@ -36,6 +36,7 @@ from router.settings import Settings
 log = logging.getLogger("macpool.router")
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
+_EARLY_HEADERS = frozenset((b"authorization", b"x-macpool-priority", b"x-request-id"))
 
 
 class BadRequest(Exception):
@@ -116,36 +117,85 @@ class Router:
 
     async def proxy(self, request: Request) -> Response:
         arrived = time.monotonic()
-        key = self.api_keys.match(bearer_token(request.headers.get("authorization")))
+        headers = request.headers
+        key = self.api_keys.match(bearer_token(headers.get("authorization")))
         if self.api_keys.enabled and key is None:
             return error_response(401, "invalid or missing API key", "invalid_api_key")
         try:
-            priority = self._priority(request.headers.get("x-macpool-priority"), key)
+            priority = self._priority(headers.get("x-macpool-priority"), key)
             body = await _read_body(request, self.settings.max_body_bytes)
-            payload, model, stream = _inspect(body, self.settings.default_model)
+            call = self._call(request.scope["path"], headers.raw, body, key, priority, arrived,
+                              headers.get("x-request-id"), affinity=self.settings.affinity)
         except BadRequest as exc:
             return error_response(exc.status, str(exc), exc.code)
         except ClientDisconnect:
             return Response(status_code=400)
+        return await self.services.forwarder.handle(call, request.receive)
+
+    def _call(
+        self,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        key: ApiKey | None,
+        priority: Priority,
+        arrived: float,
+        request_id: str | None,
+        affinity: bool,
+    ) -> Call:
+        """The checked request (BadRequest when its body is not one the router can route)."""
+        payload, model, stream = _inspect(body, self.settings.default_model)
         limit = key.max_concurrency if key and key.max_concurrency else self.settings.key_max_concurrency
         ticket = Ticket(
             tenant=key.tenant if key else ANONYMOUS,
             priority=priority,
             key_limit=limit,
             model=model,
-            prefixes=prefix_hashes(request.url.path, payload, model) if self.settings.affinity else (),
+            prefixes=prefix_hashes(path, payload, model) if affinity else (),
         )
-        call = Call(
-            path=request.url.path,
+        return Call(
+            path=path,
             body=body,
             model=model,
             stream=stream,
-            headers=[(k.lower(), v) for k, v in request.headers.raw],
-            request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+            headers=[(k.lower(), v) for k, v in headers],
+            request_id=request_id or uuid.uuid4().hex,
             arrived=arrived,
             ticket=ticket,
         )
-        return await self.services.forwarder.handle(call, request.receive)
+
+    # --- refusals below ASGI (macpool/http_guard.py) -----------------------------------------------
+
+    early_paths = frozenset(path.encode() for path in PROXIED_PATHS)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.settings.max_body_bytes
+
+    def armed(self) -> bool:
+        """Whether admission remembers a "full" answer: only then may a request be refused early."""
+        return self._services is not None and self._services.admission.remembers_full()
+
+    def answer(self, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Response | None:
+        """The refusal ``proxy`` would give a complete, valid request without awaiting anything (the model
+        is known full), built by the same code; None for every other request, which ``proxy`` then answers.
+        """
+        arrived = time.monotonic()
+        wanted: dict[bytes, str] = {}
+        for name, value in headers:
+            if name in _EARLY_HEADERS and name not in wanted:
+                wanted[name] = value.decode("latin-1")
+        key = self.api_keys.match(bearer_token(wanted.get(b"authorization")))
+        if (self.api_keys.enabled and key is None) or len(body) > self.settings.max_body_bytes:
+            return None
+        try:
+            priority = self._priority(wanted.get(b"x-macpool-priority"), key)
+            # a refusal never looks at prompt prefixes: they are not hashed here
+            call = self._call(path, headers, body, key, priority, arrived, wanted.get(b"x-request-id"),
+                              affinity=False)
+        except BadRequest:
+            return None
+        return self.services.forwarder.refusal_from_memory(call)
 
     def _priority(self, header: str | None, key: ApiKey | None) -> Priority:
         if header is None:
@@ -235,13 +285,15 @@ def create_app(settings: Settings) -> Starlette:
     """The router application for ``settings``; services open and close with its lifespan."""
     router = Router(settings)
     # the proxied POSTs skip Starlette's routing and per-send middleware wrappers (macpool/asgi.py)
-    return DirectPosts(
+    app = DirectPosts(
         dict.fromkeys(PROXIED_PATHS, router.proxy),
         on_error=_internal_error,
         routes=router.routes(),
         lifespan=router.lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
+    app.state.early_answers = router  # refusals below ASGI (router/cli.py, macpool/http_guard.py)
+    return app
 
 
 def _dashboard_routes(router: Router) -> list[BaseRoute]:

@@ -75,12 +75,13 @@ def serve(settings: Settings) -> None:
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is too much
+    app = create_app(settings)
     config = uvicorn.Config(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http=_http_protocol(settings),
+        http=_http_protocol(settings, app.state.early_answers),
         access_log=settings.access_log,
         log_level=settings.log_level,
         server_header=False,
@@ -90,13 +91,14 @@ def serve(settings: Settings) -> None:
     uvicorn.Server(config).run()
 
 
-def _http_protocol(settings: Settings) -> Any:
-    """httptools with a bound on reading each request (macpool/http_guard.py); h11 if httptools is missing."""
+def _http_protocol(settings: Settings, early: Any) -> Any:
+    """httptools with a bound on reading each request and early refusals (macpool/http_guard.py); h11 if
+    httptools is missing."""
     if importlib.util.find_spec("httptools") is None:
         return "h11"
     from macpool.http_guard import read_bounded_protocol
 
-    return read_bounded_protocol(settings.request_read_timeout)
+    return read_bounded_protocol(settings.request_read_timeout, early)
 
 
 def main(argv: list[str]) -> int:

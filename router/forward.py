@@ -17,7 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP_RAW
 from macpool.transport import HTTP11Transport
-from router.admission import Admission, Lease, Limited, Rejected, Ticket
+from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
@@ -93,6 +93,9 @@ class Forwarder:
         A client that goes away while its request waits in the queue or for the first byte cancels it
         there and then: the queue entry, the reservation and the upstream request are all given back.
         """
+        refusal = self.refusal_from_memory(call)
+        if refusal is not None:
+            return refusal
         response: Response | None = None
         async with anyio.create_task_group() as group:
 
@@ -108,6 +111,21 @@ class Forwarder:
             self.metrics.requests.labels(model=call.model, node="", status="client_closed").inc()
             return Response(status_code=499)  # nobody is listening any more
         return response
+
+    def refusal_from_memory(self, call: Call) -> Response | None:
+        """The 503 for a request whose model Redis has just called full (admission's memo), else None.
+
+        Decided without awaiting anything, so the router's HTTP protocol can also ask it for a request
+        that has not reached ASGI (macpool/http_guard.py); the same refusal ``_handle`` would give.
+        """
+        if not self.admission.known_full(call.model):
+            return None
+        try:
+            self.pool.candidates(call.model)
+        except (NoNodes, ModelNotFound):
+            return None  # _handle answers those
+        self.pool.requests.mark()
+        return self.rejection(self.admission.reject("pool_full", FULL_MESSAGE), call)
 
     async def _handle(self, call: Call) -> Response:
         self.pool.requests.mark()
