@@ -27,7 +27,7 @@ from macpool.errors import error_response
 from router.admission import ANONYMOUS, Admission, Ticket
 from router.affinity import prefix_hashes
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
-from router.forward import Call, Forwarder, new_client
+from router.forward import Call, Forwarder, new_transport
 from router.metrics import RouterMetrics
 from router.pool import PoolView
 from router.scale import ScaleConfig, ScaleWatch
@@ -51,7 +51,7 @@ class Services:
     """What the lifespan opens and the handlers use."""
 
     redis: Redis
-    client: httpx.AsyncClient
+    transport: httpx.AsyncBaseTransport
     pool: PoolView
     admission: Admission
     forwarder: Forwarder
@@ -88,15 +88,15 @@ class Router:
                 socket_connect_timeout=2.0, socket_timeout=5.0,
             )
         )
-        client = new_client(self.settings)
+        transport = new_transport()
         tenants = [key.tenant for key in self.api_keys.keys] or [ANONYMOUS]
         pool = PoolView(self.settings, redis, self.keys, tenants)
         admission = Admission(self.settings, redis, self.keys, pool, self.metrics)
-        forwarder = Forwarder(self.settings, client, pool, admission, self.metrics)
+        forwarder = Forwarder(self.settings, transport, pool, admission, self.metrics)
         try:
             await pool.start()
             admission.start()
-            self._services = Services(redis, client, pool, admission, forwarder)
+            self._services = Services(redis, transport, pool, admission, forwarder)
             redis_at = _redacted(self.settings.redis_url)
             log.info("router %s serving; redis %s", self.settings.router_id, redis_at)
             async with self.scale.running():
@@ -105,7 +105,7 @@ class Router:
             self._services = None
             await admission.stop()
             await pool.stop()
-            await client.aclose()
+            await transport.aclose()
             await redis.aclose()
 
     def pool_json(self) -> dict[str, Any]:
