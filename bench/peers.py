@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +34,7 @@ from bench.perfkit import (
     chat_json,
     core_plan,
     dump,
+    ensure_deb,
     pin_self,
     pinned,
     raw_load,
@@ -73,20 +72,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def ensure_nginx(install: bool) -> str:
-    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if found:
-        return found
-    if install and shutil.which("apt-get"):
-        print("installing nginx (apt-get install -y nginx) ...", file=sys.stderr, flush=True)
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        ok = subprocess.run(["apt-get", "install", "-y", "-q", "nginx"], env=env, check=False).returncode == 0
-        if not ok:
-            subprocess.run(["apt-get", "update", "-q"], env=env, check=False)
-            subprocess.run(["apt-get", "install", "-y", "-q", "nginx"], env=env, check=False)
-        found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if not found:
-        raise PeerError("nginx is not installed and `apt-get install -y nginx` did not install it")
-    return found
+    try:
+        return ensure_deb("nginx", "nginx", install)
+    except RuntimeError as exc:
+        raise PeerError(str(exc)) from None
 
 
 def ensure_litellm(install: bool) -> Path:

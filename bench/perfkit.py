@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -619,6 +620,27 @@ def pin_self(cpu: int | None) -> None:
     """Keep this process (the load client) off the router's core."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+
+
+def ensure_deb(command: str, package: str, install: bool) -> str:
+    """The path of ``command``, installing Debian's ``package`` (apt-get) first when it is missing."""
+
+    def found() -> str | None:
+        return shutil.which(command) or next(
+            (str(p) for p in (Path("/usr/sbin") / command, Path("/usr/bin") / command) if p.exists()), None
+        )
+
+    path = found()
+    if path is None and install and shutil.which("apt-get"):
+        print(f"installing {package} (apt-get install -y {package}) ...", file=sys.stderr, flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        if subprocess.run(["apt-get", "install", "-y", "-q", package], env=env, check=False).returncode:
+            subprocess.run(["apt-get", "update", "-q"], env=env, check=False)
+            subprocess.run(["apt-get", "install", "-y", "-q", package], env=env, check=False)
+        path = found()
+    if path is None:
+        raise RuntimeError(f"{command} is not installed; `apt-get install -y {package}` did not install it")
+    return path
 
 
 def core_plan() -> tuple[int | None, int | None]:

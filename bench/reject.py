@@ -10,13 +10,20 @@ Keys: ``rejections_per_s`` (per second of wall time with the router core busy), 
 ``--floor`` also measures, pinned to the same core under the same load, a bare ASGI app on uvicorn (uvloop,
 httptools) that answers every POST with the router's 503: what uvicorn alone costs per rejection, the ceiling
 for any router served by it.
+
+``--client wrk`` sends the load with wrk (C, Debian package ``wrk``, installed by the command when missing)
+instead of the bench's own Python client: one Python client core saturates at about the rate the router
+refuses at, so with it the latencies are partly the client's own queue.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +33,11 @@ from starlette.types import Receive, Scope, Send
 from bench.perfkit import (
     Stack,
     UpstreamConfig,
+    chat_json,
     core_plan,
+    cpu_seconds,
     dump,
+    ensure_deb,
     measured_chat_load,
     ms,
     pct,
@@ -50,6 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--router-arg", action="append", default=[], help="extra router flag (repeatable)")
     p.add_argument("--floor", action="store_true", help="also measure a bare uvicorn app answering the 503")
+    p.add_argument("--client", choices=("raw", "wrk"), default="raw",
+                   help="load client: the bench's Python one, or wrk (installed with apt-get if missing)")
     p.add_argument("--json", type=Path)
     return p
 
@@ -85,6 +97,71 @@ async def measure(port: int, pid: int, concurrency: int, warmup: float, duration
         if rejected
         else 0,
         "reasons": reasons,
+    }
+
+
+# counts each answer's status in wrk's per-thread Lua state and prints one JSON line at the end
+_WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = %s
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function init(args) n503 = 0; retry = 0; other = 0 end
+function response(status, headers, body)
+  if status == 503 then
+    n503 = n503 + 1
+    if headers["retry-after"] or headers["Retry-After"] then retry = retry + 1 end
+  else
+    other = other + 1
+  end
+end
+function done(summary, latency, requests)
+  local a, b, c = 0, 0, 0
+  for _, t in ipairs(threads) do a = a + t:get("n503"); b = b + t:get("retry"); c = c + t:get("other") end
+  local e = summary.errors
+  io.write(string.format('{"requests": %%d, "duration_us": %%d, "n503": %%d, "retry_after": %%d, '
+    .. '"other": %%d, "p50_us": %%d, "p99_us": %%d, "p999_us": %%d, "max_us": %%d, "socket_errors": %%d}\\n',
+    summary.requests, summary.duration, a, b, c, latency:percentile(50), latency:percentile(99),
+    latency:percentile(99.9), latency.max, e.connect + e.read + e.write + e.timeout))
+end
+"""
+
+
+def wrk_measure(port: int, pid: int, args: argparse.Namespace, cpu: int | None) -> dict[str, Any]:
+    """The same closed-loop load as ``measure``, sent by wrk (one thread, ``--concurrency`` connections)."""
+    wrk = ensure_deb("wrk", "wrk", install=True)
+    body = chat_json(stream=True).decode()
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
+        script.write(_WRK_SCRIPT % json.dumps(body))
+        script.flush()
+
+        def run(seconds: float) -> tuple[dict[str, Any], float]:
+            argv = [wrk, "-t1", f"-c{args.concurrency}", f"-d{max(1, round(seconds))}s", "-s", script.name,
+                    f"http://127.0.0.1:{port}/v1/chat/completions"]
+            cpu0 = cpu_seconds(pid)
+            out = subprocess.run(pinned(argv, cpu), capture_output=True, text=True, check=True).stdout
+            return json.loads(out.strip().splitlines()[-1]), cpu_seconds(pid) - cpu0
+
+        run(args.warmup)
+        stats, router_cpu = run(args.duration)
+    wall = stats["duration_us"] / 1e6
+    return {
+        "client": "wrk",
+        "concurrency": args.concurrency,
+        "requests": stats["requests"],
+        "rejected_503": stats["n503"],
+        "other_status": stats["other"],
+        "socket_errors": stats["socket_errors"],
+        "rejections_per_s": round(stats["n503"] / wall, 1),
+        "rejections_per_cpu_s": round(stats["n503"] / router_cpu, 1) if router_cpu > 0 else None,
+        "router_cpu_util": round(router_cpu / wall, 3),
+        # wrk's latencies are of every answer; all of them are 503s when other_status is 0
+        "reject_p50_ms": stats["p50_us"] / 1000,
+        "reject_p99_ms": stats["p99_us"] / 1000,
+        "reject_p999_ms": stats["p999_us"] / 1000,
+        "reject_max_ms": stats["max_us"] / 1000,
+        "retry_after_fraction": round(stats["retry_after"] / stats["n503"], 4) if stats["n503"] else 0,
     }
 
 
@@ -131,7 +208,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         router = stack.router("router", redis_url, "--queue-size", "0", *args.router_arg, cpu=router_cpu)
         wait_nodes(router.url, 1)
         fill(redis_url, "full-0")
-        result = asyncio.run(measure(router.port, router.pid, args.concurrency, args.warmup, args.duration))
+        if args.client == "wrk":
+            result = wrk_measure(router.port, router.pid, args, other_cpu)
+        else:
+            load = measure(router.port, router.pid, args.concurrency, args.warmup, args.duration)
+            result = asyncio.run(load)
     rate = result["rejections_per_cpu_s"]
     p99 = result["reject_p99_ms"]
     extra = {"floor_uvicorn": floor(args, router_cpu)} if args.floor else {}

@@ -41,6 +41,17 @@ def test_reject(tmp_path: Path) -> None:
     assert set(measured["reasons"]) == {"pool_full"}
 
 
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk not installed (apt-get install wrk)")
+def test_reject_with_wrk(tmp_path: Path) -> None:
+    data = run_bench(tmp_path, "reject", "--client", "wrk", "--concurrency", "4", "--warmup", "1",
+                     "--duration", "1")
+    measured = data["measured"]
+    assert measured["client"] == "wrk"
+    assert measured["rejected_503"] > 0 and measured["other_status"] == 0 and measured["socket_errors"] == 0
+    assert measured["retry_after_fraction"] == 1.0
+    assert positive(data["rejections_per_s"]) and positive(data["reject_p99_ms"])
+
+
 def test_overhead(tmp_path: Path) -> None:
     data = run_bench(tmp_path, "overhead", "--levels", "1,4", "--duration", "1", "--warmup", "0.3")
     assert set(data["levels"]) == {"1", "4"}
