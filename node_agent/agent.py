@@ -111,6 +111,7 @@ class Agent:
         # the C-parser transport (macpool/transport.py): the agent relays every token the router does
         transport = HTTP11Transport(64, fallback=httpx.AsyncHTTPTransport(limits=limits))
         self.runtime.http = httpx.AsyncClient(timeout=timeout, transport=transport)
+        self.runtime.upstream_transport = transport
         self.redis = Redis.from_url(
             settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, health_check_interval=10
         )

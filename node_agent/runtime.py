@@ -67,6 +67,7 @@ class Runtime:
     settings: AgentSettings
     metrics: AgentMetrics = field(default_factory=AgentMetrics)
     http: httpx.AsyncClient | None = None
+    upstream_transport: httpx.AsyncBaseTransport | None = None  # the one ``http`` uses
     upstream_url: str = ""
     state: NodeState = "starting"
     capacity: int = 0
@@ -80,6 +81,12 @@ class Runtime:
         if self.http is None:
             raise RuntimeError("the upstream client is not open")
         return self.http
+
+    def transport(self) -> httpx.AsyncBaseTransport:
+        """The client's transport, for the gateway's relayed requests (node_agent/gateway.py ``_send``)."""
+        if self.upstream_transport is None:
+            raise RuntimeError("the upstream client is not open")
+        return self.upstream_transport
 
     def ttft_p50_ms(self) -> float | None:
         return statistics.median(self.ttft_samples) * 1000 if self.ttft_samples else None
