@@ -51,8 +51,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"--host/--port {host}:{port}: cannot listen ({exc.strerror})") from exc
-    sock.set_inheritable(True)
-    return sock
+    return sock  # not inheritable (Python's default): llama-server must never hold the agent's port
 
 
 def load_model_shape(settings: AgentSettings) -> tuple[ModelShape | None, int | None]:

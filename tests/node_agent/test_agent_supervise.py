@@ -147,6 +147,12 @@ def test_the_supervised_server_inherits_no_descriptor_of_the_agent(loop: str, tm
     assert supervisor.process is not None and not alive(supervisor.process.pid)
 
 
+def test_the_gateway_socket_is_not_inheritable() -> None:
+    """uvicorn binds its own inheritable for its worker processes; the agent has none."""
+    with bind_socket("127.0.0.1", 0) as gateway:
+        assert not gateway.get_inheritable()
+
+
 def inode(sock: socket.socket) -> Inode:
     info = os.fstat(sock.fileno())
     return info.st_dev, info.st_ino
