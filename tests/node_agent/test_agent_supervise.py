@@ -11,24 +11,18 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-import uvloop
 
 from macpool.contract import heartbeat_ttl_ms
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
 from node_agent.agent import bind_socket
 from node_agent.supervisor import Supervisor
-from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until
+from tests.node_agent.helpers import LOOPS, SIM_COMMAND, AgentFactory, read_node, status, wait_until
 
-LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
-    "asyncio": asyncio.new_event_loop,
-    "uvloop": uvloop.new_event_loop,
-}
 Inode = tuple[int, int]  # (st_dev, st_ino)
 
 
