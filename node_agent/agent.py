@@ -11,7 +11,7 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import httpx
 import uvicorn
@@ -51,8 +51,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"--host/--port {host}:{port}: cannot listen ({exc.strerror})") from exc
-    sock.set_inheritable(True)
-    return sock
+    return sock  # not inheritable (Python's default): llama-server must never hold the agent's port
 
 
 def load_model_shape(settings: AgentSettings) -> tuple[ModelShape | None, int | None]:
@@ -237,6 +236,16 @@ def run_agent(settings: AgentSettings) -> int:
     if settings.port == 0:
         settings = settings.model_copy(update={"port": sock.getsockname()[1]})
     try:
-        return asyncio.run(Agent(settings, sock).run())
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(Agent(settings, sock).run())
     finally:
         sock.close()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed (uvicorn[standard] brings it), as in the router; else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop

@@ -141,10 +141,16 @@ SYSCTL_NAMES = (
 
 
 async def _run(argv: list[str]) -> str:
+    """The command's output; killed if the caller stops waiting (a timeout): a hung sysctl must not linger."""
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
     )
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout=5)
+    try:
+        out, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
     return out.decode(errors="replace")  # sysctl exits 1 on an unknown name but prints the rest
 
 
@@ -152,7 +158,8 @@ class MacProbe:
     name = "macos"
 
     async def sample(self) -> MemorySample:
-        sysctl_text, vm_text = await asyncio.gather(_run(["sysctl", *SYSCTL_NAMES]), _run(["vm_stat"]))
+        async with asyncio.timeout(5):
+            sysctl_text, vm_text = await asyncio.gather(_run(["sysctl", *SYSCTL_NAMES]), _run(["vm_stat"]))
         return macos_sample(sysctl_text, vm_text)
 
 

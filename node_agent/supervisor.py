@@ -1,7 +1,9 @@
 """Run llama-server on loopback, wait for it to be healthy, restart it on crash, stop it on every exit path.
 
 llama-server runs in its own process group (so stopping it stops anything it started) and, on Linux,
-with a parent-death signal, so even a ``kill -9`` of the agent leaves no orphan behind.
+with a parent-death signal, so even a ``kill -9`` of the agent leaves no orphan behind. It is spawned
+with ``subprocess.Popen`` rather than the event loop's subprocess API: uvloop's spawn ignores
+``close_fds`` and hands every inheritable descriptor of the agent down to llama-server.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,7 +64,8 @@ class Supervisor:
         self.on_restart = on_restart
         self.on_url = on_url
         self.port = free_port()
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self._exited: asyncio.Future[int] | None = None
         self.restarts = 0
         self._state: NodeState | None = "starting"
         self._stopping = False
@@ -134,14 +138,18 @@ class Supervisor:
                 self.port = free_port()
             if self.on_url:
                 self.on_url(self.url)
-            self.process = await asyncio.create_subprocess_exec(
-                *self.argv(),
+            # Popen on the loop's thread: it only forks and execs (the wait is in a thread), and the
+            # parent-death signal fires when the thread that forked exits
+            self.process = subprocess.Popen(  # noqa: ASYNC220
+                self.argv(),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT if out else None,
+                close_fds=True,
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
+            self._exited = _exit_code(self.process)
         finally:
             if out:
                 out.close()
@@ -149,42 +157,57 @@ class Supervisor:
 
     async def _watch(self, client: httpx.AsyncClient) -> int:
         """Wait for /health 200 (state starting/unhealthy until then), then for the process to exit."""
-        assert self.process is not None
-        exited = asyncio.ensure_future(self.process.wait())
-        try:
-            while not exited.done() and self._state is not None:
-                try:
-                    response = await client.get(self.url + "/health", timeout=1.0)
-                    if response.status_code == 200:
-                        self._state = None
-                        log.info("llama-server is healthy")
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.wait({exited}, timeout=0.2)
-            return await exited
-        finally:
-            exited.cancel()
+        exited = self._exited
+        assert exited is not None
+        while not exited.done() and self._state is not None:
+            try:
+                response = await client.get(self.url + "/health", timeout=1.0)
+                if response.status_code == 200:
+                    self._state = None
+                    log.info("llama-server is healthy")
+                    break
+            except httpx.HTTPError:
+                pass
+            await asyncio.wait({exited}, timeout=0.2)
+        return await asyncio.shield(exited)  # stop() waits for it too
 
     async def stop(self, grace: float = 5.0) -> None:
         """SIGTERM the process group, then SIGKILL after ``grace`` seconds. Safe to call more than once."""
         self._stopping = True
-        process = self.process
-        if process is None:
+        process, exited = self.process, self._exited
+        if process is None or exited is None:
             return
-        if process.returncode is None:
+        if not exited.done():
             _killpg(process.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(process.wait(), grace)
+                await asyncio.wait_for(asyncio.shield(exited), grace)
             except TimeoutError:
                 _killpg(process.pid, signal.SIGKILL)
-                await process.wait()
+                await asyncio.shield(exited)
         _killpg(process.pid, signal.SIGKILL)  # anything left in its group
 
     def kill_now(self) -> None:
         """Synchronous last resort (forced exit): SIGKILL the group."""
         if self.process is not None:
             _killpg(self.process.pid, signal.SIGKILL)
+
+
+def _exit_code(process: subprocess.Popen[bytes]) -> asyncio.Future[int]:
+    """The process's exit code, from a thread blocked in waitpid: the same on every event loop."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[int] = loop.create_future()
+
+    def settle(code: int) -> None:
+        if not exited.done():
+            exited.set_result(code)
+
+    def wait() -> None:
+        code = process.wait()
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is waiting
+            loop.call_soon_threadsafe(settle, code)
+
+    threading.Thread(target=wait, name=f"wait-llama-server-{process.pid}", daemon=True).start()
+    return exited
 
 
 def _killpg(pid: int, sig: int) -> None:

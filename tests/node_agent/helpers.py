@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import redis
+import uvloop
 from gguf import GGUFWriter
 
 from macpool.contract import Keys, NodeDoc
@@ -18,6 +20,10 @@ from tests.conftest import wait_until as wait_until
 
 INTERVAL = "0.3"  # fast heartbeats keep the tests short
 SIM_COMMAND = f"{sys.executable} -m macpool.cli sim --preset m5max-128g-14b-q4 --speed 20"
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {  # the agent runs on uvloop when installed
+    "asyncio": asyncio.new_event_loop,
+    "uvloop": uvloop.new_event_loop,
+}
 
 
 

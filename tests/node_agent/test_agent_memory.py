@@ -1,20 +1,25 @@
-"""The macOS memory parsers, fed recorded ``sysctl`` and ``vm_stat`` output."""
+"""The macOS memory parsers, fed recorded ``sysctl`` and ``vm_stat`` output; the command runner."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from node_agent.memory import (
     GB,
     ProbeError,
+    _run,
     default_wired_limit_bytes,
     macos_sample,
     parse_swapusage,
     parse_sysctl,
     parse_vm_stat,
 )
+from tests.node_agent.helpers import LOOPS
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GIB = 1024**3
@@ -22,6 +27,23 @@ GIB = 1024**3
 
 def fixture(name: str) -> str:
     return (FIXTURES / name).read_text()
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_command_that_hangs_is_killed_at_the_timeout(loop: str, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+
+    async def hang() -> None:
+        async with asyncio.timeout(1):
+            await _run(["sh", "-c", f"echo $$ > {pid_file}; exec sleep 60"])
+
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        with pytest.raises(TimeoutError):
+            runner.run(hang())
+        assert not psutil.pid_exists(int(pid_file.read_text()))
+        # the output of a command that fails is still read (sysctl exits 1 on an unknown name)
+        failing = [sys.executable, "-c", "print('hw.memsize: 1'); exit(1)"]
+        assert runner.run(_run(failing)) == "hw.memsize: 1\n"
 
 
 def test_default_wired_limit_is_two_thirds_up_to_36_gb_and_three_quarters_above() -> None:

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shlex
 import signal
+import socket
+import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from macpool.contract import heartbeat_ttl_ms
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
-from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until
+from node_agent.agent import bind_socket
+from node_agent.supervisor import Supervisor
+from tests.node_agent.helpers import LOOPS, SIM_COMMAND, AgentFactory, read_node, status, wait_until
+
+Inode = tuple[int, int]  # (st_dev, st_ino)
 
 
 def alive(pid: int) -> bool:
@@ -80,6 +90,66 @@ def test_sigterm_stops_the_supervised_server(agent: AgentFactory, redis_url: str
     assert gateway.child.process is not None and gateway.child.process.wait(15) == 0
     wait_until(lambda: not alive(pid), timeout=5, what="llama-server stopped")
     assert read_node(redis_url, "n1") is None
+
+
+def sockets_and_pipes(pid: int) -> set[Inode]:
+    """(device, inode) of every socket and pipe the process holds past its stdio."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            info = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if int(fd) > 2 and (stat.S_ISSOCK(info.st_mode) or stat.S_ISFIFO(info.st_mode)):
+            found.add((info.st_dev, info.st_ino))
+    return found
+
+
+async def descriptors_once_healthy(supervisor: Supervisor) -> tuple[set[Inode], set[Inode]]:
+    """The sockets and pipes of the supervised server once healthy, and ours at that moment."""
+    async with httpx.AsyncClient() as client:
+        task = asyncio.create_task(supervisor.run(client))
+        try:
+            while supervisor.state() is not None:
+                assert not task.done(), "the supervisor stopped"
+                await asyncio.sleep(0.05)
+            assert supervisor.process is not None
+            return sockets_and_pipes(supervisor.process.pid), sockets_and_pipes(os.getpid())
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_supervised_server_inherits_no_descriptor_of_the_agent(loop: str, tmp_path: Path) -> None:
+    """On every loop: uvloop's spawn ignores close_fds and passes every inheritable descriptor on."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    gateway = bind_socket("127.0.0.1", 0)
+    handed_down, other_end = socket.socketpair()
+    handed_down.set_inheritable(True)  # as one the agent got from whatever started it
+    supervisor = Supervisor(shlex.split(SIM_COMMAND), model, 1, 256, [], tmp_path / "llama.log")
+    try:
+        with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+            in_child, ours = runner.run(descriptors_once_healthy(supervisor))
+        assert {inode(gateway), inode(handed_down)} <= ours
+    finally:
+        for sock in (gateway, handed_down, other_end):
+            sock.close()
+    assert not in_child & ours
+    assert supervisor.process is not None and not alive(supervisor.process.pid)
+
+
+def test_the_gateway_socket_is_not_inheritable() -> None:
+    """uvicorn binds its own inheritable for its worker processes; the agent has none."""
+    with bind_socket("127.0.0.1", 0) as gateway:
+        assert not gateway.get_inheritable()
+
+
+def inode(sock: socket.socket) -> Inode:
+    info = os.fstat(sock.fileno())
+    return info.st_dev, info.st_ino
 
 
 def one_liner(*args: str) -> str:
