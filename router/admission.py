@@ -135,6 +135,7 @@ class Admission:
         self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
         self._full: dict[str, tuple[int, float]] = {}  # model -> (pool version, when) of the last "full"
+        self._asking: set[str] = set()  # models whose lapsed "full" one request is asking Redis about again
         self._reserve = redis.register_script(RESERVE_OR_ENQUEUE)
         self._release = redis.register_script(RELEASE)
         self._renew = redis.register_script(RENEW)
@@ -171,10 +172,20 @@ class Admission:
         if self.known_full(ticket.model):
             raise self.reject("pool_full", FULL_MESSAGE)
         request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
-        attempt = await self._try(request_id, docs, ticket, dequeue=False)
+        # a "full" that lapsed by age: this request asks Redis again for every request of the model
+        asking = ticket.model in self._full
+        if asking:
+            self._asking.add(ticket.model)
+        try:
+            attempt = await self._try(request_id, docs, ticket, dequeue=False)
+        finally:
+            if asking:
+                self._asking.discard(ticket.model)
         if attempt.status == "full" and ticket.priority == "interactive":
             # (a batch request's "full" may leave room for an interactive one, which displaces queued batch)
             self._full[ticket.model] = (self.pool.version, time.monotonic())
+        elif asking:
+            self._full.pop(ticket.model, None)
         if attempt.status == "reserved":
             return self._lease(request_id, docs, attempt, ticket)
         if attempt.status == "offline":
@@ -235,16 +246,18 @@ class Admission:
         return bool(self._full)
 
     def known_full(self, model: str) -> bool:
-        """Whether Redis said ``model``'s nodes and the queue were full less than FULL_MEMO_S ago, with no
-        event since that may have freed room."""
+        """Whether Redis said ``model``'s nodes and the queue were full less than FULL_MEMO_S ago (or one
+        request is asking again since), with no event since that may have freed room."""
         memo = self._full.get(model)
         if memo is None:
             return False
         version, when = memo
-        if version == self.pool.version and time.monotonic() - when < FULL_MEMO_S:
-            return True
-        del self._full[model]
-        return False
+        if version != self.pool.version:
+            del self._full[model]
+            return False
+        # lapsed by age: one request asks Redis again (acquire), the others keep the answer until it is back -
+        # without this every request arriving meanwhile asked too, a burst of round trips 20 times a second
+        return time.monotonic() - when < FULL_MEMO_S or model in self._asking
 
     def _refuse(self, attempt: _Attempt, ticket: Ticket) -> None:
         """Raise for every outcome but ``queued``."""

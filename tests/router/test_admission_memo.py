@@ -8,7 +8,7 @@ import pytest
 from redis.asyncio import Redis
 
 from macpool.contract import Keys, NodeDoc
-from router.admission import Admission, Rejected, Ticket
+from router.admission import FULL_MEMO_S, Admission, Rejected, Ticket
 from router.metrics import RouterMetrics
 from router.pool import PoolView
 from router.settings import Settings
@@ -59,6 +59,51 @@ def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(
             assert await evalsha_calls() == before
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_lapsed_full_answer_is_asked_again_by_one_request_only(redis_url: str) -> None:
+    """A lapsed memo: one request re-asks Redis; the others are refused from memory until it is back."""
+
+    async def scenario() -> None:
+        settings = Settings(redis_url=redis_url, queue_size=0)
+        redis = Redis.from_url(redis_url)
+        keys = Keys()
+        pool = PoolView(settings, redis, keys)
+        pool.redis_ok = True
+        admission = Admission(settings, redis, keys, pool, RouterMetrics())
+        node = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready", models=["m"])
+        await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
+
+        async def evalsha_calls() -> int:
+            stats = (await redis.info("commandstats")).get("cmdstat_evalsha", {})
+            return int(stats.get("calls", 0))
+
+        try:
+            holder = await admission.acquire(lambda: [node], Ticket(model="m"))
+            with pytest.raises(Rejected):
+                await admission.acquire(lambda: [node], Ticket(model="m"))  # Redis says full: remembered
+            await asyncio.sleep(FULL_MEMO_S * 1.5)  # lapsed
+            before = await evalsha_calls()
+            asking = asyncio.create_task(admission.acquire(lambda: [node], Ticket(model="m")))
+            await asyncio.sleep(0)  # the asking request now waits for Redis
+            for _ in range(5):
+                with pytest.raises(Rejected) as refused:
+                    await admission.acquire(lambda: [node], Ticket(model="m"))
+                assert refused.value.reason == "pool_full"
+            with pytest.raises(Rejected):
+                await asking  # still full
+            assert await evalsha_calls() == before + 1
+            # its answer is remembered afresh; once the slot is released, the next request reaches Redis
+            assert admission.known_full("m")
+            await admission.release(holder)
+            pool.version += 1  # what the release's `freed` event does through the events channel
+            lease = await admission.acquire(lambda: [node], Ticket(model="m"))
+            assert lease.node.node_id == "a"
+            await admission.release(lease)
         finally:
             await redis.aclose()
 

@@ -82,10 +82,11 @@ def test_refusals_below_asgi_match_the_applications_own(
         node = NodeDoc(node_id="full-0", url="http://127.0.0.1:9", models=["m"], capacity=1, total_slots=1,
                        state="ready", updated_at_ms=now_ms())
         await write_heartbeat(redis, keys, node, 600_000)
-        held = await redis.eval(RESERVE_OR_ENQUEUE, 0, *reserve_argv(keys, "holder", 600_000, [("full-0", 0)]))
+        argv = reserve_argv(keys, "holder", 600_000, [("full-0", 0)])
+        held = await redis.eval(RESERVE_OR_ENQUEUE, 0, *argv)
         assert held[0] == b"reserved"
         serving = asyncio.create_task(server.serve())
-        while not server.started:
+        while not server.started:  # noqa: ASYNC110 (uvicorn offers no event for it)
             await asyncio.sleep(0.02)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
 
