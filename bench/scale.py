@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 import threading
 import time
@@ -40,19 +41,14 @@ from bench.perfkit import (
     raw_load,
     wait_nodes,
 )
+from macpool import contract
 from macpool.contract import Keys
 
-# commands the reservation/release/renew scripts run inside Redis (not round trips)
+# commands the contract's Lua scripts run inside Redis (not round trips), read from the scripts themselves
 SCRIPT_INNER = {
-    "hmget",
-    "sismember",
-    "zremrangebyscore",
-    "zcard",
-    "zadd",
-    "pexpire",
-    "zrem",
-    "publish",
-    "zscore",
+    name.lower()
+    for script in (contract.RESERVE_OR_ENQUEUE, contract.RELEASE, contract.RENEW, contract.LEAVE_QUEUE)
+    for name in re.findall(r"redis\.p?call\(\s*['\"](\w+)['\"]", script)
 }
 # periodic, whatever the traffic: heartbeats (MULTI/HSET/PEXPIRE/ZADD/PUBLISH/EXEC) and pool refreshes
 BACKGROUND = {"multi", "exec", "hset", "zrange", "smembers", "zcount", "hget", "info", "ping"}
