@@ -102,11 +102,14 @@ class Forwarder:
         try:
             response = await self._handle(call)
         except asyncio.CancelledError:
+            guard.finish()
             if not guard.claim():
-                guard.finish()
                 raise
             self.metrics.requests.labels(model=call.model, node="", status="client_closed").inc()
             return Response(status_code=499)  # nobody is listening any more
+        except BaseException:
+            guard.finish()  # the watch must not cancel the server's own error answer
+            raise
         if isinstance(response, Relay):
             response.guard = guard  # the same watch goes on while the answer is relayed
         else:
