@@ -1,9 +1,11 @@
-"""A Starlette application whose hot POST endpoints skip Starlette's routing and middleware."""
+"""ASGI pieces shared by the router and the agent: a Starlette application whose hot POST endpoints skip
+Starlette's routing and middleware, and the guard that ends a request when its client goes away."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -44,3 +46,43 @@ class DirectPosts(Starlette):
                 await (await self.on_error(request, exc))(scope, receive, send)
             raise
         await response(scope, receive, send)
+
+
+class Guard:
+    """Cancels a request's task when its client goes away, or when the router gives up on it (a stall).
+
+    One task per request waits for the client's ``http.disconnect``; the relay's stall check is a timer
+    (``Relay``). When the request's code catches the CancelledError it asks :meth:`claim` whether the guard
+    sent it (then the cancellation is taken back and the request ends its own way, with ``reason``) or
+    someone else did (then it propagates). Plain asyncio on purpose: this is on every request's path.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self.reason: Literal["client_closed", "read", "send"] | None = None
+        self.finished = False
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.cancel("client_closed")
+
+    def cancel(self, reason: Literal["client_closed", "read", "send"]) -> None:
+        if self.reason is None and not self.finished:
+            self.reason = reason
+            self.task.cancel()
+
+    def claim(self) -> bool:
+        """On CancelledError: True when the guard sent it (the cancellation is taken back)."""
+        if self.reason is None:
+            return False
+        self.task.uncancel()
+        return True
+
+    def finish(self) -> None:
+        """No cancellation from here on (the response is complete, or the request's cleanup runs)."""
+        self.finished = True
+        self._watcher.cancel()

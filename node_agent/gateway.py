@@ -11,7 +11,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from macpool.asgi import DirectPosts
+from macpool.asgi import DirectPosts, Guard
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP
 
@@ -81,10 +81,11 @@ class ProxyResponse(StreamingResponse):
         self._started = started
         self._released = not release
         self._streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        super().__init__(self._body(), status_code=upstream.status_code, headers=_response_headers(upstream))
+        self._chunks = self._body()
+        super().__init__(self._chunks, status_code=upstream.status_code, headers=_response_headers(upstream))
         runtime.metrics.requests.labels(endpoint, str(upstream.status_code)).inc()
 
-    async def _body(self) -> AsyncIterator[bytes]:
+    async def _body(self) -> AsyncGenerator[bytes, None]:
         first = True
         ended = True  # the last chunk closed its SSE event (an error event must not extend a cut one)
         try:
@@ -108,13 +109,29 @@ class ProxyResponse(StreamingResponse):
             await self._upstream.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette's StreamingResponse would run an anyio task group of two tasks per response; one plain
+        # task watching for the client's disconnect does the same job (macpool/asgi.py Guard)
+        guard = Guard(receive)
         try:
-            await super().__call__(scope, receive, send)
+            try:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except asyncio.CancelledError:
+                guard.finish()
+                if not guard.claim():
+                    raise
+            finally:
+                guard.finish()
         finally:
             await self._release()
 
     async def _release(self) -> None:
-        # the generator may never have started (client gone before the first send): close here too
+        # the generator may never have started (client gone before the first send), or stopped at a yield
+        # (client gone mid-stream): close it and the upstream response here too
+        await self._chunks.aclose()
         await self._upstream.aclose()
         if not self._released:
             self._released = True

@@ -16,6 +16,7 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from macpool.asgi import Guard
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP_RAW
 from macpool.transport import HTTP11Transport
@@ -265,46 +266,6 @@ class Forwarder:
 
     def _upstream_error(self, node_id: str, kind: str) -> None:
         self.metrics.upstream_errors.labels(node=node_id, kind=kind).inc()
-
-
-class Guard:
-    """Cancels a request's task when its client goes away, or when the router gives up on it (a stall).
-
-    One task per request waits for the client's ``http.disconnect``; the relay's stall check is a timer
-    (``Relay``). When the request's code catches the CancelledError it asks :meth:`claim` whether the guard
-    sent it (then the cancellation is taken back and the request ends its own way, with ``reason``) or
-    someone else did (then it propagates). Plain asyncio on purpose: this is on every request's path.
-    """
-
-    def __init__(self, receive: Receive) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.task = task
-        self.reason: Literal["client_closed", "read", "send"] | None = None
-        self.finished = False
-        self._watcher = asyncio.ensure_future(self._watch(receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.cancel("client_closed")
-
-    def cancel(self, reason: Literal["client_closed", "read", "send"]) -> None:
-        if self.reason is None and not self.finished:
-            self.reason = reason
-            self.task.cancel()
-
-    def claim(self) -> bool:
-        """On CancelledError: True when the guard sent it (the cancellation is taken back)."""
-        if self.reason is None:
-            return False
-        self.task.uncancel()
-        return True
-
-    def finish(self) -> None:
-        """No cancellation from here on (the response is complete, or the request's cleanup runs)."""
-        self.finished = True
-        self._watcher.cancel()
 
 
 class Relay(Response):
