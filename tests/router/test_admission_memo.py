@@ -13,32 +13,40 @@ from router.metrics import RouterMetrics
 from router.pool import PoolView
 from router.settings import Settings
 
+NODE = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready", models=["m"])
+
+
+async def one_node_pool(settings: Settings) -> tuple[Redis, Admission]:
+    """Admission over a pool of one node ``a`` of capacity 1 serving model ``m``."""
+    redis = Redis.from_url(settings.redis_url)
+    keys = Keys()
+    pool = PoolView(settings, redis, keys)
+    pool.redis_ok = True
+    admission = Admission(settings, redis, keys, pool, RouterMetrics())
+    await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
+    return redis, admission
+
+
+async def evalsha_calls(redis: Redis) -> int:
+    stats = (await redis.info("commandstats")).get("cmdstat_evalsha", {})
+    return int(stats.get("calls", 0))
+
 
 def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(redis_url: str) -> None:
     async def scenario() -> None:
         settings = Settings(redis_url=redis_url, queue_size=1, batch_queue_share=1.0, queue_timeout=5.0)
-        redis = Redis.from_url(redis_url)
-        keys = Keys()
-        pool = PoolView(settings, redis, keys)
-        pool.redis_ok = True
-        admission = Admission(settings, redis, keys, pool, RouterMetrics())
-        node = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready", models=["m"])
-        await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
-
-        async def evalsha_calls() -> int:
-            stats = (await redis.info("commandstats")).get("cmdstat_evalsha", {})
-            return int(stats.get("calls", 0))
+        redis, admission = await one_node_pool(settings)
 
         try:
-            holder = await admission.acquire(lambda: [node], Ticket(model="m"))
+            holder = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             batch_ticket = Ticket(model="m", priority="batch")
-            batch = asyncio.create_task(admission.acquire(lambda: [node], batch_ticket))
+            batch = asyncio.create_task(admission.acquire(lambda: [NODE], batch_ticket))
             await asyncio.sleep(0.2)  # the batch request waits in the queue, which is now full
             with pytest.raises(Rejected) as refused:
-                await admission.acquire(lambda: [node], Ticket(model="m", priority="batch"))
+                await admission.acquire(lambda: [NODE], Ticket(model="m", priority="batch"))
             assert refused.value.reason == "pool_full"
             # an interactive request right after still reaches Redis and takes the batch request's place
-            interactive = asyncio.create_task(admission.acquire(lambda: [node], Ticket(model="m")))
+            interactive = asyncio.create_task(admission.acquire(lambda: [NODE], Ticket(model="m")))
             with pytest.raises(Rejected) as shed:
                 await batch
             assert shed.value.reason == "batch_shed"
@@ -47,16 +55,16 @@ def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(
             assert lease.node.node_id == "a"
             await admission.release(lease)
             # an interactive "full" is remembered: the next refusal makes no Redis call
-            holder = await admission.acquire(lambda: [node], Ticket(model="m"))
-            waiting = asyncio.create_task(admission.acquire(lambda: [node], Ticket(model="m")))
+            holder = await admission.acquire(lambda: [NODE], Ticket(model="m"))
+            waiting = asyncio.create_task(admission.acquire(lambda: [NODE], Ticket(model="m")))
             await asyncio.sleep(0.2)
             with pytest.raises(Rejected):
-                await admission.acquire(lambda: [node], Ticket(model="m"))
-            before = await evalsha_calls()
+                await admission.acquire(lambda: [NODE], Ticket(model="m"))
+            before = await evalsha_calls(redis)
             with pytest.raises(Rejected) as remembered:
-                await admission.acquire(lambda: [node], Ticket(model="m"))
+                await admission.acquire(lambda: [NODE], Ticket(model="m"))
             assert remembered.value.reason == "pool_full"
-            assert await evalsha_calls() == before
+            assert await evalsha_calls(redis) == before
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
         finally:
@@ -70,38 +78,28 @@ def test_a_lapsed_full_answer_is_asked_again_by_one_request_only(redis_url: str)
 
     async def scenario() -> None:
         settings = Settings(redis_url=redis_url, queue_size=0)
-        redis = Redis.from_url(redis_url)
-        keys = Keys()
-        pool = PoolView(settings, redis, keys)
-        pool.redis_ok = True
-        admission = Admission(settings, redis, keys, pool, RouterMetrics())
-        node = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready", models=["m"])
-        await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
-
-        async def evalsha_calls() -> int:
-            stats = (await redis.info("commandstats")).get("cmdstat_evalsha", {})
-            return int(stats.get("calls", 0))
+        redis, admission = await one_node_pool(settings)
 
         try:
-            holder = await admission.acquire(lambda: [node], Ticket(model="m"))
+            holder = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             with pytest.raises(Rejected):
-                await admission.acquire(lambda: [node], Ticket(model="m"))  # Redis says full: remembered
+                await admission.acquire(lambda: [NODE], Ticket(model="m"))  # Redis says full: remembered
             await asyncio.sleep(FULL_MEMO_S * 1.5)  # lapsed
-            before = await evalsha_calls()
-            asking = asyncio.create_task(admission.acquire(lambda: [node], Ticket(model="m")))
+            before = await evalsha_calls(redis)
+            asking = asyncio.create_task(admission.acquire(lambda: [NODE], Ticket(model="m")))
             await asyncio.sleep(0)  # the asking request now waits for Redis
             for _ in range(5):
                 with pytest.raises(Rejected) as refused:
-                    await admission.acquire(lambda: [node], Ticket(model="m"))
+                    await admission.acquire(lambda: [NODE], Ticket(model="m"))
                 assert refused.value.reason == "pool_full"
             with pytest.raises(Rejected):
                 await asking  # still full
-            assert await evalsha_calls() == before + 1
+            assert await evalsha_calls(redis) == before + 1
             # its answer is remembered afresh; once the slot is released, the next request reaches Redis
             assert admission.known_full("m")
             await admission.release(holder)
-            pool.version += 1  # what the release's `freed` event does through the events channel
-            lease = await admission.acquire(lambda: [node], Ticket(model="m"))
+            admission.pool.version += 1  # what the release's `freed` event does through the events channel
+            lease = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             assert lease.node.node_id == "a"
             await admission.release(lease)
         finally:
