@@ -113,6 +113,8 @@ def read_bounded_protocol(timeout: float, early: EarlyAnswers | None = None) -> 
                 return False
             if response is None:
                 return False
+            if self.transport.is_closing():
+                return True  # the client is gone: nobody to answer
             content = [STATUS_LINE[response.status_code]]
             for name, value in (*self.server_state.default_headers, *response.raw_headers):
                 content += [name, b": ", value, b"\r\n"]

@@ -180,6 +180,9 @@ class Router:
         """The refusal ``proxy`` would give a complete, valid request without awaiting anything (the model
         is known full), built by the same code; None for every other request, which ``proxy`` then answers.
         """
+        services = self._services
+        if services is None:  # shutting down since the request was held
+            return None
         arrived = time.monotonic()
         wanted: dict[bytes, str] = {}
         for name, value in headers:
@@ -195,7 +198,7 @@ class Router:
                               affinity=False)
         except BadRequest:
             return None
-        return self.services.forwarder.refusal_from_memory(call)
+        return services.forwarder.refusal_from_memory(call)
 
     def _priority(self, header: str | None, key: ApiKey | None) -> Priority:
         if header is None:

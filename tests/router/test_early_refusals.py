@@ -114,6 +114,14 @@ def test_refusals_below_asgi_match_the_applications_own(
             # a body that arrives in two writes is held until it is whole
             split = await exchange(*request(chunks=2), pause=0.05)
             assert split[0] == 503 and answered[-1] == 503
+            # and so is a chunked one (the parser hands over the decoded body)
+            half = len(CHAT) // 2
+            chunked = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
+                       f"Authorization: Bearer {KEY}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+            for part in (CHAT[:half], CHAT[half:], b""):
+                chunked += b"%x\r\n%s\r\n" % (len(part), part)
+            before = len(answered)
+            assert (await exchange(chunked))[0] == 503 and answered[before:] == [503]
 
             # everything the application would answer otherwise, it still answers
             cases = [
@@ -141,14 +149,14 @@ def test_refusals_below_asgi_match_the_applications_own(
 
             registry = router.metrics.registry
             refused = registry.get_sample_value("macpool_rejections_total", {"reason": "pool_full"})
-            assert refused == 6  # every refusal counted, early or not
-            assert answered.count(503) == 4
+            assert refused == 7  # every refusal counted, early or not
+            assert answered.count(503) == 5
 
             # Connection: close is left to the application, which closes after answering
             closing = await exchange(*request(extra="Connection: close\r\n"))
             assert closing[0] == 503 and closing[1].get("connection") == "close"
             assert await asyncio.wait_for(reader.read(), 5) == b""
-            assert answered.count(503) == 4
+            assert answered.count(503) == 5
         finally:
             writer.close()
             server.should_exit = True
