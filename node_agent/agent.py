@@ -155,6 +155,8 @@ class Agent:
             lifespan="off",
             log_level="warning",
             access_log=False,
+            proxy_headers=False,  # its clients are routers: X-Forwarded-* says nothing it uses
+            server_header=False,
             timeout_graceful_shutdown=1,
         )
         self.server = server = _Server(config)

@@ -83,6 +83,7 @@ def serve(settings: Settings) -> None:
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
         http=_http_protocol(settings, app.state.early_answers),
         access_log=settings.access_log,
+        proxy_headers=settings.access_log,  # a client's address (X-Forwarded-For) is for the access log
         log_level=settings.log_level,
         server_header=False,
         timeout_graceful_shutdown=5,
