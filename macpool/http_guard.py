@@ -1,4 +1,5 @@
-"""The router's HTTP protocol: uvicorn's httptools protocol with two additions.
+"""The router's HTTP protocol: uvicorn's httptools protocol, its response heads corked (macpool/corked.py),
+with two additions.
 
 1. Cut off clients that trickle their request in. uvicorn bounds an idle keep-alive connection, but not
    the time a client may take to send a request's headers and body, so a slowloris client holds a socket
@@ -23,6 +24,8 @@ from typing import Protocol
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from macpool.corked import CorkedProtocol
+
 log = logging.getLogger("macpool.router")
 
 
@@ -45,7 +48,7 @@ def read_bounded_protocol(timeout: float, early: EarlyAnswers | None = None) -> 
     """uvicorn's httptools protocol with a bound on reading each request and, given ``early``, early
     answers (pass as ``Config(http=...)``)."""
 
-    class RouterProtocol(HttpToolsProtocol):
+    class RouterProtocol(CorkedProtocol):
         _read_deadline: asyncio.TimerHandle | None = None
         _held: list[bytes] | None = None  # the body of a request held for an early answer
         _held_size = 0
@@ -119,7 +122,7 @@ def read_bounded_protocol(timeout: float, early: EarlyAnswers | None = None) -> 
             for name, value in (*self.server_state.default_headers, *response.raw_headers):
                 content += [name, b": ", value, b"\r\n"]
             content += [b"\r\n", bytes(response.body)]
-            self.transport.write(b"".join(content))
+            self.corked.write_now(b"".join(content))
             self.on_response_complete()  # counts the request, arms the keep-alive timeout
             return True
 

@@ -17,6 +17,7 @@ import httpx
 import uvicorn
 from redis.asyncio import Redis
 
+from macpool.corked import CorkedProtocol
 from macpool.settings import ConfigError
 from macpool.transport import HTTP11Transport
 
@@ -152,6 +153,7 @@ class Agent:
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
         config = uvicorn.Config(
             create_app(self.runtime),
+            http=CorkedProtocol,  # a response's head goes out with its first bytes (macpool/corked.py)
             lifespan="off",
             log_level="warning",
             access_log=False,
