@@ -392,6 +392,7 @@ class _ClientConn(asyncio.Protocol):
         self.header = b""
         self.retry_after = False
         self.reason = ""
+        self.keep_alive = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -429,6 +430,8 @@ class _ClientConn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         now = time.perf_counter()
+        # only valid here: once the message is complete the parser resets and reports False
+        self.keep_alive = self.parser.should_keep_alive()
         ttft = None if self.first is None else self.first - self.started
         rec = Rec(
             self.parser.get_status_code(),
@@ -523,7 +526,7 @@ async def raw_load(
                         conn.transport.close()
                 if now >= measure_from:
                     records.append(rec)
-                if not conn.parser.should_keep_alive() and conn.transport is not None:
+                if not conn.keep_alive and conn.transport is not None:
                     conn.transport.close()
                     conn = None
         finally:

@@ -5,6 +5,7 @@ No timing targets here (the machine is shared): speed is what the bench commands
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from bench import peers
+from bench.perfkit import Rec, build_request, raw_load
 from tests.bench.conftest import run_bench
 
 pytestmark = pytest.mark.timeout(600)
@@ -121,3 +123,33 @@ def test_peers(tmp_path: Path) -> None:
     for name in ("macpool", "nginx", "litellm"):
         assert positive(data["relay"][name]["chunks_per_s_wall"]), (name, data["relay"])
     assert "macpool_over_nginx_relay" in data["ratios"]
+
+
+def test_load_clients_keep_their_connections() -> None:
+    """The bench clients reuse one keep-alive connection each (a new connection per request would add a
+    TCP handshake and an accept to every measured request), and open a new one when the server closes."""
+    accepted: list[int] = []
+
+    async def main() -> list[Rec]:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(1)
+            served = 0
+            while await reader.readuntil(b"\r\n\r\n"):
+                await reader.readexactly(2)  # the body: "{}"
+                served += 1
+                close = served == 5  # every fifth answer ends the connection
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n"
+                             + (b"connection: close\r\n" if close else b"") + b"\r\nok")
+                await writer.drain()
+                if close:
+                    writer.close()
+                    return
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await raw_load(port, lambda _: build_request("/", b"{}"), 2, requests=40)
+
+    records = asyncio.run(main())
+    assert [r.status for r in records] == [200] * 40
+    assert len(accepted) == 8  # 40 requests, 5 per connection
