@@ -10,7 +10,9 @@ differs only in cost:
 - the response is parsed in C, and body bytes that are already here when the reader asks are handed
   over as one piece (never waiting for more: a chunk that arrives alone is returned alone);
 - idle keep-alive connections are known dead the moment the peer closes them (the event loop reports
-  it), so reusing one needs no syscall.
+  it), so reusing one needs no syscall; and one is given up a second before the idle timeout its server
+  announced (``Keep-Alive: timeout=N``, as llama-server sends), since a request written as the server closes
+  the connection gets no answer at all.
 
 Reading applies backpressure: past ``_HIGH_WATER`` unread bytes the socket stops being read. There is no
 cap on open connections (httpx's ``max_connections``): the router's admission and the agent's in-flight cap
@@ -31,6 +33,7 @@ import httptools
 import httpx
 
 _HIGH_WATER = 256 * 1024  # unread response bytes per connection before reading pauses
+_IDLE_MARGIN_S = 1.0  # an idle connection is given up this long before the server's announced idle timeout
 _Origin = tuple[str, int]
 
 
@@ -42,7 +45,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
-        self.idle_since = 0.0
+        self.idle_until = 0.0  # monotonic time after which this idle connection is not reused
         self._reset()
 
     def _reset(self) -> None:
@@ -200,6 +203,19 @@ class _Connection(asyncio.Protocol):
     def reusable(self) -> bool:
         return self.complete and self.keep_alive and not self.lost and self.error is None
 
+    def server_idle_timeout(self) -> float | None:
+        """The idle timeout the server announced (``Keep-Alive: timeout=N``), if any."""
+        for name, value in self.headers:
+            if name.lower() == b"keep-alive":
+                for param in value.split(b","):
+                    key, _, number = param.strip().partition(b"=")
+                    if key.strip().lower() == b"timeout":
+                        try:
+                            return float(number.strip())
+                        except ValueError:
+                            return None
+        return None
+
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
@@ -277,7 +293,7 @@ class HTTP11Transport(httpx.AsyncBaseTransport):
         now = time.monotonic()
         while idle:
             connection = idle.pop()
-            if not connection.lost and now - connection.idle_since < self.keepalive_expiry:
+            if not connection.lost and now < connection.idle_until:
                 return connection
             connection.close()
         return None
@@ -298,7 +314,13 @@ class HTTP11Transport(httpx.AsyncBaseTransport):
         if self._closed or not connection.reusable() or len(idle) >= self.max_keepalive:
             connection.close()
             return
-        connection.idle_since = time.monotonic()
+        # give an idle connection up before the server may close it: a request written as the server closes
+        # the connection fails with no answer (for llama-server, Keep-Alive: timeout=5)
+        expiry = self.keepalive_expiry
+        announced = connection.server_idle_timeout()
+        if announced is not None:
+            expiry = min(expiry, max(announced - _IDLE_MARGIN_S, 0.0))
+        connection.idle_until = time.monotonic() + expiry
         idle.append(connection)
 
     async def aclose(self) -> None:

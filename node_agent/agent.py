@@ -31,6 +31,9 @@ from .supervisor import Supervisor
 
 log = logging.getLogger("macpool.agent")
 
+KEEP_ALIVE_S = 60  # how long the gateway keeps an idle client (router) connection open
+UPSTREAM_IDLE_S = 4.0  # how long an idle connection to llama-server is kept for reuse
+
 
 class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the agent decides what a signal means."""
@@ -109,7 +112,9 @@ class Agent:
         timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         # the C-parser transport (macpool/transport.py): the agent relays every token the router does
-        transport = HTTP11Transport(64, fallback=httpx.AsyncHTTPTransport(limits=limits))
+        # idle connections are given up after 4 s, before llama-server (Keep-Alive: timeout=5, honoured too)
+        # or a simulator on uvicorn (5 s) may close them: reusing one as the server closes it fails a request
+        transport = HTTP11Transport(64, UPSTREAM_IDLE_S, fallback=httpx.AsyncHTTPTransport(limits=limits))
         self.runtime.http = httpx.AsyncClient(timeout=timeout, transport=transport)
         self.runtime.upstream_transport = transport
         self.redis = Redis.from_url(
@@ -158,6 +163,9 @@ class Agent:
             log_level="warning",
             access_log=False,
             proxy_headers=False,  # its clients are routers: X-Forwarded-* says nothing it uses
+            # longer than the routers keep an idle connection (30 s, router/forward.py), so a router never
+            # reuses one the agent is closing
+            timeout_keep_alive=KEEP_ALIVE_S,
             server_header=False,
             timeout_graceful_shutdown=1,
         )

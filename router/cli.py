@@ -87,6 +87,9 @@ def serve(settings: Settings) -> None:
         log_level=settings.log_level,
         server_header=False,
         timeout_graceful_shutdown=5,
+        # idle client connections stay open longer than clients keep them (httpx, the OpenAI SDK: 5 s), so
+        # a client never sends a request on a connection the router is closing (it would get no answer)
+        timeout_keep_alive=75,
         backlog=4096,
     )
     uvicorn.Server(config).run()

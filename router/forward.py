@@ -43,7 +43,9 @@ def new_transport() -> httpx.AsyncBaseTransport:
     it: the router needs none of a client's redirects, auth flows or cookie jar (which would even carry one
     agent's cookies into other clients' requests), and skipping them saves ~10 % of its CPU per request.
     """
-    # busy streams get as many connections as they need; the idle pool stays modest
+    # busy streams get as many connections as they need; the idle pool stays modest. An idle connection is
+    # given up after 30 s, well before an agent closes it (60 s, node_agent/agent.py KEEP_ALIVE_S): a request
+    # written on a connection as the agent closes it would fail with no answer
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=64, keepalive_expiry=30.0)
     # the C-parser transport (macpool/transport.py); https agents go through httpx's default one
     return HTTP11Transport(64, 30.0, fallback=httpx.AsyncHTTPTransport(limits=limits))

@@ -226,3 +226,33 @@ def test_a_slow_reader_pauses_the_socket_and_still_gets_every_byte(serve, client
         assert b"".join(parts) == body
 
     run(main())
+
+
+def test_an_idle_connection_is_given_up_before_the_server_closes_it(serve) -> None:
+    """A request written on a connection as the server closes it for idleness gets no answer: the transport
+    gives an idle connection up a second before the server's announced ``Keep-Alive: timeout`` (llama-server
+    announces 5 s) and after its own expiry when the server announces nothing (uvicorn: 5 s)."""
+
+    def handler_for(announce: bytes) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                await _request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\n" + announce + b"Content-Length: 2\r\n\r\nok")
+
+        return handler
+
+    async def requests(url: str, transport: HTTP11Transport, pauses: list[float]) -> None:
+        async with httpx.AsyncClient(transport=transport, timeout=5.0) as http:
+            for pause in [0.0, *pauses]:
+                await asyncio.sleep(pause)
+                assert (await http.post(url, content=b"{}")).content == b"ok"
+
+    async def main() -> None:
+        announcing, url = await serve(handler_for(b"Keep-Alive: timeout=1.5, max=100\r\n"))
+        await requests(url, HTTP11Transport(keepalive_expiry=30.0), [0.1, 0.1, 0.7, 0.1])
+        assert announcing.connections == 2  # reused within 0.5 s of idleness, not after 0.7 s
+        silent, url = await serve(handler_for(b""))
+        await requests(url, HTTP11Transport(keepalive_expiry=0.5), [0.1, 0.7, 0.1])
+        assert silent.connections == 2
+
+    run(main())
