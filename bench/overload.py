@@ -2,9 +2,9 @@
 
 Starts a real Redis-protocol server, two simulated ``m5max-128g-14b-q4`` Macs with ``--parallel 16`` (so
 llama-server alone would accept the overload), an agent per Mac capped at 8 (the calibrated knee), and the
-router; drives 32 closed-loop streaming clients with ~4K-token prompts. Then the same load straight at two
-fresh simulators with no admission control; and, for reference, 8 clients at one fresh simulator (the
-single-node knee). Every figure is in simulated time.
+router; drives 32 closed-loop streaming clients (``--clients``) with ~4K-token prompts. Then the same load
+straight at two fresh simulators with no admission control; and, for reference, 8 clients at one fresh
+simulator (the single-node knee). Every figure is in simulated time.
 
 Prints both runs side by side and writes JSON with ``goodput_tok_s``, ``knee_tok_s`` (2 x the single-node
 knee), ``goodput_ratio``, ``direct_tok_s``, ``rejected_503``, ``retry_after_present`` (fraction of 503s
@@ -227,7 +227,9 @@ def _wait_nodes(router: str, count: int, timeout: float = 30.0) -> None:
 
 
 def table(result: dict[str, Any]) -> Table:
-    t = Table(title="overload: 32 streaming clients, ~4K-token prompts, 2 simulated M5 Max (simulated time)")
+    clients = result["runs"][0]["clients"] if result["runs"] else 0
+    t = Table(title=f"overload: {clients} streaming clients, ~4K-token prompts, 2 simulated M5 Max "
+                    "(simulated time)")
     for column in ("run", "clients", "tok/s", "completed", "503", "with Retry-After", "other errors",
                    "TTFT p50 s", "latency p50 s", "worst memory"):
         t.add_column(column, justify="left" if column == "run" else "right")

@@ -484,10 +484,13 @@ async def raw_load(
     warmup_s: float = 0.0,
     tally: list[int] | None = None,
     request_timeout: float = 120.0,
+    stagger_s: float = 0.0,
 ) -> list[Rec]:
     """``concurrency`` keep-alive connections in a closed loop; records requests started after warm-up.
 
     ``tally`` (``[events, body reads]``) is incremented live, for callers that sample rates over a window.
+    ``stagger_s`` spreads the connections' first requests evenly over that many seconds: streams of equal
+    length started together would otherwise end together and arrive again as one burst, every time.
     """
     loop = asyncio.get_running_loop()
     records: list[Rec] = []
@@ -502,6 +505,8 @@ async def raw_load(
 
     async def worker(index: int) -> None:
         conn: _ClientConn | None = None
+        if stagger_s:
+            await asyncio.sleep(stagger_s * index / concurrency)
         try:
             while True:
                 now = time.perf_counter()

@@ -6,7 +6,9 @@ No timing targets here (the machine is shared): speed is what the bench commands
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,20 @@ def test_overhead(tmp_path: Path) -> None:
         assert isinstance(row["ttft_added_p50_ms"], float)
         assert isinstance(row["ttft_added_p99_ms"], float)
         assert positive(row["routed"]["router_cpu_ms_per_request"])
+
+
+def test_overhead_paced(tmp_path: Path) -> None:
+    """Streams at a Mac's pace from the fast upstream; the target is judged on the simulator run only."""
+    data = run_bench(tmp_path, "overhead", "--upstream", "paced", "--levels", "4", "--max-tokens", "5",
+                     "--interval-ms", "10", "--duration", "1", "--warmup", "0.2", "--no-router-only")
+    assert data["upstream"] == "paced" and data["interval_ms"] == 10.0
+    assert data["target_met"] is None and isinstance(data["within_target_figures"], bool)
+    row = data["levels"]["4"]
+    for path in ("direct", "routed"):
+        assert row[path]["ok"] > 0 and row[path]["errors"] == 0, row
+        # five events 10 ms apart: a stream lasts at least 40 ms whichever way it went
+        assert row[path]["latency_p50_ms"] >= 40.0, row
+    assert isinstance(row["ttft_added_p50_ms"], float)
 
 
 def test_scale(tmp_path: Path) -> None:
@@ -153,3 +169,31 @@ def test_load_clients_keep_their_connections() -> None:
     records = asyncio.run(main())
     assert [r.status for r in records] == [200] * 40
     assert len(accepted) == 8  # 40 requests, 5 per connection
+
+
+def test_load_clients_can_start_staggered() -> None:
+    """With ``stagger_s`` the connections' first requests are spread over that time, not sent at once (paced
+    streams of equal length started together would keep arriving as one burst)."""
+    arrivals: list[float] = []
+
+    async def main(stagger: float) -> None:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            arrivals.append(time.perf_counter())
+            await asyncio.sleep(1.0)  # a long answer: each connection sends one request of the four
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            await raw_load(port, lambda _: build_request("/", b"{}"), 4, requests=4, stagger_s=stagger)
+
+    asyncio.run(main(0.0))
+    assert max(arrivals) - min(arrivals) < 0.15
+    arrivals.clear()
+    asyncio.run(main(0.8))
+    gaps = [b - a for a, b in itertools.pairwise(sorted(arrivals))]
+    assert len(gaps) == 3 and all(gap >= 0.15 for gap in gaps), gaps  # 0.2 s apart
