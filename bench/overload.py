@@ -227,9 +227,9 @@ def _wait_nodes(router: str, count: int, timeout: float = 30.0) -> None:
 
 
 def table(result: dict[str, Any]) -> Table:
-    clients = result["runs"][0]["clients"] if result["runs"] else 0
-    t = Table(title=f"overload: {clients} streaming clients, ~4K-token prompts, 2 simulated M5 Max "
-                    "(simulated time)")
+    c = result["conditions"]
+    t = Table(title=f"overload: {c['clients']} streaming clients, {c['prompt_tokens']}-token prompts, "
+                    "2 simulated M5 Max (simulated time)")
     for column in ("run", "clients", "tok/s", "completed", "503", "with Retry-After", "other errors",
                    "TTFT p50 s", "latency p50 s", "worst memory"):
         t.add_column(column, justify="left" if column == "run" else "right")

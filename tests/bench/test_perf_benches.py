@@ -81,6 +81,20 @@ def test_overhead_paced(tmp_path: Path) -> None:
     assert isinstance(row["ttft_added_p50_ms"], float)
 
 
+def test_overload(tmp_path: Path) -> None:
+    """The 2-Mac pool over its capacity with no queue: admitted streams complete, the rest get 503s."""
+    data = run_bench(tmp_path, "overload", "--clients", "8", "--cap", "2", "--queue-size", "0",
+                     "--duration", "20", "--speed", "20", "--prompt-tokens", "256", "--max-tokens", "16")
+    assert [run["name"] for run in data["runs"]] == ["router", "direct", "knee (1 node)"]
+    assert [run["clients"] for run in data["runs"]] == [8, 8, 2]
+    routed, direct, _ = data["runs"]
+    assert routed["completed"] > 0 and routed["rejected_503"] > 0 and data["errors_non_503"] == 0
+    assert data["retry_after_present"] == 1.0
+    assert direct["rejected_503"] == 0 and direct["completed"] > 0  # nothing in front of the Macs refuses
+    for key in ("goodput_tok_s", "knee_tok_s", "goodput_ratio"):
+        assert positive(data[key]), (key, data)
+
+
 def test_scale(tmp_path: Path) -> None:
     data = run_bench(
         tmp_path,
