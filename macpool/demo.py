@@ -164,8 +164,16 @@ def models_of(router_url: str) -> list[str]:
     return [m["id"] for m in response.json().get("data", [])]
 
 
+def commands() -> tuple[str, str]:
+    """This install's python and macpool, spelled so that they work without an activated venv."""
+    python = sys.executable
+    script = Path(python).with_name("macpool")
+    return python, str(script) if script.exists() else f"{python} -m macpool.cli"
+
+
 def banner(pool: Pool, models: list[str]) -> str:
     s = pool.settings
+    python, macpool = commands()
     url = pool.router_url
     model = models[0] if models else "default"
     body = (
@@ -176,14 +184,15 @@ def banner(pool: Pool, models: list[str]) -> str:
 macpool demo: {s.nodes} simulated Macs behind one router{" (with --load)" if s.load else ""}
   endpoint    {url}/v1   (OpenAI-compatible; models: {", ".join(models) or "-"})
   dashboard   {url}/dashboard   (admin key for drain/undrain: {s.admin_key})
-  terminal    macpool top --router {url}
+  terminal    {macpool} top --router {url}
   metrics     {url}/metrics   pool JSON: {url}/api/pool   scale hint: {url}/api/pool/scale
   logs        {pool.log_dir}
 
 curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' \\
   -d '{body}'
 
-python - <<'EOF'
+{python} -m pip install -q openai   # the OpenAI SDK is not a macpool dependency
+{python} - <<'EOF'
 from openai import OpenAI
 client = OpenAI(base_url="{url}/v1", api_key="unused")
 stream = client.chat.completions.create(

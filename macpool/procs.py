@@ -38,6 +38,7 @@ class Child:
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
+        self.terminated = False  # SIGTERM sent: a second one would skip the child's graceful shutdown
 
     @property
     def pid(self) -> int:
@@ -83,6 +84,7 @@ class Child:
     def signal(self, sig: int) -> None:
         if self.alive():
             os.killpg(self.pid, sig)
+            self.terminated = self.terminated or sig == signal.SIGTERM
 
     def kill(self) -> None:
         """SIGKILL the whole group (fault injection)."""
@@ -91,12 +93,14 @@ class Child:
             self.process.wait(5)
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM, wait up to ``timeout``, then SIGKILL the group."""
+        """SIGTERM (unless already sent), wait up to ``timeout``, then SIGKILL the group."""
         if self.process is None:
             return None
         if self.process.poll() is None:
             try:
-                os.killpg(self.process.pid, signal.SIGTERM)
+                if not self.terminated:
+                    os.killpg(self.process.pid, signal.SIGTERM)
+                    self.terminated = True
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)

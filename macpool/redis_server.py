@@ -63,8 +63,10 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        # its own session, like every other child: a terminal's Ctrl-C reaches the demo's process group,
+        # and Redis must outlive the agents that leave the pool through it
         self.process = subprocess.Popen(
-            args + self.extra_args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            args + self.extra_args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -40,7 +40,10 @@ def _run_parser() -> argparse.ArgumentParser:
     pool = p.add_argument_group("pool")
     pool.add_argument("--redis-url", dest="redis_url", help="default redis://127.0.0.1:6379/0")
     pool.add_argument("--node-id", dest="node_id", help="default: the host name")
-    pool.add_argument("--advertise-url", dest="advertise_url", help="how routers reach this agent")
+    pool.add_argument(
+        "--advertise-url", dest="advertise_url",
+        help="how routers reach this agent (default http://<host>:<port>)",
+    )
     pool.add_argument("--key-prefix", dest="key_prefix", help="Redis key prefix (default macpool:)")
     pool.add_argument(
         "--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds (default 1)"
@@ -69,8 +72,14 @@ def _run_parser() -> argparse.ArgumentParser:
         type=float,
         help="per-request working set beyond the KV cache, for the GGUF estimate (0.25)",
     )
-    cap.add_argument("--memory-probe", dest="memory_probe", choices=["auto", "macos", "linux", "sim"])
-    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    cap.add_argument(
+        "--memory-probe", dest="memory_probe", choices=["auto", "macos", "linux", "sim"],
+        help="where memory figures come from (default auto: the upstream's /sim/memory if it has one, "
+        "else this OS)",
+    )
+    p.add_argument(
+        "--log-level", dest="log_level", choices=["debug", "info", "warning", "error"], help="default info"
+    )
     return p
 
 
@@ -81,10 +90,12 @@ def _calibrate_parser() -> argparse.ArgumentParser:
         "pinned memory).",
     )
     p.add_argument("--upstream", required=True, help="llama-server (or `macpool sim`) URL")
-    p.add_argument("--prompt-tokens", type=int, default=4096)
-    p.add_argument("--max-tokens", type=int, default=1024, help="generated tokens per request")
-    p.add_argument("--max-concurrency", type=int, default=24)
-    p.add_argument("--step", type=int, default=1)
+    p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
+    p.add_argument(
+        "--max-tokens", type=int, default=1024, help="generated tokens per request (default 1024)"
+    )
+    p.add_argument("--max-concurrency", type=int, default=24, help="highest level tried (default 24)")
+    p.add_argument("--step", type=int, default=1, help="between two levels (default 1)")
     p.add_argument("--levels", help="explicit comma-separated concurrency levels instead of 1..max by step")
     p.add_argument("--window", type=int, default=0, help="requests measured per level (default 2 x level)")
     p.add_argument("--model", help="model name to send (default: the server's)")

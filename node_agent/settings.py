@@ -26,7 +26,7 @@ ProbeKind = Literal["auto", "macos", "linux", "sim"]
 class AgentSettings(BaseSettings):
     """Everything `macpool agent run` needs, built once at the CLI edge and passed down."""
 
-    model_config = SettingsConfigDict(env_prefix="MACPOOL_", extra="ignore", populate_by_name=True)
+    model_config = SettingsConfigDict(env_prefix="MACPOOL_", extra="forbid", populate_by_name=True)
 
     # where llama-server is: attach to a running one, or supervise our own
     upstream: str | None = None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
+from pydantic_core import PydanticUndefined
 
 from router.settings import ConfigError, Settings, load_settings
 
@@ -51,11 +52,19 @@ FLAGS: dict[str, tuple[type, str]] = {
 }
 
 
+def _default(flag: str) -> str:
+    """' (default X)' from the settings object (the flags themselves default to None: unset)."""
+    field = Settings.model_fields.get(flag.replace("-", "_"))
+    if field is None or field.default_factory is not None or field.default in (None, "", PydanticUndefined):
+        return ""
+    return f" (default {field.default})"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="macpool router", description="Run the pool's OpenAI-compatible router.")
     p.add_argument("--config", type=Path, help="TOML file (top-level keys or a [router] table)")
     for flag, (type_, help_) in FLAGS.items():
-        p.add_argument(f"--{flag}", type=type_, help=help_)
+        p.add_argument(f"--{flag}", type=type_, help=help_ + _default(flag))
     p.add_argument("--access-log", action="store_true", default=None, help="log every request")
     p.add_argument("--no-affinity", dest="affinity", action="store_false", default=None,
                    help="route by load only (no prompt-prefix affinity)")

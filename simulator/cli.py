@@ -10,7 +10,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from simulator.machine import MachineError, preset_names
-from simulator.settings import SimSettings
+from simulator.settings import DEFAULT_PRESET, SimSettings
 
 # llama-server flags an agent may pass that mean nothing to the simulator: name -> takes a value
 IGNORED_FLAGS: dict[str, bool] = {
@@ -35,21 +35,30 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _default(name: str) -> object:
+    return SimSettings.model_fields[name].default
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="macpool sim", description="A simulated Mac running llama-server.")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", help=f"machine preset: {', '.join(preset_names())}")
+    source.add_argument(
+        "--preset", help=f"machine preset: {', '.join(preset_names())} (default {DEFAULT_PRESET})"
+    )
     source.add_argument("--machine", type=Path, help="machine description JSON file")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    # no argparse defaults for settings: an unset flag leaves the value to MACPOOL_SIM_* or SimSettings
+    p.add_argument("--host", help=f"listen address (default {_default('host')})")
+    p.add_argument("--port", type=int, help=f"listen port (default {_default('port')})")
     p.add_argument("-np", "--parallel", type=int, help="slots (default: the machine's)")
     p.add_argument("-c", "--ctx-size", type=int, help="total context, split across slots")
     p.add_argument("-m", "--model", help="model path or name (reported as llama-server does)")
     p.add_argument("-a", "--alias", help="model alias")
-    p.add_argument("--metrics", action="store_true", help="enable /metrics")
-    p.add_argument("--speed", type=float, default=1.0, help="simulated seconds per wall second")
-    p.add_argument("--load-seconds", type=float, default=0.0, help="answer 503 'Loading model' this long")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--metrics", action="store_true", default=None, help="enable /metrics")
+    p.add_argument("--speed", type=float,
+                   help=f"simulated seconds per wall second (default {_default('speed')})")
+    p.add_argument("--load-seconds", type=float,
+                   help=f"answer 503 'Loading model' this long (default {_default('load_seconds')})")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     return p
 
 

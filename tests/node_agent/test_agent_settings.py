@@ -45,3 +45,15 @@ def test_one_line_errors_name_the_key(tmp_path: Path) -> None:
     bad.write_text("{}")
     with pytest.raises(ConfigError, match="recommended_cap"):
         load_settings({"upstream": "http://127.0.0.1:1", "calibration": bad})
+
+
+def test_a_misspelled_file_key_fails_but_other_programs_environment_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text('[agent]\nupstream = "http://127.0.0.1:1"\nheartbeat-intervall = 9\n')
+    with pytest.raises(ConfigError, match="heartbeat_intervall"):
+        load_settings({}, config)
+    monkeypatch.setenv("MACPOOL_QUEUE_SIZE", "3")  # the router's, in a shared environment
+    config.write_text('[agent]\nupstream = "http://127.0.0.1:1"\nheartbeat-interval = 2\n')
+    assert load_settings({}, config).heartbeat_interval == 2.0

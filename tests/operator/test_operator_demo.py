@@ -1,11 +1,14 @@
-"""``macpool demo``: one command starts a pool that streams; SIGTERM leaves no process behind."""
+"""``macpool demo``: one command starts a pool that streams; Ctrl-C or SIGTERM leaves no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -16,7 +19,8 @@ from macpool.redis_server import free_port
 
 
 @pytest.mark.slow
-def test_demo_serves_a_stream_and_sigterm_stops_every_child() -> None:
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_demo_serves_a_stream_and_stopping_it_stops_every_child(stop: str) -> None:
     port = free_port()
     demo = subprocess.Popen(
         macpool_argv("demo", "--nodes", "2", "--port", str(port)),
@@ -35,6 +39,9 @@ def test_demo_serves_a_stream_and_sigterm_stops_every_child() -> None:
         assert "macpool demo: ready" in output, output
         assert f"http://127.0.0.1:{port}/dashboard" in output
         assert "curl -N" in output and "from openai import OpenAI" in output
+        python = Path(macpool_argv()[0])
+        assert f"{python} -m pip install -q openai" in output  # pasted outside the venv, it still works
+        logs = Path(next(line.split()[1] for line in lines if line.strip().startswith("logs ")))
 
         body = {"stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60) as r:
@@ -43,12 +50,36 @@ def test_demo_serves_a_stream_and_sigterm_stops_every_child() -> None:
         assert "data: [DONE]" in text
         assert httpx.get(f"http://127.0.0.1:{port}/dashboard", timeout=10).status_code == 200
 
+        # a long stream still in flight when the demo is stopped: the agents have something to drain
+        started = threading.Event()
+
+        def stream_until_cut() -> None:
+            long = {**body, "max_tokens": 4000}
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url, json=long, timeout=60) as r:
+                for _ in r.iter_raw():
+                    started.set()
+            started.set()
+
+        streaming = threading.Thread(target=stream_until_cut, daemon=True)
+        streaming.start()
+        assert started.wait(30)
         descendants = psutil.Process(demo.pid).children(recursive=True)
         assert len(descendants) >= 5  # redis, 2 sims, 2 agents, router
-        demo.send_signal(signal.SIGTERM)
+        if stop == "sigterm":
+            demo.send_signal(signal.SIGTERM)
+        else:  # a terminal's Ctrl-C: SIGINT to the demo's whole process group
+            os.killpg(demo.pid, signal.SIGINT)
         assert demo.wait(60) == 0
+        streaming.join(30)
         _gone, alive = psutil.wait_procs(descendants, timeout=30)
         assert not alive, [p.pid for p in alive]
+        # every agent left the pool its graceful way: one signal each, Redis still there to leave through
+        agent_logs = [path.read_text() for path in logs.glob("agent-*.log")]
+        assert len(agent_logs) == 2
+        for text in agent_logs:
+            assert "second signal" not in text, text
+            assert "redis unreachable" not in text and "could not remove" not in text, text
     finally:
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)

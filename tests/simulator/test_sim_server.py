@@ -157,3 +157,11 @@ def test_bad_flags_exit_2_with_one_line() -> None:
         assert result.returncode == 2, args
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_environment_fills_the_flags_not_given(sim: SimFactory) -> None:
+    env = {"MACPOOL_SIM_SPEED": "40", "MACPOOL_SIM_METRICS": "true", "MACPOOL_SIM_PARALLEL": "3"}
+    server = sim("--parallel", "2", env=env)  # a flag still wins over the environment
+    assert httpx.get(server.url + "/sim/stats").json()["speed"] == 40.0
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert len(httpx.get(server.url + "/slots").json()) == 2
