@@ -44,7 +44,7 @@ def prefix_hashes(path: str, payload: dict[str, Any], model: str) -> tuple[str, 
         return ()
     if not parts:
         return ()
-    chain = hashlib.blake2b(model.encode(), digest_size=8).digest()
+    chain = hashlib.blake2b(model.encode(errors="surrogatepass"), digest_size=8).digest()
     hashes = []
     size = 0
     for part in parts:
@@ -60,15 +60,19 @@ def prefix_hashes(path: str, payload: dict[str, Any], model: str) -> tuple[str, 
 def _messages(messages: Any) -> list[bytes]:
     if not isinstance(messages, list):
         return []
-    return [json.dumps(m, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-            for m in messages]
+    # surrogatepass: a lone surrogate is a valid JSON escape; the body is forwarded as sent either way
+    return [_canonical(m).encode(errors="surrogatepass") for m in messages]
+
+
+def _canonical(message: Any) -> str:
+    return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def _blocks(prompt: Any) -> list[bytes]:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]  # OpenAI's batched form with a single prompt
     if isinstance(prompt, str):
-        data = prompt.encode()
+        data = prompt.encode(errors="surrogatepass")
         return [data[i:i + BLOCK_BYTES] for i in range(0, len(data) - BLOCK_BYTES + 1, BLOCK_BYTES)]
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return [json.dumps(prompt[i:i + BLOCK_TOKENS]).encode()

@@ -15,6 +15,9 @@ from typing import Any, cast
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -80,14 +83,7 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        # a blocking pool waits for a free connection under a burst instead of failing the request
-        # (redis-py's default pool raises MaxConnectionsError at 100 connections)
-        redis = Redis.from_pool(
-            BlockingConnectionPool.from_url(
-                self.settings.redis_url, max_connections=512, timeout=5.0,
-                socket_connect_timeout=2.0, socket_timeout=5.0,
-            )
-        )
+        redis = redis_client(self.settings)
         transport = new_transport()
         tenants = [key.tenant for key in self.api_keys.keys] or [ANONYMOUS]
         pool = PoolView(self.settings, redis, self.keys, tenants)
@@ -284,6 +280,21 @@ class Router:
         return routes + _dashboard_routes(self)
 
 
+def redis_client(settings: Settings) -> Redis:
+    """The router's Redis client: one pool shared by the request path and the pool view."""
+    # a blocking pool waits for a free connection under a burst instead of failing the request (redis-py's
+    # default pool raises MaxConnectionsError at 100 connections). A pooled connection that a restarted
+    # Redis has closed fails its next command: that command is retried once on a new connection (it never
+    # ran) instead of failing one client request per dead connection.
+    return Redis.from_pool(
+        BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=512, timeout=5.0,
+            socket_connect_timeout=2.0, socket_timeout=5.0,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )
+    )
+
+
 def create_app(settings: Settings) -> Starlette:
     """The router application for ``settings``; services open and close with its lifespan."""
     router = Router(settings)
@@ -335,9 +346,16 @@ def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str, bool
         raise BadRequest(400, "the request body is nested too deeply", "invalid_json") from None
     if not isinstance(payload, dict):
         raise BadRequest(400, "the request body must be a JSON object", "invalid_request")
-    model = payload.get("model") or default_model
+    model = payload.get("model")
+    if model is None or model == "":
+        model = default_model
     if not isinstance(model, str):
         raise BadRequest(400, "`model` must be a string", "invalid_model")
+    if not model.isascii():
+        try:
+            model.encode()
+        except UnicodeEncodeError:  # a lone surrogate (a valid JSON escape, not a valid string)
+            raise BadRequest(400, "`model` is not valid Unicode", "invalid_model") from None
     return payload, model, payload.get("stream") is True
 
 

@@ -38,7 +38,9 @@ FLAGS: dict[str, tuple[type, str]] = {
     "batch-queue-share": (float, "share of the queue batch requests may occupy (0: batch never queues)"),
     "key-max-concurrency": (int, "requests in flight (and queued) per API key, 429 above (0: no limit)"),
     "connect-timeout": (float, "seconds to connect to an agent"),
-    "first-byte-timeout": (float, "seconds from sending a request to its first response byte"),
+    "first-byte-timeout": (float, "seconds from sending a streamed request to its first response byte"),
+    "response-timeout": (float, "seconds from sending a non-streamed request to its answer (it arrives "
+                                "whole, after the whole generation)"),
     "idle-timeout": (float, "seconds allowed between two chunks of a response"),
     "max-attempts": (int, "nodes tried per request before giving up (failover before the first byte)"),
     "key-prefix": (str, "prefix of every Redis key"),

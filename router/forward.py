@@ -193,7 +193,7 @@ class Forwarder:
                                 headers=self._upstream_headers(call), extensions=self._extensions)
         upstream: httpx.Response | None = None
         try:
-            async with asyncio.timeout(self.settings.first_byte_timeout):
+            async with asyncio.timeout(self._first_byte_timeout(call)):
                 upstream = await self.transport.handle_async_request(request)
                 upstream.request = request
                 self.pool.connected(node.node_id)
@@ -214,7 +214,8 @@ class Forwarder:
             self.pool.connect_failed(node.node_id)  # a hung node: stop sending it traffic
             self._upstream_error(node.node_id, "first_byte_timeout")
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="504").inc()
-            return error_response(504, "the node did not answer within the first-byte timeout",
+            which = "first-byte" if call.stream else "response"
+            return error_response(504, f"the node did not answer within the {which} timeout",
                                   "upstream_timeout")
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
             if upstream is not None:
@@ -238,6 +239,10 @@ class Forwarder:
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
             return error_response(502, "the node refused the router's agent token", "upstream_auth")
         return Relay(self, call, lease, upstream, first, chunks)
+
+    def _first_byte_timeout(self, call: Call) -> float:
+        """A stream's first byte comes with its first token; a non-streamed answer's with its last."""
+        return self.settings.first_byte_timeout if call.stream else self.settings.response_timeout
 
     async def _failed_before_first_byte(
         self, call: Call, lease: Lease, upstream: httpx.Response | None, exc: httpx.HTTPError
@@ -296,9 +301,7 @@ class Relay(Response):
         self.chunks = chunks
         self.status_code = upstream.status_code
         content_type = upstream.headers.get("content-type", "")
-        self.streaming = content_type.startswith("text/event-stream") or (
-            call.stream and upstream.status_code == 200
-        )
+        self.streaming = content_type.startswith("text/event-stream")
         self.outcome = str(upstream.status_code)
         self.ended = True  # the last chunk relayed closed its SSE event
         self.background = None
@@ -311,7 +314,7 @@ class Relay(Response):
         headers = [(k, v) for k, v in raw if k not in drop]
         if self.streaming:
             headers = [(k, v) for k, v in headers if k not in (b"content-type", b"cache-control",
-                                                               b"content-length")]
+                                                               b"content-length", b"x-accel-buffering")]
             headers += [(b"content-type", b"text/event-stream"), *_SSE_HEADERS]
         headers += [(b"x-request-id", self.call.request_id.encode()),
                     (b"x-macpool-node", self.lease.node.node_id.encode())]

@@ -106,7 +106,11 @@ def demand_of(pool: dict[str, Any]) -> tuple[float, float]:
     # (the router's requests_per_s counts every arrival, the rejected ones too).
     admitted = requests - rejections
     hold_s = busy / admitted if admitted > 0 and busy > 0 else 1.0
-    rejected = rejections * hold_s
+    # A client retrying sooner than that is counted once per retry (the router cannot tell a retry from a
+    # new request), so a few impatient clients could ask for dozens of Macs: the turned-away part counts at
+    # most the pool's current capacity - desired nodes at most double per step, and keep growing while the
+    # pool stays full.
+    rejected = min(rejections * hold_s, max(_num(pool, "capacity"), 1.0))
     return busy + queued + rejected, rejected
 
 

@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     request_read_timeout: float = Field(default=30.0, gt=0)
     connect_timeout: float = Field(default=2.0, gt=0)
     first_byte_timeout: float = Field(default=120.0, gt=0)
+    # a non-streamed answer's first byte comes with its last: the whole generation is the wait
+    response_timeout: float = Field(default=600.0, gt=0)
     idle_timeout: float = Field(default=60.0, gt=0)
     max_attempts: int = Field(default=3, ge=1)
     agent_token: str = ""

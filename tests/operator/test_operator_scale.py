@@ -44,6 +44,9 @@ def test_scale_up_needs_the_demand_to_last_and_down_needs_longer() -> None:
     assert advisor.observe(view(busy=4), now=13).desired_nodes == 7  # quiet for a moment: hold
     assert advisor.observe(view(busy=4), now=40).desired_nodes == 7
     assert advisor.observe(view(busy=4), now=74).desired_nodes == 1
+    # clients retrying every 10 ms: 100 refusals/s x 4 s would be 400 slots; counted as the pool's 16 at most
+    impatient = ScaleAdvisor(ScaleConfig(up_delay_s=0, down_delay_s=0))
+    assert impatient.observe(view(busy=16, rejections=100.0, requests=104.0), now=0).desired_nodes == 5
     # in the band between 50% and 80% of the current nodes nothing moves, however long it lasts
     band = ScaleAdvisor(ScaleConfig(up_delay_s=0, down_delay_s=0))
     band.observe(view(busy=10), now=0)

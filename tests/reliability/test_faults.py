@@ -85,6 +85,8 @@ def test_hung_node_opens_the_circuit_and_comes_back(rig: Rig) -> None:
     router = rig.router(
         "--first-byte-timeout",
         "1.5",
+        "--response-timeout",  # the probes below are not streamed
+        "1.5",
         "--idle-timeout",
         "1.5",
         "--circuit-failures",

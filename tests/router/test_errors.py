@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +135,40 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
             assert f"# TYPE {name}" in metrics, name
         assert 'macpool_rejections_total{reason="no_nodes"} 2.0' in metrics
         wait_until(lambda: 'macpool_pool_slots{state="total"} 2.0' in client.get("/metrics").text)
+
+
+def test_odd_bodies_and_answers_relayed_as_they_are(pool: Pool) -> None:
+    router = pool.router("--queue-size", "0")
+    pool.node("n1", cap=4)
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+    chat = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    lone = b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        # a lone surrogate is a valid JSON escape: forwarded as sent (the prompt-prefix hash copes)
+        assert client.post("/v1/chat/completions", content=lone % model.encode()).status_code == 200
+        _error(client.post("/v1/chat/completions", content=b'{"model": "\\udc80"}'), 400, "invalid_model")
+        for bad in (0, False, [], {}):  # not "no model": a wrong one
+            _error(client.post("/v1/chat/completions", json={**chat, "model": bad}), 400, "invalid_model")
+        # an answer keeps its own type: JSON for a request that asked for a stream the endpoint has not
+        embedded = client.post("/v1/embeddings", json={"model": model, "input": "hello", "stream": True})
+        assert embedded.status_code == 200
+        assert embedded.headers["content-type"].startswith("application/json")
+        assert embedded.json()["data"][0]["embedding"]
+        with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as streamed:
+            assert streamed.headers.get_list("x-accel-buffering") == ["no"]
+            assert "data: [DONE]" in streamed.read().decode()
+
+
+def test_a_non_streamed_answer_may_take_longer_than_the_first_byte_timeout(pool: Pool) -> None:
+    # its first byte comes with its last: the router waits --response-timeout for it
+    router = pool.router("--first-byte-timeout", "0.5", "--queue-size", "0")
+    pool.node("n1", cap=2, speed=1.0)
+    pool.wait_ready(router, nodes=1)
+    body = {"model": pool.model(router), "max_tokens": 120, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=router.url, timeout=60) as client:
+        started = time.monotonic()
+        answer = client.post("/v1/chat/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        assert time.monotonic() - started > 0.5  # it did outlast the first-byte timeout
+        assert answer.json()["usage"]["completion_tokens"] == 120
