@@ -155,7 +155,7 @@ class Router:
             model=model,
             stream=stream,
             headers=[(k.lower(), v) for k, v in headers],
-            request_id=request_id or uuid.uuid4().hex,
+            request_id=_usable_request_id(request_id) or uuid.uuid4().hex,
             arrived=arrived,
             ticket=ticket,
         )
@@ -334,6 +334,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise BadRequest(413, f"request body over the {limit}-byte limit", "request_too_large")
         parts.append(chunk)
     return b"".join(parts)
+
+
+def _usable_request_id(value: str | None) -> str | None:
+    """A client's X-Request-ID, when it is short printable ASCII (it is echoed, forwarded and logged)."""
+    if value and len(value) <= 200 and value.isascii() and value.isprintable():
+        return value
+    return None
 
 
 def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str, bool]:

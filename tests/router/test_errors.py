@@ -155,6 +155,9 @@ def test_odd_bodies_and_answers_relayed_as_they_are(pool: Pool) -> None:
         assert embedded.status_code == 200
         assert embedded.headers["content-type"].startswith("application/json")
         assert embedded.json()["data"][0]["embedding"]
+        # a request id that is not printable ASCII is replaced, not echoed garbled
+        odd = client.post("/v1/chat/completions", json=chat, headers={"X-Request-ID": b"\xff\xfeid"})
+        assert odd.status_code == 200 and len(odd.headers["x-request-id"]) == 32
         with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as streamed:
             assert streamed.headers.get_list("x-accel-buffering") == ["no"]
             assert "data: [DONE]" in streamed.read().decode()
