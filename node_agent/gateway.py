@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator
 
@@ -36,6 +37,8 @@ _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "x-conversation-id"}
 _DROP_REQUEST_RAW = frozenset(name.encode("latin-1") for name in _DROP_REQUEST)
 _DROP_RESPONSE_RAW = frozenset(name.encode("latin-1") for name in HOP_BY_HOP | {"server", "date"})
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
+
+log = logging.getLogger("macpool.agent")
 
 
 def _connection_listed(connection: str | None) -> set[str]:
@@ -80,6 +83,8 @@ def _is_stream(upstream: httpx.Response) -> bool:
 class ProxyResponse(StreamingResponse):
     """Streams the upstream body; releases the slot and closes upstream exactly once, on every path."""
 
+    guard: Guard | None = None  # the request's own, when it has one already (``Gateway.generate``)
+
     def __init__(
         self, upstream: httpx.Response, runtime: Runtime, started: float, endpoint: str, release: bool
     ) -> None:
@@ -123,7 +128,7 @@ class ProxyResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Starlette's StreamingResponse would run an anyio task group of two tasks per response; one plain
         # task watching for the client's disconnect does the same job (macpool/asgi.py Guard)
-        guard = Guard(receive)
+        guard = self.guard or Guard(receive)
         try:
             try:
                 await send({"type": "http.response.start", "status": self.status_code,
@@ -181,71 +186,84 @@ class Gateway:
         return error_response(503, message, code, headers={"Retry-After": "1", "X-Macpool-Reason": code})
 
     async def generate(self, request: Request) -> Response:
-        """A generation request: counts against the cap for as long as its response is open."""
-        runtime = self.runtime
+        """A generation request: counts against the cap from when its body is in until its response ends."""
         if not self._authorized(request):
-            runtime.metrics.rejections.labels("unauthorized").inc()
+            self.runtime.metrics.rejections.labels("unauthorized").inc()
             return error_response(401, "missing or wrong agent token", "invalid_agent_token")
+        refusal = self._refusal()  # a full node says so before reading the body
+        if refusal is not None:
+            return refusal
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            return self._client_gone(request)
+        # asked again now that the body is in: a client that stalls its body must not hold a slot meanwhile
         refusal = self._refusal()
         if refusal is not None:
             return refusal
-        runtime.in_flight += 1  # checked and taken with no await in between: atomic on one event loop
-        runtime.metrics.in_flight.set(runtime.in_flight)
-        handed_over = False
-        # TTFT counts from here: llama-server sends its response headers only with the first token
-        started = time.perf_counter()
+        self._take_slot()  # checked and taken with no await in between: atomic on one event loop
+        # llama-server sends its response head only with the first token, so the wait for it covers the
+        # prefill (and, passed through, a whole non-streamed generation): the client is watched from here
+        guard = Guard(request.receive)
+        response: Response | None = None
         try:
-            body = await request.body()
-            streamed = unstream.streamed_body(request.scope["path"], body)
-            upstream = await self._send(request, streamed or body)
-            if isinstance(upstream, Response):
-                return upstream
-            if streamed is not None and _is_stream(upstream):
-                return await self._assembled(request, upstream, body, started)
-            handed_over = True  # from here the response releases the slot when it ends
-            return ProxyResponse(upstream, runtime, started, request.scope["path"], release=True)
-        except ClientDisconnect:
-            return Response(status_code=499)
+            response = await self._forward(request, body)
+        except asyncio.CancelledError:
+            guard.finish()
+            if not guard.claim():
+                raise
+            response = self._client_gone(request)  # cancelled, the upstream connection is closed
         finally:
-            if not handed_over:
-                runtime.in_flight -= 1
-                runtime.metrics.in_flight.set(runtime.in_flight)
+            if isinstance(response, ProxyResponse):
+                response.guard = guard  # the same watch goes on; the response releases the slot when it ends
+            else:
+                guard.finish()  # on every other path (an error included: its answer must not be cancelled)
+                self._release_slot()
+        return response
+
+    async def _forward(self, request: Request, body: bytes) -> Response:
+        """The upstream's answer to the request: relayed, or assembled from a stream asked for instead."""
+        started = time.perf_counter()  # TTFT counts from here: llama-server's head comes with the first token
+        endpoint: str = request.scope["path"]
+        streamed = unstream.streamed_body(endpoint, body)
+        upstream = await self._send(request, streamed or body)
+        if isinstance(upstream, Response):
+            return upstream
+        if streamed is not None and _is_stream(upstream):
+            return await self._assembled(upstream, endpoint, body, started)
+        return ProxyResponse(upstream, self.runtime, started, endpoint, release=True)
+
+    def _take_slot(self) -> None:
+        self.runtime.in_flight += 1
+        self.runtime.metrics.in_flight.set(self.runtime.in_flight)
+
+    def _release_slot(self) -> None:
+        self.runtime.in_flight -= 1
+        self.runtime.metrics.in_flight.set(self.runtime.in_flight)
+
+    def _client_gone(self, request: Request) -> Response:
+        self.runtime.metrics.requests.labels(request.scope["path"], "499").inc()
+        return Response(status_code=499)  # nobody reads this
 
     async def _assembled(
-        self, request: Request, upstream: httpx.Response, body: bytes, started: float
+        self, upstream: httpx.Response, endpoint: str, body: bytes, started: float
     ) -> Response:
         """Collect a stream asked for on the client's behalf into one JSON reply (see unstream.py).
 
-        The client's connection is watched meanwhile: if it goes, the upstream stream is closed at once,
-        which is what makes llama-server cancel the task and free the slot.
+        The request's guard watches the client meanwhile: if it goes, the collection is cancelled and the
+        upstream stream closed at once, which is what makes llama-server cancel the task and free the slot.
         """
-        endpoint = request.scope["path"]
         assembler = unstream.Assembler(endpoint)
-
-        async def collect() -> None:
+        try:
             async for line in upstream.aiter_lines():
                 if assembler.events == 0 and line.startswith("data: "):
                     self.runtime.ttft_samples.append(time.perf_counter() - started)
                 assembler.feed_line(line)
-
-        async def client_gone() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        collecting = asyncio.create_task(collect())
-        watching = asyncio.create_task(client_gone())
-        try:
-            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (collecting, watching):
-                task.cancel()
-            await asyncio.gather(collecting, watching, return_exceptions=True)
-            await upstream.aclose()
-        if not collecting.done() or collecting.cancelled():
-            return Response(status_code=499)  # the client left; nobody reads this
-        if collecting.exception() is not None:
+        except httpx.HTTPError:
             self.runtime.metrics.upstream_errors.labels("mid_response").inc()
             return error_response(502, "llama-server failed mid-response", "upstream_midstream")
+        finally:
+            await upstream.aclose()
         if assembler.error is not None:
             code = assembler.error.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
@@ -266,7 +284,7 @@ class Gateway:
         try:
             upstream = await self._send(request, await request.body())
         except ClientDisconnect:
-            return Response(status_code=499)
+            return self._client_gone(request)
         if isinstance(upstream, Response):
             return upstream
         started, endpoint = time.perf_counter(), request.scope["path"]
@@ -331,6 +349,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(status, message, {404: "not_found", 405: "method_not_allowed"}.get(status, "error"))
 
 
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal agent error", "internal_error")
+
+
 def create_app(runtime: Runtime) -> Starlette:
     """The gateway app over one agent's runtime state."""
     gateway = Gateway(runtime)
@@ -343,4 +366,5 @@ def create_app(runtime: Runtime) -> Starlette:
     ]
     # the generation POSTs skip Starlette's routing and per-send middleware wrappers (macpool/asgi.py)
     direct = dict.fromkeys(PROXIED, gateway.generate)
-    return DirectPosts(direct, routes=routes, exception_handlers={HTTPException: _http_error})
+    return DirectPosts(direct, on_error=_internal_error, routes=routes,
+                       exception_handlers={HTTPException: _http_error, Exception: _internal_error})

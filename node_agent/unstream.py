@@ -23,9 +23,9 @@ def streamed_body(endpoint: str, body: bytes) -> bytes | None:
         return None
     try:
         request = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deeply for Python's parser
         return None  # llama-server answers malformed JSON with its own 400
-    if not isinstance(request, dict) or request.get("stream") or int(request.get("n") or 1) != 1:
+    if not isinstance(request, dict) or request.get("stream") or not _one_choice(request.get("n")):
         return None
     if any(request.get(name) for name in _UNSUPPORTED):
         return None
@@ -33,6 +33,11 @@ def streamed_body(endpoint: str, body: bytes) -> bytes | None:
     if endpoint != "/completion":
         request["stream_options"] = {"include_usage": True}
     return json.dumps(request).encode()
+
+
+def _one_choice(n: object) -> bool:
+    # anything but a plain 1 (absent meaning 1) is llama-server's to answer, a bad value with its own 400
+    return n is None or (type(n) is int and n == 1)
 
 
 class Assembler:

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
+import socket
+import string
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from macpool.contract import heartbeat_ttl_ms
 from macpool.redis_server import RedisServer, free_port
-from tests.conftest import Server
+from node_agent.gateway import create_app
+from node_agent.runtime import Runtime
+from node_agent.settings import AgentSettings
+from tests.conftest import Server, metric
 from tests.conftest import chat as shared_chat
 from tests.node_agent.helpers import (
     AgentFactory,
@@ -27,6 +35,7 @@ from tests.node_agent.helpers import (
 )
 
 SimFactory = Callable[..., Server]
+CHAT = "/v1/chat/completions"
 
 
 def chat(max_tokens: int, stream: bool = True) -> dict[str, Any]:
@@ -211,3 +220,138 @@ def test_gguf_estimate_and_openai_shaped_errors(
         assert response.status_code == 404
         assert json.loads(response.text)["error"]["code"] == "not_found"
     assert httpx.get(gateway.url + "/v1/chat/completions").status_code == 405
+
+
+def _words(count: int, seed: int) -> str:
+    """A random text: no two prompts share a prefix, so the simulator prefills every one in full."""
+    rng = random.Random(seed)
+    return " ".join("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 8))) for _ in range(count))
+
+
+def _raw_request(url: str, body: bytes, sent: int | None = None) -> socket.socket:
+    """A client socket that has sent a POST (its body's first ``sent`` bytes only, when given)."""
+    port = int(url.rsplit(":", 1)[1])
+    client = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    client.sendall(head + body[:sent])
+    return client
+
+
+def _prefilling(url: str, count: int) -> None:
+    """Wait for ``count`` tasks, then 1.5 s more: still prefilling (no token yet, so no response head)."""
+    wait_until(lambda: sim_stats(url)["processing"] == count, timeout=10, what="prefill")
+    time.sleep(1.5)
+    stats = sim_stats(url)
+    assert (stats["processing"], stats["tokens_predicted_total"]) == (count, 0), stats
+
+
+def test_client_gone_before_the_first_byte_frees_the_slot_at_once(
+    sim: SimFactory, agent: AgentFactory
+) -> None:
+    # two long prefills (~10 s each at --speed 0.2) fill a --cap 2 agent; their clients leave after 1.5 s
+    upstream = sim("--parallel", "4", "--speed", "0.2", "--metrics")
+    gateway = agent("--upstream", upstream.url, "--cap", "2")
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    # one asks for a stream, one not (the agent asks llama-server for a stream on its behalf)
+    bodies = [{**chat(50, stream), "messages": [{"role": "user", "content": _words(4000, seed)}]}
+              for seed, stream in ((1, True), (2, False))]
+    clients = [_raw_request(gateway.url, json.dumps(body).encode()) for body in bodies]
+    _prefilling(upstream.url, 2)
+    assert status(gateway.url)["in_flight"] == 2
+    for client in clients:
+        client.close()
+    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=0.5, what="agent slots freed")
+    wait_until(lambda: sim_stats(upstream.url)["processing"] == 0, timeout=0.5, what="upstream cancelled")
+    assert sim_stats(upstream.url)["cancelled"] == 2
+    assert metric(gateway.url, f'macpool_agent_requests_total{{endpoint="{CHAT}",status="499"}}') == 2
+    # the node takes the next request instead of calling itself full
+    assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5, stream=False)).status_code == 200
+
+
+def test_client_gone_while_a_reply_is_assembled_frees_the_slot_at_once(
+    sim: SimFactory, agent: AgentFactory
+) -> None:
+    upstream = sim("--parallel", "4", "--speed", "0.2", "--metrics")
+    gateway = agent("--upstream", upstream.url, "--cap", "1")
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    client = _raw_request(gateway.url, json.dumps(chat(3000, stream=False)).encode())
+    wait_until(lambda: sim_stats(upstream.url)["tokens_predicted_total"] > 0, timeout=10, what="tokens")
+    assert status(gateway.url)["in_flight"] == 1
+    client.close()
+    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=0.5, what="agent slot freed")
+    wait_until(lambda: sim_stats(upstream.url)["processing"] == 0, timeout=0.5, what="upstream cancelled")
+    assert sim_stats(upstream.url)["cancelled"] == 1
+    assert metric(gateway.url, f'macpool_agent_requests_total{{endpoint="{CHAT}",status="499"}}') == 1
+
+
+def test_client_gone_from_a_passed_through_request_frees_the_slot_at_once(
+    sim: SimFactory, agent: AgentFactory
+) -> None:
+    # logprobs: passed through as asked (not streamed), so llama-server sends nothing until it is done
+    upstream = sim("--parallel", "4", "--speed", "0.2", "--metrics")
+    gateway = agent("--upstream", upstream.url, "--cap", "1")
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    body = {**chat(1000, stream=False), "logprobs": True}
+    client = _raw_request(gateway.url, json.dumps(body).encode())
+    wait_until(lambda: sim_stats(upstream.url)["processing"] == 1, timeout=10, what="generating")
+    time.sleep(1.5)
+    assert status(gateway.url)["in_flight"] == 1
+    client.close()
+    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=0.5, what="agent slot freed")
+    wait_until(lambda: sim_stats(upstream.url)["processing"] == 0, timeout=0.5, what="upstream cancelled")
+    assert sim_stats(upstream.url)["cancelled"] == 1
+
+
+def test_a_stalled_request_body_takes_no_slot(sim: SimFactory, agent: AgentFactory) -> None:
+    upstream = sim("--parallel", "4", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url, "--cap", "1")
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    body = json.dumps(chat(5, stream=False)).encode()
+    stalled = _raw_request(gateway.url, body, sent=len(body) // 2)  # headers in, half the body, then nothing
+    try:
+        time.sleep(0.3)
+        assert status(gateway.url)["in_flight"] == 0
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5, stream=False)).status_code == 200
+        # the rest of the body arrives at last: the request is served like any other
+        stalled.sendall(body[len(body) // 2 :])
+        assert stalled.recv(65536).startswith(b"HTTP/1.1 200 ")
+    finally:
+        stalled.close()
+    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=2, what="slot released")
+
+
+def test_a_malformed_n_is_passed_through(sim: SimFactory, agent: AgentFactory) -> None:
+    upstream = sim("--parallel", "2", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url)
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    for n in ('"abc"', "[1]", "1e400"):  # a string, a list, a float that overflows int()
+        body = json.dumps(chat(5, stream=False))[:-1] + f', "n": {n}}}'
+        response = httpx.post(gateway.url + "/v1/chat/completions", content=body,
+                              headers={"Content-Type": "application/json"})
+        # llama-server answers such an n with its own 400; the simulator ignores n: either way, not ours
+        assert response.status_code == 200, (n, response.text)
+        assert response.json()["object"] == "chat.completion"
+    assert status(gateway.url)["in_flight"] == 0
+
+
+def test_an_unexpected_error_is_answered_as_openai_json_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    # nothing real fails this way on purpose: an upstream transport that raises stands in for a bug
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("a bug in the gateway")
+
+    transport = httpx.MockTransport(broken)
+    runtime = Runtime(AgentSettings(upstream="http://upstream"), upstream_url="http://upstream",
+                      http=httpx.AsyncClient(transport=transport), upstream_transport=transport,
+                      state="ready", capacity=1, admitting=True)
+    with TestClient(create_app(runtime), raise_server_exceptions=False) as client:
+        response = client.post(CHAT, json=chat(5, stream=False))
+    assert response.status_code == 500
+    assert response.json()["error"] == {
+        "message": "internal agent error", "type": "server_error", "code": "internal_error"
+    }
+    assert runtime.in_flight == 0
+    logged = [record.exc_info[1] for record in caplog.records if record.exc_info]
+    assert any("a bug in the gateway" in str(exc) for exc in logged)

@@ -74,9 +74,18 @@ def test_tool_calls_and_errors_fold() -> None:
         ("/v1/chat/completions", b'{"messages": [], "stream": true}', False),  # already a stream
         ("/v1/chat/completions", b'{"messages": [], "logprobs": true}', False),  # folds unfaithfully
         ("/v1/chat/completions", b'{"messages": [], "n": 2}', False),
+        ("/v1/chat/completions", b'{"messages": [], "n": 1}', True),
+        ("/v1/chat/completions", b'{"messages": [], "n": null}', True),  # llama-server's default, 1
+        # anything but a plain int 1 is llama-server's to judge (these used to crash the agent)
+        ("/v1/chat/completions", b'{"messages": [], "n": "abc"}', False),
+        ("/v1/chat/completions", b'{"messages": [], "n": [1]}', False),
+        ("/v1/chat/completions", b'{"messages": [], "n": 1e400}', False),
+        ("/v1/chat/completions", b'{"messages": [], "n": true}', False),
+        ("/v1/chat/completions", b'{"messages": [], "n": 1.0}', False),
         ("/v1/embeddings", b'{"input": "x"}', False),
         ("/completion", b'{"prompt": "x"}', True),
         ("/v1/completions", b"{not json", False),  # llama-server's own 400
+        ("/v1/completions", b"[" * 100_000, False),  # too deep for Python's parser: llama-server's to judge
     ],
 )
 def test_which_requests_are_streamed_upstream(endpoint: str, body: bytes, streams: bool) -> None:
