@@ -345,8 +345,10 @@ class Gateway:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
+    headers = dict(exc.headers) if isinstance(exc, HTTPException) and exc.headers else None  # 405's Allow
     message = {404: "not found", 405: "method not allowed"}.get(status, "error")
-    return error_response(status, message, {404: "not_found", 405: "method_not_allowed"}.get(status, "error"))
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "error")
+    return error_response(status, message, code, headers=headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

@@ -219,7 +219,8 @@ def test_gguf_estimate_and_openai_shaped_errors(
         response = httpx.get(gateway.url + path)
         assert response.status_code == 404
         assert json.loads(response.text)["error"]["code"] == "not_found"
-    assert httpx.get(gateway.url + "/v1/chat/completions").status_code == 405
+    wrong_method = httpx.get(gateway.url + "/v1/chat/completions")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
 
 
 def _words(count: int, seed: int) -> str:
