@@ -1,15 +1,24 @@
-"""The router's HTTP protocol: uvicorn's httptools protocol, its response heads corked (macpool/corked.py),
-with two additions.
+"""The HTTP protocol of the router and the agent: uvicorn's httptools protocol, its response heads corked
+(macpool/corked.py), with these additions.
 
-1. Cut off clients that trickle their request in. uvicorn bounds an idle keep-alive connection, but not
+1. Bounds on a request's head. uvicorn and httptools take a request line and header fields of any size and
+   number, and keep them whole until the head ends: one 50 MB header costs the process 50 MB, for good. Here
+   a head over ``HeadLimits.head_bytes`` is answered ``431`` and a request target over
+   ``HeadLimits.url_bytes`` ``414`` the moment the bound is crossed, without reading further, and a head
+   with more than ``HeadLimits.fields`` fields ``431`` when it ends.
+2. Requests the HTTP parser refuses (an unknown method, a control character in a header, Content-Length with
+   Transfer-Encoding, ...) get the ``400`` uvicorn gives them, with an OpenAI-shaped JSON body instead of its
+   plain text. Every such answer ends the connection: it is half-closed and what the client still sends is
+   read and dropped for up to ``LINGER_S``, so a client still sending does not lose the answer to a reset.
+3. Cut off clients that trickle their request in. uvicorn bounds an idle keep-alive connection, but not
    the time a client may take to send a request's headers and body, so a slowloris client holds a socket
    (and, once its headers are in, a request handler) for as long as it likes. This protocol closes a
    connection whose request is not fully received within ``timeout`` seconds of its first byte (or of the
    connection, for a client that sends nothing).
-2. Early answers: while the application says it may refuse requests from memory (the router under
-   overload: Redis has just said every node is full), a POST to one of its paths is held until its body is
-   in and offered to the application *before* any ASGI machinery exists for it (no scope, no task, no
-   receive/send). When the application answers, the response is written straight to the socket; when it
+4. Early answers (the router): while the application says it may refuse requests from memory (the router
+   under overload: Redis has just said every node is full), a POST to one of its paths is held until its
+   body is in and offered to the application *before* any ASGI machinery exists for it (no scope, no task,
+   no receive/send). When the application answers, the response is written straight to the socket; when it
    declines (anything but a refusal it can decide at once: a bad key, a bad body, a model with room), the
    request goes through ASGI exactly as if it had never been held. Refusing is what an overloaded router
    does most, and this is where it costs least (docs/benchmarks.md, "Rejections below ASGI").
@@ -19,14 +28,171 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from dataclasses import dataclass
 from typing import Protocol
 
+import httptools
 from starlette.responses import Response
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from macpool.corked import CorkedProtocol
+from macpool.errors import error_body
 
 log = logging.getLogger("macpool.router")
+
+
+@dataclass(frozen=True)
+class HeadLimits:
+    """Bounds on one request's head."""
+
+    head_bytes: int  # the request line and the header fields, as received
+    fields: int  # header fields
+    url_bytes: int  # the request target
+
+
+# What a client may send the router. nginx answers 414 for a request line over 8 KiB and 431 past its
+# 4 x 8 KiB header buffers; most servers allow about 64 KiB and 100 fields. An OpenAI client sends about a
+# dozen short fields.
+MAX_HEAD_BYTES = 64 * 1024
+MAX_HEADER_FIELDS = 128
+MAX_URL_BYTES = 8 * 1024
+ROUTER_HEAD_LIMITS = HeadLimits(MAX_HEAD_BYTES, MAX_HEADER_FIELDS, MAX_URL_BYTES)
+# An agent's clients are routers, which forward a client's head with a few fields of their own (X-Request-ID,
+# X-Macpool-Token, its own Host and Content-Length): room for those, so no request a router took is refused.
+AGENT_HEAD_LIMITS = HeadLimits(MAX_HEAD_BYTES + 4096, MAX_HEADER_FIELDS + 16, MAX_URL_BYTES)
+# How long a refused client's remaining bytes are read and dropped before the connection is closed: long
+# enough for what it had in flight to arrive, short enough that a client cannot hold the socket.
+LINGER_S = 2.0
+
+
+class Refusal(Exception):
+    """An answer to a request that will not be read whole; raised from a parser callback, it stops the
+    parser."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class GuardedProtocol(CorkedProtocol):
+    """Corked httptools with bounds on each request's head (``limits``) and JSON answers to the requests it
+    refuses. It must come first in a subclass's bases: it counts on seeing every parser callback."""
+
+    limits = ROUTER_HEAD_LIMITS
+    _head_size = 0  # bytes received of the current request's head
+    _head_in = False  # the current request's head has ended (its body, if any, follows)
+    _since_body = 0  # bytes received after the head without a byte of body: a chunked body's trailer, if many
+    _refused = False  # answered and ending: what the client still sends is dropped
+    _linger: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._head_in:
+            self._read_body(data)
+            return
+        room = self.limits.head_bytes - self._head_size
+        fits = data if len(data) <= room else data[:room]
+        # counted before parsing: a request that ends within ``fits`` starts the next head's count at zero
+        # (its bytes in this read go uncounted, so a bound may be passed by at most one read)
+        self._head_size += len(fits)
+        super().data_received(fits)
+        if len(fits) == len(data) or self._refused or self.transport.is_closing():
+            return
+        if self._head_in or self._head_size < self.limits.head_bytes:
+            self.data_received(data[room:])  # the head ended within what fitted: the rest is read as usual
+        else:
+            message = f"Request header fields over {self.limits.head_bytes} bytes"
+            self._refuse(Refusal(431, "headers_too_large", message))
+
+    def _read_body(self, data: bytes) -> None:
+        # A trailer's fields (after a chunked body's last chunk) are kept whole by httptools too, like the
+        # head's: they count against the same bound. A read that carries body bytes does not count.
+        self._since_body += len(data)
+        super().data_received(data)
+        if self._head_in and self._since_body > self.limits.head_bytes and not self._refused:
+            message = f"Trailer fields over {self.limits.head_bytes} bytes"
+            self._refuse(Refusal(431, "headers_too_large", message))
+
+    def on_url(self, url: bytes) -> None:
+        if len(self.url) + len(url) > self.limits.url_bytes:
+            raise Refusal(414, "url_too_long", f"Request target over {self.limits.url_bytes} bytes")
+        super().on_url(url)
+
+    def on_headers_complete(self) -> None:
+        # counted here, not per field: that would cost a call per field, and the byte bound already keeps
+        # a head with many fields small
+        if len(self.headers) > self.limits.fields:
+            raise Refusal(431, "headers_too_large", f"More than {self.limits.fields} request header fields")
+        self._head_in, self._since_body = True, 0
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._since_body = 0
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._head_in, self._head_size = False, 0
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn calls this while handling the parser's error, which says why (a Refusal is its context)
+        error = sys.exc_info()[1]
+        if isinstance(error, httptools.HttpParserCallbackError) and isinstance(error.__context__, Refusal):
+            self._refuse(error.__context__)
+        elif isinstance(error, httptools.HttpParserError) and not isinstance(
+            error, httptools.HttpParserCallbackError
+        ):
+            self._refuse(Refusal(400, "invalid_http_request", f"Invalid HTTP request: {error}"))
+        else:
+            self._refuse(Refusal(400, "invalid_http_request", msg))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        if self._refused:  # a request was refused behind this response, unanswered: the connection ends
+            self.pipeline.clear()
+            self.transport.close()
+        super().on_response_complete()
+
+    def _refuse(self, refusal: Refusal) -> None:
+        """Answer a request that will not be read whole, and end the connection."""
+        self._refused = True
+        cycle = self.cycle
+        body_broke = self._head_in and cycle is not None and not cycle.response_started
+        if self.pipeline or (cycle is not None and not cycle.response_complete and not body_broke):
+            # behind a response still to be sent (pipelined requests): an answer now would be read as that
+            # response, so this one goes unanswered and the connection ends after it (on_response_complete)
+            return
+        if body_broke:  # the request whose body was being read: its handler is told the client is gone
+            assert cycle is not None
+            cycle.disconnected = True
+            cycle.waiting_for_100_continue = False  # and writes no "100 Continue"
+            cycle.message_event.set()
+        body = error_body(refusal.status, str(refusal), refusal.code, "invalid_request_error")
+        head = [STATUS_LINE[refusal.status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+        head.append(b"connection: close\r\n\r\n")
+        self.corked.write_now(b"".join(head) + body)
+        self._half_close()
+
+    def _half_close(self) -> None:
+        """Close for writing now, and for reading once the client closes too or ``LINGER_S`` has passed: a
+        connection closed with unread bytes in it is reset, and the reset can destroy the answer before the
+        client reads it (RFC 9112, 9.6)."""
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._linger = self.loop.call_later(LINGER_S, self.transport.close)
 
 
 class EarlyAnswers(Protocol):
@@ -44,11 +210,13 @@ class EarlyAnswers(Protocol):
         ...
 
 
-def read_bounded_protocol(timeout: float, early: EarlyAnswers | None = None) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with a bound on reading each request and, given ``early``, early
-    answers (pass as ``Config(http=...)``)."""
+def read_bounded_protocol(
+    timeout: float, early: EarlyAnswers | None = None, limits: HeadLimits = ROUTER_HEAD_LIMITS
+) -> type[HttpToolsProtocol]:
+    """The guarded protocol (bounds on each request's head, JSON refusals) with a bound on reading each
+    request and, given ``early``, early answers (pass as ``Config(http=...)``)."""
 
-    class RouterProtocol(CorkedProtocol):
+    class ReadBoundedProtocol(CorkedProtocol):
         _read_deadline: asyncio.TimerHandle | None = None
         _held: list[bytes] | None = None  # the body of a request held for an early answer
         _held_size = 0
@@ -150,4 +318,9 @@ def read_bounded_protocol(timeout: float, early: EarlyAnswers | None = None) -> 
             if not self.transport.is_closing():
                 self.transport.close()
 
-    return RouterProtocol
+    class HttpProtocol(GuardedProtocol, ReadBoundedProtocol):
+        """GuardedProtocol first: it sees every request's head and end, also those ReadBoundedProtocol
+        holds or answers early without uvicorn."""
+
+    HttpProtocol.limits = limits
+    return HttpProtocol

@@ -17,7 +17,7 @@ import httpx
 import uvicorn
 from redis.asyncio import Redis
 
-from macpool.corked import CorkedProtocol
+from macpool.http_guard import AGENT_HEAD_LIMITS, read_bounded_protocol
 from macpool.settings import ConfigError
 from macpool.transport import HTTP11Transport
 
@@ -158,7 +158,9 @@ class Agent:
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
         config = uvicorn.Config(
             create_app(self.runtime),
-            http=CorkedProtocol,  # a response's head goes out with its first bytes (macpool/corked.py)
+            # bounds on each request's head and read time, JSON refusals, a response's head sent with its
+            # first bytes (macpool/http_guard.py, macpool/corked.py)
+            http=read_bounded_protocol(settings.request_read_timeout, limits=AGENT_HEAD_LIMITS),
             lifespan="off",
             log_level="warning",
             access_log=False,

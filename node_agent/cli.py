@@ -54,6 +54,10 @@ def _run_parser() -> argparse.ArgumentParser:
     gw.add_argument("--token", help="require this token in X-Macpool-Token (env MACPOOL_AGENT_TOKEN)")
     gw.add_argument("--drain-timeout", dest="drain_timeout", type=float, help="seconds (default 30)")
     gw.add_argument(
+        "--request-read-timeout", dest="request_read_timeout", type=float,
+        help="seconds a client may take to send a whole request, then cut off (default 30)",
+    )
+    gw.add_argument(
         "--connect-timeout", dest="connect_timeout", type=float, help="upstream, seconds (default 5)"
     )
     gw.add_argument(
