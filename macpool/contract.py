@@ -264,11 +264,11 @@ local function hand_over(prefix, node, now, lease)
   return true
 end
 
-local function release(prefix, node, rid, tenant, now, lease)
+local function release(prefix, node, rid, tenant, now, lease, keep)
   local removed = redis.call('ZREM', prefix .. 'resv:' .. node, rid)
   redis.call('ZREM', prefix .. 'tenant:' .. tenant, rid)
   loads[tenant] = nil
-  if removed == 1 and not hand_over(prefix, node, now, lease) then
+  if removed == 1 and (keep or not hand_over(prefix, node, now, lease)) then
     redis.call('PUBLISH', prefix .. 'events', 'freed ' .. node)
   end
   return removed
@@ -451,8 +451,9 @@ return {'queued', '', waiting + 1, ''}
 
 RELEASE = _PRELUDE + """
 -- ARGV: prefix, now_ms, queue_lease_ms (of a slot handed to a waiter until it takes it), request_id, node_id,
--- tenant
-return release(ARGV[1], ARGV[5], ARGV[4], ARGV[6], tonumber(ARGV[2]), tonumber(ARGV[3]))
+-- tenant, failed ('1': the node failed this request - its slot is not handed to a waiter, who would only
+-- meet the same failure; waiters are told it is free and choose among the nodes they still trust)
+return release(ARGV[1], ARGV[5], ARGV[4], ARGV[6], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7] == '1')
 """
 
 RENEW = """

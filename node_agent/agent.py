@@ -184,7 +184,7 @@ class Agent:
         """Stop admitting at once, not at the next heartbeat: requests would only meet a dead port."""
         self.runtime.metrics.restarts.inc()
         self.runtime.set_state("unhealthy")
-        self.runtime.admitting = False
+        self.runtime.upstream_lost()
 
     def _set_upstream(self, url: str) -> None:
         self.runtime.upstream_url = url

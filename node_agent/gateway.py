@@ -307,6 +307,13 @@ class Gateway:
             upstream = await runtime.transport().handle_async_request(upstream_request)
             upstream.request = upstream_request
             return upstream
+        except httpx.TransportError as exc:
+            # llama-server is down (or went down with this request): nothing reached the client, so this is
+            # "this node is unavailable" - the router tries another node - and the node stops admitting now
+            runtime.metrics.upstream_errors.labels(type(exc).__name__).inc()
+            runtime.metrics.requests.labels(endpoint, "503").inc()
+            runtime.upstream_lost()
+            return self._unavailable("node_unavailable", "this node's llama-server is not reachable")
         except httpx.HTTPError as exc:
             runtime.metrics.upstream_errors.labels(type(exc).__name__).inc()
             runtime.metrics.requests.labels(endpoint, "502").inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,14 +32,23 @@ from .runtime import Runtime
 log = logging.getLogger("macpool.agent")
 
 
-async def ticker(interval: float) -> AsyncIterator[int]:
-    """Drift-free ticks: tick n is due at start + n x interval; missed ticks are skipped, not bunched."""
+async def ticker(interval: float, wake: asyncio.Event | None = None) -> AsyncIterator[int]:
+    """Drift-free ticks: tick n is due at start + n x interval; missed ticks are skipped, not bunched.
+    Setting ``wake`` brings the next tick forward (it is cleared then); the schedule stays as it was."""
     start = time.monotonic()
     n = 0
     while True:
         yield n
         n = max(n + 1, int((time.monotonic() - start) / interval) + 1)
-        await asyncio.sleep(max(0.0, start + n * interval - time.monotonic()))
+        delay = max(0.0, start + n * interval - time.monotonic())
+        if wake is None:
+            await asyncio.sleep(delay)
+            continue
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), delay)
+        if wake.is_set():
+            wake.clear()
+            n -= 1  # the due tick is still due
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -139,7 +149,7 @@ class Heartbeat:
         self.pressure.recover_beats = settings.pressure_recover_beats
 
     async def run(self) -> None:
-        async for _ in ticker(self.runtime.settings.heartbeat_interval):
+        async for _ in ticker(self.runtime.settings.heartbeat_interval, self.runtime.beat_now):
             try:
                 await self.beat()
             except Exception:  # one failed iteration must not end the loop

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -76,6 +77,14 @@ class Runtime:
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    # set to publish a heartbeat now rather than at the next tick (llama-server found dead)
+    beat_now: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def upstream_lost(self) -> None:
+        """llama-server stopped answering: admit nothing more and tell the routers at once, not at the next
+        heartbeat (which also decides when it is back)."""
+        self.admitting = False
+        self.beat_now.set()
 
     def client(self) -> httpx.AsyncClient:
         if self.http is None:

@@ -268,8 +268,9 @@ class Admission:
         if attempt.status == "limited":
             raise Limited(ticket.tenant, ticket.key_limit, self.retry_after_limited(ticket.key_limit))
 
-    async def release(self, lease: Lease) -> None:
-        """Give the slot back (exactly once; safe to call again, and from a cancelled task)."""
+    async def release(self, lease: Lease, failed: bool = False) -> None:
+        """Give the slot back (exactly once; safe to call again, and from a cancelled task). A slot the
+        node ``failed`` on is not handed to a queued request, who would only meet the same failure."""
         if lease.released:
             return
         lease.released = True
@@ -282,6 +283,7 @@ class Admission:
             try:
                 args: list[str | int] = [
                     self.keys.prefix, now_ms(), QUEUE_LEASE_MS, lease.request_id, node_id, lease.tenant,
+                    "1" if failed else "0",
                 ]
                 await self._release(args=args)
             except Exception as exc:  # the lease expires on its own

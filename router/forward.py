@@ -34,6 +34,10 @@ _DROP_UPSTREAM = HOP_BY_HOP_RAW | {
 # the router's own server/date headers are written by uvicorn
 _DROP_DOWNSTREAM = HOP_BY_HOP_RAW | {b"server", b"date", b"x-request-id"}
 _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+# the code of the error event an agent ends a stream with when llama-server fails mid-stream, looked for in
+# the last bytes of a stream only (node_agent/gateway.py ProxyResponse)
+_AGENT_MIDSTREAM = b'"upstream_midstream"'
+_TAIL = 512
 
 
 def new_transport() -> httpx.AsyncBaseTransport:
@@ -162,12 +166,14 @@ class Forwarder:
             except _Retry as retry:
                 tried.add(lease.node.node_id)
                 last_failure = retry.kind
-                await self.admission.release(lease)
+                await self.admission.release(lease, failed=True)
             except BaseException:
                 await self.admission.release(lease)
                 raise
         if last_failure == "node_full":
             return self.rejection(self.admission.reject("pool_full", "every node tried was full"), call)
+        if last_failure == "unavailable":  # draining, loading, or its llama-server down: a 503 to retry later
+            return self.rejection(self.admission.reject("no_nodes", "every node tried was unavailable"), call)
         self.metrics.requests.labels(model=call.model, node="", status="502").inc()
         return error_response(502, "no node could be reached", "upstream_unavailable")
 
@@ -210,7 +216,7 @@ class Forwarder:
             raise _Retry("connect") from None
         except TimeoutError:
             await _close(upstream)
-            await self.admission.release(lease)
+            await self.admission.release(lease, failed=True)
             self.pool.connect_failed(node.node_id)  # a hung node: stop sending it traffic
             self._upstream_error(node.node_id, "first_byte_timeout")
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="504").inc()
@@ -234,7 +240,7 @@ class Forwarder:
         if upstream.status_code in (401, 403):
             # the agent refused the router's token: a deployment error, not the client's
             await _close(upstream)
-            await self.admission.release(lease)
+            await self.admission.release(lease, failed=True)
             self._upstream_error(node.node_id, "auth")
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
             return error_response(502, "the node refused the router's agent token", "upstream_auth")
@@ -249,7 +255,7 @@ class Forwarder:
     ) -> Response:
         node_id = lease.node.node_id
         await _close(upstream)
-        await self.admission.release(lease)
+        await self.admission.release(lease, failed=True)
         self._upstream_error(node_id, "protocol")
         log.warning("node %s: %s before the first byte", node_id, type(exc).__name__)
         self.metrics.requests.labels(model=call.model, node=node_id, status="502").inc()
@@ -355,7 +361,8 @@ class Relay(Response):
         finally:
             with anyio.CancelScope(shield=True):
                 await _close(self.upstream)
-                await self.forwarder.admission.release(self.lease)
+                failed = self.outcome in ("midstream", "idle_timeout")
+                await self.forwarder.admission.release(self.lease, failed=failed)
                 metrics = self.forwarder.metrics
                 node_id = self.lease.node.node_id
                 metrics.requests.labels(model=self.call.model, node=node_id, status=self.outcome).inc()
@@ -364,6 +371,7 @@ class Relay(Response):
     async def _relay(self, send: Send) -> None:
         """Relay every chunk; a stall in either direction is the watchdog's to catch."""
         self.phase = "send"
+        last = self.first
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.response_headers()})
         if self.first:
@@ -381,15 +389,24 @@ class Relay(Response):
             self.phase, self.progress_at = "send", time.monotonic()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.ended = chunk.endswith(b"\n\n")
+            last = chunk
         self.phase, self.progress_at = "send", time.monotonic()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if self.streaming and _AGENT_MIDSTREAM in last[-_TAIL:]:
+            # the agent ended the stream with its own error event (llama-server failed mid-stream): relayed
+            # as is, and counted as the failure it is, not as a 200
+            self._failed_upstream("midstream")
 
-    async def _fail(self, send: Send, kind: str) -> None:
-        """After the first byte there is no retry: end a stream with an SSE error event."""
+    def _failed_upstream(self, kind: str) -> None:
         node_id = self.lease.node.node_id
         self.forwarder.metrics.upstream_errors.labels(node=node_id, kind=kind).inc()
         log.warning("node %s: %s after the first byte (request %s)", node_id, kind, self.call.request_id)
         self.outcome = kind
+
+    async def _fail(self, send: Send, kind: str) -> None:
+        """After the first byte there is no retry: end a stream with an SSE error event."""
+        node_id = self.lease.node.node_id
+        self._failed_upstream(kind)
         if kind == "idle_timeout":
             self.forwarder.pool.connect_failed(node_id)  # a hung node: stop sending it traffic
         if not self.streaming:

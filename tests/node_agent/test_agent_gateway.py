@@ -356,3 +356,24 @@ def test_an_unexpected_error_is_answered_as_openai_json_and_logged(caplog: pytes
     assert runtime.in_flight == 0
     logged = [record.exc_info[1] for record in caplog.records if record.exc_info]
     assert any("a bug in the gateway" in str(exc) for exc in logged)
+
+
+def test_a_dead_llama_server_is_refused_as_unavailable_and_published_at_once(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    port = free_port()
+    upstream = sim("--parallel", "2", "--speed", "20", port=port)
+    # heartbeats 5 s apart: what follows must not wait for the next one
+    gateway = agent("--upstream", upstream.url, "--cap", "2", "--heartbeat-interval", "5")
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready")
+    upstream.child.kill()
+    refused = httpx.post(gateway.url + "/v1/chat/completions", json=chat(5), timeout=10)
+    # 503, not 502: the router tries another node for it
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_unavailable", refused.text
+    assert refused.headers["retry-after"] and "127.0.0.1" not in refused.text
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "unhealthy", timeout=2,
+               what="unhealthy published before the next heartbeat")
+    assert status(gateway.url)["admitting"] is False
+    sim("--parallel", "2", "--speed", "20", port=port)
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", timeout=15, what="back")
+    assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5), timeout=10).status_code == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -61,6 +62,12 @@ def test_kill9_mid_stream(rig: Rig) -> None:
             assert_clean(rest, victim.agent.url, victim.sim.url)
             print(f"{what} kill -9: stream ended in {took:.3f}s with {events[-1]['error']['code']}")
             response.close()
+        # both are counted as the failures they are, the agent's own error event included
+        metrics = client.get("/metrics").text
+        for victim in (agent_victim, sim_victim):
+            series = f'macpool_upstream_errors_total{{kind="midstream",node="{victim.node_id}"}}'
+            assert series + " 1.0" in metrics, [ln for ln in metrics.splitlines() if "upstream_err" in ln]
+            assert f'node="{victim.node_id}",status="200"' not in metrics
         # the third client is unaffected: its stream keeps flowing
         survivor_response, survivor_chunks, _ = streams[2]
         for _ in range(5):
@@ -214,3 +221,32 @@ def test_slow_loading_upstream_stays_starting(rig: Rig) -> None:
     rig.wait_ready(router, nodes=1, timeout=30)
     reply = httpx.post(router.url + "/v1/chat/completions", json=chat("", 2, False), timeout=30)
     assert reply.status_code == 200
+
+
+def test_a_node_dying_under_a_full_queue_costs_no_502(rig: Rig) -> None:
+    """Queued requests are not handed a dead node's freed slots: they fail over or wait for the live one."""
+    dying = rig.node("dying", cap=3, speed=1)
+    rig.node("live", cap=3, speed=1)
+    router = rig.router("--queue-size", "6", "--queue-timeout", "5")
+    rig.wait_ready(router, nodes=2)
+    model = rig.model(router)
+    seen: list[tuple[float, int, str]] = []
+    stop = time.monotonic() + 6.0
+
+    def client() -> None:
+        with httpx.Client(base_url=router.url, timeout=30) as http:
+            while time.monotonic() < stop:
+                reply = http.post("/v1/chat/completions", json=chat(model, 40, False))
+                code = reply.json().get("error", {}).get("code", "") if reply.status_code != 200 else ""
+                seen.append((time.monotonic(), reply.status_code, code))
+
+    with ThreadPoolExecutor(12) as pool:  # 12 clients on 6 slots: the queue is always in use
+        running = [pool.submit(client) for _ in range(12)]
+        time.sleep(2.0)
+        killed_at = time.monotonic()
+        dying.agent.child.kill()
+        for future in running:
+            future.result()
+    after = [(status, code) for at, status, code in seen if at > killed_at]
+    assert not [s for s in seen if s[1] not in (200, 503)], seen  # no 502: nothing reached a client half-done
+    assert sum(1 for status, _ in after if status == 200) >= 3, after  # the live node kept serving
