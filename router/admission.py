@@ -131,6 +131,7 @@ class Admission:
         self.active: dict[str, Lease] = {}
         self._waiters: deque[_Waiter] = deque()
         self._waiting: dict[str, _Waiter] = {}  # request id -> waiter, for `granted` and `shed` messages
+        self._releasing = 0  # releases on their way to Redis (waited for at shutdown: Admission.settle)
         # this replica's recent queue waits, for the dashboard: (priority, tenant, seconds)
         self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
@@ -149,6 +150,14 @@ class Admission:
     def start(self) -> None:
         interval = self.settings.lease_seconds / 3
         self._renewer = asyncio.create_task(every(interval, self.renew_all, "lease renewal"))
+
+    async def settle(self, within: float) -> None:
+        """Wait (up to ``within`` seconds) until no request holds a lease or a queue place and no release is
+        on its way: at shutdown, the requests the server has just cancelled give them back in their own
+        cleanup, which needs Redis still open."""
+        deadline = time.monotonic() + within
+        while (self.active or self._waiting or self._releasing) and time.monotonic() < deadline:  # noqa: ASYNC110 (once, at shutdown)
+            await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
         if self._renewer is not None:
@@ -279,6 +288,13 @@ class Admission:
             self.pool.freed.mark()
             return
         node_id = lease.node.node_id
+        self._releasing += 1
+        try:
+            await self._release_in_redis(lease, node_id, failed)
+        finally:
+            self._releasing -= 1
+
+    async def _release_in_redis(self, lease: Lease, node_id: str, failed: bool) -> None:
         with anyio.move_on_after(5, shield=True):
             try:
                 args: list[str | int] = [

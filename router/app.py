@@ -99,6 +99,8 @@ class Router:
                 yield
         finally:
             self._services = None
+            # requests the server cancelled at its shutdown timeout are still giving their slots back
+            await admission.settle(SETTLE_S)
             await admission.stop()
             await pool.stop()
             await transport.aclose()
@@ -278,6 +280,9 @@ class Router:
             Route("/admin/nodes/{node_id}/undrain", self.undrain, methods=["POST"]),
         ]
         return routes + _dashboard_routes(self)
+
+
+SETTLE_S = 3.0  # at shutdown, the most the leases of cancelled requests are waited for (then they expire)
 
 
 def redis_client(settings: Settings) -> Redis:

@@ -50,6 +50,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "circuit-failures": (int, "consecutive connect failures that open a node's circuit"),
     "circuit-cooldown": (float, "seconds an open circuit waits before letting traffic probe the node"),
     "log-level": (str, "debug, info, warning or error"),
+    "shutdown-timeout": (int, "on SIGTERM, seconds in-flight requests may take to finish; streams still "
+                              "open then end with an SSE error event (router_shutdown)"),
     "scale-webhook": (str, "POST the scale hint (GET /api/pool/scale) here when desired_nodes changes"),
 }
 
@@ -97,7 +99,7 @@ def serve(settings: Settings) -> None:
         proxy_headers=settings.access_log,  # a client's address (X-Forwarded-For) is for the access log
         log_level=settings.log_level,
         server_header=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=settings.shutdown_timeout,
         # idle client connections stay open longer than clients keep them (httpx, the OpenAI SDK: 5 s), so
         # a client never sends a request on a connection the router is closing (it would get no answer)
         timeout_keep_alive=75,

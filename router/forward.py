@@ -289,6 +289,7 @@ class Relay(Response):
     """
 
     guard: Guard | None = None  # set by Forwarder.handle
+    started = False  # the response's head has been sent
 
     def __init__(
         self,
@@ -345,6 +346,7 @@ class Relay(Response):
                 await self._relay(send)
             except asyncio.CancelledError:
                 if not guard.claim():
+                    await self._shutting_down(send)  # nobody else cancels a relay: the server is stopping
                     raise
             finally:
                 guard.finish()
@@ -374,6 +376,7 @@ class Relay(Response):
         last = self.first
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.response_headers()})
+        self.started = True
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             self.ended = self.first.endswith(b"\n\n")
@@ -396,6 +399,19 @@ class Relay(Response):
             # the agent ended the stream with its own error event (llama-server failed mid-stream): relayed
             # as is, and counted as the failure it is, not as a 200
             self._failed_upstream("midstream")
+
+    async def _shutting_down(self, send: Send) -> None:
+        """The router is stopping and its shutdown timeout has passed: a stream still open is told so with
+        an SSE error event (a plain response is cut off), within a second."""
+        self.outcome = "router_shutdown"
+        if not (self.streaming and self.started):
+            return
+        event = (b"" if self.ended else b"\n\n") + b"data: "
+        event += error_body(503, "the router is shutting down; retry", "router_shutdown") + b"\n\n"
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _failed_upstream(self, kind: str) -> None:
         node_id = self.lease.node.node_id

@@ -75,6 +75,7 @@ class Settings(BaseSettings):
     scale_webhook: str = ""
 
     # process
+    shutdown_timeout: int = Field(default=15, ge=0)
     access_log: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

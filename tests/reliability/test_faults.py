@@ -250,3 +250,20 @@ def test_a_node_dying_under_a_full_queue_costs_no_502(rig: Rig) -> None:
     after = [(status, code) for at, status, code in seen if at > killed_at]
     assert not [s for s in seen if s[1] not in (200, 503)], seen  # no 502: nothing reached a client half-done
     assert sum(1 for status, _ in after if status == 200) >= 3, after  # the live node kept serving
+
+
+def test_router_shutdown_ends_open_streams_with_an_error_event(rig: Rig) -> None:
+    node = rig.node("n1", cap=2, speed=1)
+    router = rig.router("--shutdown-timeout", "1")
+    rig.wait_ready(router, nodes=1)
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        response, chunks, first = _open(client, chat(rig.model(router), max_tokens=3000))
+        router.child.signal(signal.SIGTERM)
+        rest, took = _drain(chunks)
+        response.close()
+    events = sse_events(first + rest)
+    assert events[-1]["error"]["code"] == "router_shutdown", rest[-300:]
+    assert took < 5.0  # the shutdown timeout, then the event: not a stream cut at random
+    assert router.child.process is not None
+    assert router.child.process.wait(10) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+    wait_until(lambda: rig.reservations(node.node_id) == 0, 5, "the lease released on the way out")
