@@ -117,6 +117,7 @@ class Pool:
         self.spawn(
             "router", "router", "--redis-url", redis_url, "--host", s.host, "--port", str(s.port),
             f"--admin-key={s.admin_key}", f"--agent-token={s.agent_token}",
+            "--shutdown-timeout", "3",  # Ctrl-C ends a demo's long streams soon, with an SSE error event
         )
         urls = [f"http://127.0.0.1:{p}/health" for p in sims + agents] + [f"{self.router_url}/health"]
         for child, url in zip(self.children, urls, strict=True):
