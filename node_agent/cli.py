@@ -101,7 +101,9 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=24, help="highest level tried (default 24)")
     p.add_argument("--step", type=int, default=1, help="between two levels (default 1)")
     p.add_argument("--levels", help="explicit comma-separated concurrency levels instead of 1..max by step")
-    p.add_argument("--window", type=int, default=0, help="requests measured per level (default 2 x level)")
+    p.add_argument(
+        "--window", type=int, default=0, help="requests measured per level (default max(6, 2 x level))"
+    )
     p.add_argument("--model", help="model name to send (default: the server's)")
     p.add_argument("--token", help="X-Macpool-Token, when calibrating through an agent")
     p.add_argument("--json", type=Path, help="write the result (recommended_cap, per_request_gb, rows)")
