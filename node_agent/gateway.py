@@ -8,6 +8,7 @@ the router and is passed through untouched).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -129,17 +130,23 @@ class ProxyResponse(StreamingResponse):
         # Starlette's StreamingResponse would run an anyio task group of two tasks per response; one plain
         # task watching for the client's disconnect does the same job (macpool/asgi.py Guard)
         guard = self.guard or Guard(receive)
+        started, ended = False, True
         try:
             try:
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-                async for chunk in self.body_iterator:
+                started = True
+                async for chunk in self._chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    ended = chunk.endswith(b"\n\n")
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except asyncio.CancelledError:
                 guard.finish()
                 if not guard.claim():
-                    raise
+                    # nobody else cancels a response: the agent is stopping and its drain timeout has passed
+                    if not (self._streamed and started):
+                        raise
+                    await _end_with_error(send, ended, "the node shut down mid-stream")
             finally:
                 guard.finish()
         finally:
@@ -154,6 +161,15 @@ class ProxyResponse(StreamingResponse):
             self._released = True
             self._runtime.in_flight -= 1
             self._runtime.metrics.in_flight.set(self._runtime.in_flight)
+
+
+async def _end_with_error(send: Send, ended: bool, message: str) -> None:
+    """End a stream with an SSE error event (as llama-server's own failure would), within a second."""
+    event = (b"" if ended else b"\n\n") + b"data: " + error_body(502, message, "upstream_midstream") + b"\n\n"
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Gateway:

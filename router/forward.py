@@ -345,8 +345,9 @@ class Relay(Response):
             try:
                 await self._relay(send)
             except asyncio.CancelledError:
-                if not guard.claim():
-                    await self._shutting_down(send)  # nobody else cancels a relay: the server is stopping
+                # not the guard's: nobody else cancels a relay - the server is stopping and its shutdown
+                # timeout has passed; a stream ends with an error event, anything else is cut off
+                if not guard.claim() and not await self._shutting_down(send):
                     raise
             finally:
                 guard.finish()
@@ -400,18 +401,19 @@ class Relay(Response):
             # as is, and counted as the failure it is, not as a 200
             self._failed_upstream("midstream")
 
-    async def _shutting_down(self, send: Send) -> None:
+    async def _shutting_down(self, send: Send) -> bool:
         """The router is stopping and its shutdown timeout has passed: a stream still open is told so with
-        an SSE error event (a plain response is cut off), within a second."""
+        an SSE error event, within a second (True); a plain response is cut off (False)."""
         self.outcome = "router_shutdown"
         if not (self.streaming and self.started):
-            return
+            return False
         event = (b"" if self.ended else b"\n\n") + b"data: "
         event += error_body(503, "the router is shutting down; retry", "router_shutdown") + b"\n\n"
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
                 await send({"type": "http.response.body", "body": event, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
 
     def _failed_upstream(self, kind: str) -> None:
         node_id = self.lease.node.node_id

@@ -169,6 +169,25 @@ def test_drain_on_sigterm(sim: SimFactory, agent: AgentFactory, redis_url: str) 
     assert read_node(redis_url, "n1") is None  # left the pool at once, not after the TTL
 
 
+
+def test_a_stream_outlasting_the_drain_timeout_ends_with_an_error_event(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    upstream = sim("--parallel", "2", "--speed", "1")
+    gateway = agent("--upstream", upstream.url, "--drain-timeout", "1")
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready")
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=chat(3000), timeout=30) as response:
+        chunks = response.iter_raw()
+        first = next(chunks)
+        gateway.child.signal(signal.SIGTERM)
+        rest = b"".join(chunks)  # ends, and completely: no half-read chunked body
+    last = [line for line in (first + rest).decode().splitlines() if line.startswith("data: ")][-1]
+    assert json.loads(last[len("data: "):])["error"]["code"] == "upstream_midstream", last
+    assert gateway.child.process is not None
+    gateway.child.process.wait(15)
+    log = gateway.child.log_path.read_text() if gateway.child.log_path else ""
+    assert "drain timeout" in log and "Exception in ASGI application" not in log, log
+
 def test_redis_outage_and_recovery(sim: SimFactory, agent: AgentFactory) -> None:
     port = free_port()
     server = RedisServer(port=port).start()
