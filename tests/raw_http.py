@@ -33,11 +33,7 @@ def read_reply(sock: socket.socket) -> Reply:
         assert chunk, f"connection closed before a response head: {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+    lines, headers = parse_head(head)
     length = int(headers.get("content-length", "0"))
     while len(body) < length:
         chunk = sock.recv(65536)
@@ -75,3 +71,13 @@ def head(target: str = "/", *fields: str, method: str = "GET") -> bytes:
 def filler(count: int, size: int = 1) -> list[str]:
     """``count`` header fields, each with a value of ``size`` bytes."""
     return [f"X-Filler-{i}: {'v' * size}" for i in range(count)]
+
+
+def parse_head(head: bytes) -> tuple[list[str], dict[str, str]]:
+    """A response head's lines and its headers (lower-case names; the last of a repeated one)."""
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return lines, headers

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import SpawnFactory
+from tests.raw_http import parse_head
 from tests.reliability.conftest import Node, Rig, assert_clean, wait_until
 
 pytestmark = pytest.mark.slow
@@ -172,11 +173,7 @@ def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int | N
     if not raw.startswith(b"HTTP/1.1 "):
         return None, {}, raw
     head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+    lines, headers = parse_head(head)
     if headers.get("transfer-encoding") == "chunked":
         body = _dechunk(body)
     return int(lines[0].split()[1]), headers, body
