@@ -205,7 +205,16 @@ class Agent:
         try:
             await self._drain()
         finally:
-            # stop the heartbeat first: a beat written after remove_node would bring the key back
+            # the gateway first: a stream still open past the drain timeout is ended by the gateway with an
+            # error event now - stopping llama-server first (or its supervising task) would cut it as a
+            # llama-server failure, seconds later. Not force_exit: uvicorn then cancels the requests still
+            # running (after its own 1 s), and each open stream ends with the gateway's error event.
+            if self.server is not None and self.server_task is not None:
+                self.server.should_exit = True
+                self.server.force_exit = self.force.is_set()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.server_task, 3)
+            # then the heartbeat: a beat written after remove_node would bring the key back
             for task in self.tasks:
                 task.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -216,10 +225,6 @@ class Agent:
                 if self.force.is_set():
                     self.supervisor.kill_now()
                 await self.supervisor.stop()
-            if self.server is not None and self.server_task is not None:
-                self.server.should_exit = self.server.force_exit = True
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.server_task, 3)
             if self.runtime.http is not None:
                 await self.runtime.http.aclose()
             if self.redis is not None:

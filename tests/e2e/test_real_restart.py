@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import time
 
 import httpx
 import pytest
 
-from .conftest import Pool, wait_until
+from macpool.procs import Child
+from macpool.redis_server import free_port
+
+from .conftest import Pool, real_setup, wait_until
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
 
@@ -39,3 +44,32 @@ def test_kill_9_llama_server_is_restarted_and_node_returns_to_ready(pool: Pool) 
         timeout=60,
     )
     assert response.status_code == 200, response.text
+
+
+def test_a_stream_past_the_drain_timeout_is_cut_by_the_gateway_at_once(
+    redis_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """SIGTERM with a long stream open and --drain-timeout 1: the stream ends about then, with the gateway's
+    error event - not seconds later, when llama-server (told to stop first, before) is finally killed."""
+    setup = real_setup(redis_server, tmp_path_factory, "drain")
+    port = free_port()
+    argv = setup.agent_argv(redis_server, "drain-node", port, 1, 4096, "--drain-timeout", "1")
+    agent = Child(argv, name="drain-node", log_path=setup.logs / "agent.log").start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(url + "/status", timeout=5).json()["state"] == "ready", 90, "ready")
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3900, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+            chunks = response.iter_raw()
+            first = next(chunks)
+            agent.signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            rest = b"".join(chunks)
+            took = time.monotonic() - signalled
+        events = [e for e in (first + rest).split(b"\n\n") if e.startswith(b"data: ")]
+        last = json.loads(events[-1][len(b"data: "):])
+        assert last["error"]["message"] == "the node shut down mid-stream", last
+        assert took < 4.0, took  # the drain timeout (1 s), the gateway's own (1 s), and the event
+    finally:
+        agent.stop(timeout=15)
