@@ -34,6 +34,13 @@ class DirectPosts(Starlette):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = self.direct.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None and scope["type"] == "http" and scope["path"].endswith("/"):
+            # "/v1/chat/completions/" is the same endpoint (a 307 to the other spelling would fail a POST
+            # from a client that does not follow redirects, the OpenAI SDK's included)
+            path = scope["path"].rstrip("/")
+            endpoint = self.direct.get(path)
+            if endpoint is not None:
+                scope = {**scope, "path": path, "raw_path": path.encode()}
         if endpoint is None or scope["method"] != "POST" or scope.get("root_path"):
             await super().__call__(scope, receive, send)
             return

@@ -155,6 +155,8 @@ def test_odd_bodies_and_answers_relayed_as_they_are(pool: Pool) -> None:
         assert embedded.status_code == 200
         assert embedded.headers["content-type"].startswith("application/json")
         assert embedded.json()["data"][0]["embedding"]
+        # a trailing slash names the same endpoint (no redirect a POST would have to follow)
+        assert client.post("/v1/chat/completions/", json=chat).status_code == 200
         # a request id that is not printable ASCII is replaced, not echoed garbled
         odd = client.post("/v1/chat/completions", json=chat, headers={"X-Request-ID": b"\xff\xfeid"})
         assert odd.status_code == 200 and len(odd.headers["x-request-id"]) == 32
