@@ -268,13 +268,30 @@ def _prefilling(url: str, count: int) -> None:
     assert (stats["processing"], stats["tokens_predicted_total"]) == (count, 0), stats
 
 
+def _capped_node(sim: SimFactory, agent: AgentFactory, cap: int, speed: str = "0.2") -> tuple[Server, Server]:
+    """A simulator (slow by default: requests last seconds) behind a ready agent capped at ``cap``."""
+    upstream = sim("--parallel", "4", "--speed", speed, "--metrics")
+    gateway = agent("--upstream", upstream.url, "--cap", str(cap))
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    return upstream, gateway
+
+
+def _freed_at_once(upstream: Server, gateway: Server, cancelled: int) -> None:
+    """The clients just left: the agent's slots are free and llama-server's tasks cancelled within 0.5 s."""
+    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=0.5, what="agent slots freed")
+    wait_until(lambda: sim_stats(upstream.url)["processing"] == 0, timeout=0.5, what="upstream cancelled")
+    assert sim_stats(upstream.url)["cancelled"] == cancelled
+
+
+def _client_gone_count(gateway: Server) -> float:
+    return metric(gateway.url, f'macpool_agent_requests_total{{endpoint="{CHAT}",status="499"}}')
+
+
 def test_client_gone_before_the_first_byte_frees_the_slot_at_once(
     sim: SimFactory, agent: AgentFactory
 ) -> None:
     # two long prefills (~10 s each at --speed 0.2) fill a --cap 2 agent; their clients leave after 1.5 s
-    upstream = sim("--parallel", "4", "--speed", "0.2", "--metrics")
-    gateway = agent("--upstream", upstream.url, "--cap", "2")
-    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    upstream, gateway = _capped_node(sim, agent, cap=2)
     # one asks for a stream, one not (the agent asks llama-server for a stream on its behalf)
     bodies = [{**chat(50, stream), "messages": [{"role": "user", "content": _words(4000, seed)}]}
               for seed, stream in ((1, True), (2, False))]
@@ -283,10 +300,8 @@ def test_client_gone_before_the_first_byte_frees_the_slot_at_once(
     assert status(gateway.url)["in_flight"] == 2
     for client in clients:
         client.close()
-    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=0.5, what="agent slots freed")
-    wait_until(lambda: sim_stats(upstream.url)["processing"] == 0, timeout=0.5, what="upstream cancelled")
-    assert sim_stats(upstream.url)["cancelled"] == 2
-    assert metric(gateway.url, f'macpool_agent_requests_total{{endpoint="{CHAT}",status="499"}}') == 2
+    _freed_at_once(upstream, gateway, cancelled=2)
+    assert _client_gone_count(gateway) == 2
     # the node takes the next request instead of calling itself full
     assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5, stream=False)).status_code == 200
 
@@ -294,41 +309,31 @@ def test_client_gone_before_the_first_byte_frees_the_slot_at_once(
 def test_client_gone_while_a_reply_is_assembled_frees_the_slot_at_once(
     sim: SimFactory, agent: AgentFactory
 ) -> None:
-    upstream = sim("--parallel", "4", "--speed", "0.2", "--metrics")
-    gateway = agent("--upstream", upstream.url, "--cap", "1")
-    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    upstream, gateway = _capped_node(sim, agent, cap=1)
     client = _raw_request(gateway.url, json.dumps(chat(3000, stream=False)).encode())
     wait_until(lambda: sim_stats(upstream.url)["tokens_predicted_total"] > 0, timeout=10, what="tokens")
     assert status(gateway.url)["in_flight"] == 1
     client.close()
-    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=0.5, what="agent slot freed")
-    wait_until(lambda: sim_stats(upstream.url)["processing"] == 0, timeout=0.5, what="upstream cancelled")
-    assert sim_stats(upstream.url)["cancelled"] == 1
-    assert metric(gateway.url, f'macpool_agent_requests_total{{endpoint="{CHAT}",status="499"}}') == 1
+    _freed_at_once(upstream, gateway, cancelled=1)
+    assert _client_gone_count(gateway) == 1
 
 
 def test_client_gone_from_a_passed_through_request_frees_the_slot_at_once(
     sim: SimFactory, agent: AgentFactory
 ) -> None:
     # logprobs: passed through as asked (not streamed), so llama-server sends nothing until it is done
-    upstream = sim("--parallel", "4", "--speed", "0.2", "--metrics")
-    gateway = agent("--upstream", upstream.url, "--cap", "1")
-    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    upstream, gateway = _capped_node(sim, agent, cap=1)
     body = {**chat(1000, stream=False), "logprobs": True}
     client = _raw_request(gateway.url, json.dumps(body).encode())
     wait_until(lambda: sim_stats(upstream.url)["processing"] == 1, timeout=10, what="generating")
     time.sleep(1.5)
     assert status(gateway.url)["in_flight"] == 1
     client.close()
-    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=0.5, what="agent slot freed")
-    wait_until(lambda: sim_stats(upstream.url)["processing"] == 0, timeout=0.5, what="upstream cancelled")
-    assert sim_stats(upstream.url)["cancelled"] == 1
+    _freed_at_once(upstream, gateway, cancelled=1)
 
 
 def test_a_stalled_request_body_takes_no_slot(sim: SimFactory, agent: AgentFactory) -> None:
-    upstream = sim("--parallel", "4", "--speed", "20", "--metrics")
-    gateway = agent("--upstream", upstream.url, "--cap", "1")
-    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    _, gateway = _capped_node(sim, agent, cap=1, speed="20")
     body = json.dumps(chat(5, stream=False)).encode()
     stalled = _raw_request(gateway.url, body, sent=len(body) // 2)  # headers in, half the body, then nothing
     try:
