@@ -33,17 +33,18 @@ def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, red
         with client.stream("POST", patient.url + "/v1/chat/completions", json=long_body) as held:
             chunks = held.iter_raw()  # keep a reference: a collected iterator closes the connection
             next(chunks)
-            waiter = threading.Thread(
-                target=lambda: answers.append(
-                    client.post(patient.url + "/v1/chat/completions", json=short_body)
-                )
-            )
+            def wait_in_queue() -> None:
+                # a client of its own: one httpx.Client shared by two threads can close the other's socket
+                with httpx.Client(timeout=90) as own:
+                    answers.append(own.post(patient.url + "/v1/chat/completions", json=short_body))
+
+            waiter = threading.Thread(target=wait_in_queue)
             waiter.start()
             wait_until(lambda: queued(patient.url) == 1)
 
             # a queued client that gives up leaves the queue at once, not after the queue timeout
-            with contextlib.suppress(httpx.ReadTimeout):
-                client.post(patient.url + "/v1/chat/completions", json=short_body, timeout=1.0)
+            with contextlib.suppress(httpx.ReadTimeout), httpx.Client(timeout=1.0) as hasty_client:
+                hasty_client.post(patient.url + "/v1/chat/completions", json=short_body)
             wait_until(lambda: store.zcard(Keys().queue) == 1, timeout=15)
 
             # the other replica's waiter is not woken by anything and times out with an honest 503
