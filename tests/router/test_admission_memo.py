@@ -68,6 +68,7 @@ def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
         finally:
+            await admission.stop()
             await redis.aclose()
 
     asyncio.run(scenario())
@@ -103,6 +104,7 @@ def test_a_lapsed_full_answer_is_asked_again_by_one_request_only(redis_url: str)
             assert lease.node.node_id == "a"
             await admission.release(lease)
         finally:
+            await admission.stop()
             await redis.aclose()
 
     asyncio.run(scenario())

@@ -1,0 +1,210 @@
+"""The request path's Lua scripts, run on one pipelined Redis connection per router.
+
+Every admitted request makes two Redis calls (the reservation and the release, router/admission.py). Through
+redis-py each takes a connection from the pool, writes, waits for its reply on that connection alone and
+hands the connection back: ~55-70 us of router CPU per call, most of it redis-py's plumbing around one write
+and one read. Here every call is written to one connection as soon as it is made, and the replies, which
+Redis sends in the order of the calls, are matched to their callers in that order (hiredis parses them):
+concurrent calls share the connection and its reads, and a call costs a write and its share of a read.
+
+Same behaviour as the redis-py client it stands in for: a call whose reply does not come within the
+client's socket timeout fails with ``redis.exceptions.TimeoutError`` (the connection is dropped: the replies
+on it can no longer be matched); a connection that dies fails its calls with ``ConnectionError``, and a
+call that met a dead connection is retried once on a new one (a restarted Redis); a script Redis does not
+know (restarted empty) is sent with EVAL. TLS (``rediss://``) connections go through redis-py's own script
+calls instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Sequence
+from typing import Any, Protocol
+
+import hiredis
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+Arg = str | int | float | bytes
+
+
+class ScriptCall(Protocol):
+    def __call__(self, *, args: Sequence[Arg]) -> Awaitable[Any]: ...
+
+
+def _pack(args: Sequence[Arg]) -> bytes:
+    """One command in RESP: an array of bulk strings."""
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+class _Link(asyncio.Protocol):
+    """One connection: calls written in order, replies matched to them in order."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        self.reader = hiredis.Reader()
+        self.waiting: deque[tuple[asyncio.Future[Any], float]] = deque()  # (reply, deadline) in call order
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while self.waiting:
+            reply = self.reader.gets()
+            if reply is False:
+                return
+            future, _ = self.waiting.popleft()
+            if not future.done():  # a caller that was cancelled meanwhile: its reply is dropped
+                future.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(RedisConnectionError("the connection to Redis was lost"))
+
+    def call(self, args: Sequence[Arg]) -> asyncio.Future[Any]:
+        if self.lost or self.transport is None or self.transport.is_closing():
+            self.lost = True  # (a failed write closes the transport before connection_lost is called)
+            raise RedisConnectionError("the connection to Redis was lost")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        deadline = time.monotonic() + self.timeout if self.timeout else 0.0
+        self.waiting.append((future, deadline))
+        self.transport.write(_pack(args))
+        if self.timeout and self._timer is None:
+            self._timer = loop.call_later(self.timeout, self._check)
+        return future
+
+    def _check(self) -> None:
+        """Give the connection up if the oldest reply is overdue (one timer, re-armed when it fires)."""
+        self._timer = None
+        if not self.waiting or self.timeout is None:
+            return
+        left = self.waiting[0][1] - time.monotonic()
+        if left > 0:
+            self._timer = asyncio.get_running_loop().call_later(left, self._check)
+            return
+        self._fail(RedisTimeoutError("Redis did not answer within the socket timeout"))
+
+    def _fail(self, error: Exception) -> None:
+        self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self.waiting:
+            future, _ = self.waiting.popleft()
+            if not future.done():
+                future.set_exception(error)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        self._fail(RedisConnectionError("the connection to Redis was closed"))
+
+
+class Pipelined:
+    """One pipelined connection to the Redis server that ``redis`` (a redis-py client) points at."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        pool = redis.connection_pool
+        self.kwargs = pool.connection_kwargs
+        self.unix = pool.connection_class is UnixDomainSocketConnection
+        # a subclass (TLS, say) is left to redis-py
+        self.supported = self.unix or pool.connection_class is Connection
+        self._link: _Link | None = None
+        self._connecting: asyncio.Lock | None = None
+        self._closed = False
+
+    def register(self, text: str) -> ScriptCall:
+        """One Lua script's call, ``await call(args=[...])``, as redis-py's ``register_script`` returns."""
+        script = self.redis.register_script(text)
+        return _Script(self, text, script.sha) if self.supported else script
+
+    async def command(self, *args: Arg) -> Any:
+        """Send one command; its reply (a ``ResponseError`` reply is raised)."""
+        link = self._link
+        try:
+            if link is None or link.lost:
+                link = await self._connection()
+            reply = await link.call(args)
+        except RedisConnectionError:
+            # the connection died (Redis restarted, or closed an idle connection): once more on a new one
+            reply = await (await self._connection()).call(args)
+        if isinstance(reply, hiredis.ReplyError):
+            message = str(reply)
+            raise NoScriptError(message) if message.startswith("NOSCRIPT") else ResponseError(message)
+        return reply
+
+    async def _connection(self) -> _Link:
+        link = self._link
+        if link is not None and not link.lost:
+            return link
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # calls arriving while it connects wait for the same connection
+            if self._closed:
+                raise RedisConnectionError("the router's Redis connection is closed")
+            if self._link is None or self._link.lost:
+                self._link = await self._connect()
+            return self._link
+
+    async def _connect(self) -> _Link:
+        kwargs = self.kwargs
+        loop = asyncio.get_running_loop()
+
+        def link() -> _Link:
+            return _Link(kwargs.get("socket_timeout"))
+
+        try:
+            async with asyncio.timeout(kwargs.get("socket_connect_timeout")):
+                if self.unix:
+                    _, made = await loop.create_unix_connection(link, kwargs["path"])
+                else:
+                    _, made = await loop.create_connection(link, kwargs.get("host", "localhost"),
+                                                           kwargs.get("port", 6379))
+                setup: list[asyncio.Future[Any]] = []
+                password, username = kwargs.get("password"), kwargs.get("username")
+                if password:
+                    setup.append(made.call(("AUTH", username, password) if username else ("AUTH", password)))
+                if kwargs.get("db"):
+                    setup.append(made.call(("SELECT", kwargs["db"])))
+                for reply in await asyncio.gather(*setup):
+                    if isinstance(reply, hiredis.ReplyError):
+                        made.close()
+                        raise RedisConnectionError(f"Redis refused the connection's setup: {reply}")
+        except (OSError, TimeoutError) as exc:
+            raise RedisConnectionError(f"could not connect to Redis: {type(exc).__name__}") from None
+        return made
+
+    def close(self) -> None:
+        """Close the connection (its calls fail) and refuse new calls."""
+        self._closed = True
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+
+class _Script:
+    def __init__(self, pipelined: Pipelined, text: str, sha: str) -> None:
+        self.pipelined = pipelined
+        self.text = text
+        self.sha = sha
+
+    async def __call__(self, *, args: Sequence[Arg]) -> Any:
+        try:
+            return await self.pipelined.command("EVALSHA", self.sha, 0, *args)
+        except NoScriptError:  # Redis restarted empty (or flushed its scripts): EVAL loads it again
+            return await self.pipelined.command("EVAL", self.text, 0, *args)
+
