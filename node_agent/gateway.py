@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator
+from typing import cast
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -107,7 +108,8 @@ class ProxyResponse(StreamingResponse):
         first = True
         ended = True  # the last chunk closed its SSE event (an error event must not extend a cut one)
         try:
-            async for chunk in self._upstream.aiter_raw():
+            # the transport's byte stream itself (Response.aiter_raw adds two generator layers per chunk)
+            async for chunk in cast(httpx.AsyncByteStream, self._upstream.stream):
                 ended = chunk.endswith(b"\n\n")
                 if first and self._streamed:
                     elapsed = time.perf_counter() - self._started

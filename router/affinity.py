@@ -11,7 +11,8 @@ the previous one. The router cannot tokenize, so it identifies prefixes by conte
   partial last block is not hashed: it is what the next request will extend).
 
 The model name seeds the chain (the same text sent to two models shares no cache). Prefixes under
-:data:`MIN_PREFIX_BYTES` are not hashed (too cheap to prefill to be worth steering for). At most
+:data:`MIN_PREFIX_BYTES` are not hashed (too cheap to prefill to be worth steering for; the router does not
+even parse them out of a request body shorter than that). At most
 :data:`MAX_PREFIXES` hashes are kept per request: the two shortest (a shared system prompt) and the
 longest ones (the conversation so far). Admission (``macpool.contract.RESERVE_OR_ENQUEUE``) looks them
 up longest first in Redis, shared by every router replica, and records them for the node it picks.

@@ -28,7 +28,7 @@ from macpool.asgi import DirectPosts
 from macpool.contract import Keys, Priority
 from macpool.errors import error_response
 from router.admission import ANONYMOUS, Admission, Ticket
-from router.affinity import prefix_hashes
+from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
 from router.forward import Call, Forwarder, new_transport
 from router.metrics import RouterMetrics
@@ -143,13 +143,15 @@ class Router:
     ) -> Call:
         """The checked request (BadRequest when its body is not one the router can route)."""
         payload, model, stream = _inspect(body, self.settings.default_model)
+        # a body shorter than the shortest prefix worth steering for holds none: nothing to hash
+        hashed = affinity and len(body) >= MIN_PREFIX_BYTES
         limit = key.max_concurrency if key and key.max_concurrency else self.settings.key_max_concurrency
         ticket = Ticket(
             tenant=key.tenant if key else ANONYMOUS,
             priority=priority,
             key_limit=limit,
             model=model,
-            prefixes=prefix_hashes(path, payload, model) if affinity else (),
+            prefixes=prefix_hashes(path, payload, model) if hashed else (),
         )
         return Call(
             path=path,

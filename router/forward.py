@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import anyio
 import httpx
@@ -207,7 +207,9 @@ class Forwarder:
                     kind = await _node_full_kind(upstream)
                     self._upstream_error(node.node_id, kind)
                     raise _Retry(kind)
-                chunks = upstream.aiter_raw()
+                # the transport's byte stream itself: Response.aiter_raw would add two generator layers and a
+                # context manager per chunk (the response is still closed by aclose, as ever)
+                chunks = aiter(cast(httpx.AsyncByteStream, upstream.stream))
                 first = await anext(chunks, b"")
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.pool.connect_failed(node.node_id)
