@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from macpool.asgi import DirectPosts, Guard
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP
+from macpool.transport import HTTP11Transport
 
 from . import unstream
 from .runtime import Runtime
@@ -311,18 +312,17 @@ class Gateway:
     async def _send(self, request: Request, body: bytes) -> httpx.Response | Response:
         runtime = self.runtime
         endpoint: str = request.scope["path"]
-        client = runtime.client()
         # straight to the client's transport: a relay needs none of the client's redirects, auth flow or
         # cookie jar, and skipping them is ~10 % of the agent's CPU per request
-        upstream_request = httpx.Request(
-            request.method,
-            self._url(endpoint, request.scope["query_string"]),
-            headers=_request_headers(request),
-            content=body,
-            extensions={"timeout": client.timeout.as_dict()},
-        )
+        url, headers = self._url(endpoint, request.scope["query_string"]), _request_headers(request)
+        timeouts = runtime.client().timeout.as_dict()
+        transport = runtime.transport()
         try:
-            upstream = await runtime.transport().handle_async_request(upstream_request)
+            if request.method == "POST" and isinstance(transport, HTTP11Transport):
+                return await transport.post(url, headers, body, timeouts)  # no httpx.Request to build
+            upstream_request = httpx.Request(request.method, url, headers=headers, content=body,
+                                             extensions={"timeout": timeouts})
+            upstream = await transport.handle_async_request(upstream_request)
             upstream.request = upstream_request
             return upstream
         except httpx.TransportError as exc:

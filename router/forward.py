@@ -40,7 +40,7 @@ _AGENT_MIDSTREAM = b'"upstream_midstream"'
 _TAIL = 512
 
 
-def new_transport() -> httpx.AsyncBaseTransport:
+def new_transport() -> HTTP11Transport:
     """One pooled transport for every upstream call; sized for many concurrent streams.
 
     The forwarder sends ``httpx.Request`` objects straight to it, without an ``httpx.AsyncClient`` around
@@ -81,7 +81,7 @@ class Forwarder:
     def __init__(
         self,
         settings: Settings,
-        transport: httpx.AsyncBaseTransport,
+        transport: HTTP11Transport,
         pool: PoolView,
         admission: Admission,
         metrics: RouterMetrics,
@@ -93,7 +93,7 @@ class Forwarder:
         self.metrics = metrics
         # no read timeout: an agent that stops answering mid-stream is the relay watchdog's (idle timeout)
         timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=30.0, pool=30.0)
-        self._extensions = {"timeout": timeout.as_dict()}
+        self._timeouts = timeout.as_dict()
         self._urls: dict[tuple[str, str], httpx.URL] = {}  # (node url, path) -> parsed URL
 
     async def handle(self, call: Call, receive: Receive) -> Response:
@@ -195,13 +195,11 @@ class Forwarder:
     async def _open(self, call: Call, lease: Lease) -> Response:
         """Send upstream and wait for the first byte; raise _Retry when another node should try."""
         node = lease.node
-        request = httpx.Request("POST", self._url(node.url, call.path), content=call.body,
-                                headers=self._upstream_headers(call), extensions=self._extensions)
+        url, headers = self._url(node.url, call.path), self._upstream_headers(call)
         upstream: httpx.Response | None = None
         try:
             async with asyncio.timeout(self._first_byte_timeout(call)):
-                upstream = await self.transport.handle_async_request(request)
-                upstream.request = request
+                upstream = await self.transport.post(url, headers, call.body, self._timeouts)
                 self.pool.connected(node.node_id)
                 if upstream.status_code == 503:
                     kind = await _node_full_kind(upstream)

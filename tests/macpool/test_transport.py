@@ -82,6 +82,54 @@ def test_keep_alive_reuses_one_connection_and_sends_one_request_per_call(serve, 
     run(main())
 
 
+def test_post_writes_the_request_from_its_bytes_on_the_same_connections(serve) -> None:
+    """``post`` (the relay paths' call): request line, Host, Content-Length, the given headers, the body."""
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            seen.append(await _request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: 9\r\n\r\n")
+            writer.write(b"data: 1\n\n")
+
+    async def main() -> None:
+        server, url = await serve(handler)
+        transport = HTTP11Transport()
+        target = httpx.URL(url + "/v1/chat/completions?x=1")
+        for body in (b'{"stream":true}', b"{}"):
+            response = await transport.post(target, [(b"x-request-id", b"r-1")], body, {"read": 5.0})
+            assert response.status_code == 200
+            assert response.headers["content-type"] == "text/event-stream"
+            assert await response.aread() == b"data: 1\n\n"
+            await response.aclose()
+        await transport.aclose()
+        assert server.connections == 1
+        port = target.port
+        assert seen[0] == (b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+                           b"content-length: 15\r\nx-request-id: r-1\r\n\r\n{\"stream\":true}" % port)
+        assert seen[1].endswith(b"content-length: 2\r\nx-request-id: r-1\r\n\r\n{}")
+
+    run(main())
+
+
+def test_post_to_https_goes_through_the_fallback_as_an_httpx_request() -> None:
+    received: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        received.append(request)
+        return httpx.Response(200, content=b"{}")
+
+    async def main() -> None:
+        transport = HTTP11Transport(fallback=httpx.MockTransport(answer))
+        url = httpx.URL("https://agent.example:8443/v1/completions")
+        response = await transport.post(url, [(b"x-request-id", b"r-2")], b'{"a":1}', {"read": 5.0})
+        assert response.status_code == 200 and response.request is received[0]
+        assert received[0].headers["x-request-id"] == "r-2" and received[0].content == b'{"a":1}'
+        assert received[0].headers["host"] == "agent.example:8443"
+
+    run(main())
+
+
 def test_chunked_body_already_here_comes_in_one_piece(serve, client) -> None:
     events = [b"data: %d\n\n" % i for i in range(5)]
 
