@@ -124,7 +124,7 @@ class Pipelined:
         # a subclass (TLS, say) is left to redis-py
         self.supported = self.unix or pool.connection_class is Connection
         self._link: _Link | None = None
-        self._connecting: asyncio.Lock | None = None
+        self._connecting: asyncio.Future[_Link] | None = None
         self._closed = False
 
     def register(self, text: str) -> ScriptCall:
@@ -151,14 +151,22 @@ class Pipelined:
         link = self._link
         if link is not None and not link.lost:
             return link
+        if self._closed:
+            raise RedisConnectionError("the router's Redis connection is closed")
+        # one attempt at a time, and the calls made meanwhile share its outcome: a Redis that hangs the
+        # connection costs them one connect timeout together, not one each in turn
         if self._connecting is None:
-            self._connecting = asyncio.Lock()
-        async with self._connecting:  # calls arriving while it connects wait for the same connection
-            if self._closed:
-                raise RedisConnectionError("the router's Redis connection is closed")
-            if self._link is None or self._link.lost:
-                self._link = await self._connect()
-            return self._link
+            self._connecting = asyncio.ensure_future(self._connect())
+            self._connecting.add_done_callback(self._connected)
+        return await asyncio.shield(self._connecting)  # a caller that gives up leaves the attempt to the rest
+
+    def _connected(self, attempt: asyncio.Future[_Link]) -> None:
+        self._connecting = None
+        if attempt.cancelled() or attempt.exception() is not None:  # (the exception is its callers')
+            return
+        self._link = attempt.result()
+        if self._closed:
+            self._link.close()
 
     async def _connect(self) -> _Link:
         kwargs = self.kwargs

@@ -116,6 +116,32 @@ def test_a_redis_that_never_answers_times_out_and_a_refused_connection_fails() -
     asyncio.run(scenario())
 
 
+def test_calls_waiting_for_a_connection_share_its_outcome() -> None:
+    """A Redis that takes the connection but never completes its setup (as a blackholed host would hang):
+    the calls made meanwhile fail together with the one attempt, not one connect timeout after another."""
+
+    async def scenario() -> None:
+        accepted: list[asyncio.StreamWriter] = []
+        silent = await asyncio.start_server(lambda r, w: accepted.append(w), "127.0.0.1", 0)
+        port = silent.sockets[0].getsockname()[1]
+        client = Redis.from_url(f"redis://:pw@127.0.0.1:{port}/0", socket_connect_timeout=0.5)
+        pipe = Pipelined(client)
+        echo = pipe.register(ECHO)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        outcomes = await asyncio.gather(*(echo(args=[str(i)]) for i in range(10)), return_exceptions=True)
+        took = loop.time() - started
+        assert all(isinstance(outcome, RedisConnectionError) for outcome in outcomes), outcomes
+        assert took < 2.5, took  # one attempt and one retry, shared: ~1 s (one after another: 10 s)
+        pipe.close()
+        for writer in accepted:
+            writer.close()
+        silent.close()
+        await silent.wait_closed()
+
+    asyncio.run(scenario())
+
+
 def test_password_acl_user_and_database(tmp_path: Path) -> None:
     with RedisServer(password="pw-s3cret") as server:
         admin = redis.Redis(port=server.port, password="pw-s3cret")
