@@ -133,6 +133,7 @@ class Admission:
         self._waiters: deque[_Waiter] = deque()
         self._waiting: dict[str, _Waiter] = {}  # request id -> waiter, for `granted` and `shed` messages
         self._releasing = 0  # releases on their way to Redis (waited for at shutdown: Admission.settle)
+        self._undoing: set[asyncio.Future[None]] = set()  # cancelled requests giving their slot back
         # this replica's recent queue waits, for the dashboard: (priority, tenant, seconds)
         self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
@@ -311,6 +312,22 @@ class Admission:
                 log.warning("release of %s on %s failed (%s); the lease will expire", lease.request_id,
                             node_id, type(exc).__name__)
 
+    def _undo(self, request_id: str, node_ids: list[str], tenant: str) -> None:
+        """Release whatever ``request_id`` holds on ``node_ids`` (a release of nothing changes nothing)."""
+
+        async def undo() -> None:
+            try:
+                for node_id in node_ids:
+                    await self._release_in_redis(Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant),
+                                                 node_id, failed=False)
+            finally:
+                self._releasing -= 1
+                self._undoing.discard(task)
+
+        self._releasing += 1
+        task = asyncio.ensure_future(undo())
+        self._undoing.add(task)  # (a reference, or the task may be collected before it runs)
+
     def reject(self, reason: RejectReason, message: str) -> Rejected:
         rejected = Rejected(reason, message)
         rejected.retry_after = self.retry_after(reason)
@@ -404,6 +421,11 @@ class Admission:
         )
         try:
             raw = await self._reserve(args=args)
+        except asyncio.CancelledError:
+            # the client left while the script was on its way: it may have reserved a slot all the same,
+            # which nobody would hold (or renew) - it is given back, on whichever candidate it was taken
+            self._undo(request_id, [doc.node_id for doc in docs], ticket.tenant)
+            raise
         except Exception as exc:
             log.warning("reservation failed: %s: %s", type(exc).__name__, exc)
             if self.pool.redis_ok:
