@@ -13,9 +13,8 @@ from tests.router.test_admission_memo import NODE, one_node_pool
 def test_a_reservation_made_for_a_request_cancelled_meanwhile_is_given_back(redis_url: str) -> None:
     async def scenario() -> None:
         settings = Settings(redis_url=redis_url, queue_size=0)
-        redis, admission = await one_node_pool(settings)
         slots = Keys().reservations("a")
-        try:
+        async with one_node_pool(settings) as (redis, admission):
             # once through, so Redis knows the scripts (a cancelled EVALSHA it does not know reserves nothing)
             await admission.release(await admission.acquire(lambda: [NODE], Ticket(model="m")))
             # Redis holds every call for a while: the reservation is written, and the client leaves before
@@ -35,8 +34,5 @@ def test_a_reservation_made_for_a_request_cancelled_meanwhile_is_given_back(redi
             lease = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             assert lease.node.node_id == "a"
             await admission.release(lease)
-        finally:
-            await admission.stop()
-            await redis.aclose()
 
     asyncio.run(scenario())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -16,15 +18,20 @@ from router.settings import Settings
 NODE = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready", models=["m"])
 
 
-async def one_node_pool(settings: Settings) -> tuple[Redis, Admission]:
-    """Admission over a pool of one node ``a`` of capacity 1 serving model ``m``."""
+@contextlib.asynccontextmanager
+async def one_node_pool(settings: Settings) -> AsyncIterator[tuple[Redis, Admission]]:
+    """Admission over a pool of one node ``a`` of capacity 1 serving model ``m`` (stopped at the end)."""
     redis = Redis.from_url(settings.redis_url)
     keys = Keys()
     pool = PoolView(settings, redis, keys)
     pool.redis_ok = True
     admission = Admission(settings, redis, keys, pool, RouterMetrics())
     await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
-    return redis, admission
+    try:
+        yield redis, admission
+    finally:
+        await admission.stop()
+        await redis.aclose()
 
 
 async def evalsha_calls(redis: Redis) -> int:
@@ -35,9 +42,7 @@ async def evalsha_calls(redis: Redis) -> int:
 def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(redis_url: str) -> None:
     async def scenario() -> None:
         settings = Settings(redis_url=redis_url, queue_size=1, batch_queue_share=1.0, queue_timeout=5.0)
-        redis, admission = await one_node_pool(settings)
-
-        try:
+        async with one_node_pool(settings) as (redis, admission):
             holder = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             batch_ticket = Ticket(model="m", priority="batch")
             batch = asyncio.create_task(admission.acquire(lambda: [NODE], batch_ticket))
@@ -67,9 +72,6 @@ def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(
             assert await evalsha_calls(redis) == before
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
-        finally:
-            await admission.stop()
-            await redis.aclose()
 
     asyncio.run(scenario())
 
@@ -79,9 +81,7 @@ def test_a_lapsed_full_answer_is_asked_again_by_one_request_only(redis_url: str)
 
     async def scenario() -> None:
         settings = Settings(redis_url=redis_url, queue_size=0)
-        redis, admission = await one_node_pool(settings)
-
-        try:
+        async with one_node_pool(settings) as (redis, admission):
             holder = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             with pytest.raises(Rejected):
                 await admission.acquire(lambda: [NODE], Ticket(model="m"))  # Redis says full: remembered
@@ -103,8 +103,5 @@ def test_a_lapsed_full_answer_is_asked_again_by_one_request_only(redis_url: str)
             lease = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             assert lease.node.node_id == "a"
             await admission.release(lease)
-        finally:
-            await admission.stop()
-            await redis.aclose()
 
     asyncio.run(scenario())
