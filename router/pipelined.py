@@ -69,6 +69,8 @@ class _Link(asyncio.Protocol):
             future, _ = self.waiting.popleft()
             if not future.done():  # a caller that was cancelled meanwhile: its reply is dropped
                 future.set_result(reply)
+        if self.reader.gets() is not False:  # a reply nobody asked for: the next ones could not be matched
+            self._fail(RedisConnectionError("Redis sent a reply to no call"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(RedisConnectionError("the connection to Redis was lost"))

@@ -141,6 +141,36 @@ def test_calls_waiting_for_a_connection_share_its_outcome() -> None:
     asyncio.run(scenario())
 
 
+def test_a_reply_to_no_call_drops_the_connection() -> None:
+    """Replies are matched to calls by order only: one too many and the connection is not used again."""
+
+    async def scenario() -> None:
+        connections: list[asyncio.StreamWriter] = []
+
+        async def talkative(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connections.append(writer)
+            await reader.readuntil(b"x\r\n")  # the call's last argument
+            writer.write(b"$5\r\nfirst\r\n+EXTRA\r\n")
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await reader.read()
+
+        server = await asyncio.start_server(talkative, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pipe = Pipelined(Redis.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=2.0))
+        echo = pipe.register(ECHO)
+        assert await echo(args=["x"]) == b"first"
+        # on a new connection: on the same one, replies would be matched one call late ("EXTRA" for this one)
+        assert await echo(args=["x"]) == b"first"
+        assert len(connections) == 2
+        pipe.close()
+        for writer in connections:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
 def test_password_acl_user_and_database(tmp_path: Path) -> None:
     with RedisServer(password="pw-s3cret") as server:
         admin = redis.Redis(port=server.port, password="pw-s3cret")
