@@ -16,7 +16,8 @@ Keys (``{p}`` is the configurable prefix, default ``macpool:``):
                       past the lease time; live streams renew theirs.
 ``{p}drained``        SET of node ids an operator drained through a router's admin API.
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
-``{p}qmeta``          HASH waiter id -> its priority, tenant, model, arrival and mark (see the scripts).
+``{p}qmeta``          HASH waiter id -> its priority, tenant, model, arrival, mark and the nodes it
+                      turns down (see the scripts).
 ``{p}tenant:{name}``  ZSET reservation id -> lease expiry: one tenant's (API key's) requests in flight,
                       for fair queueing and per-key concurrency limits.
 ``{p}affinity``       HASH prompt-prefix hash -> the node that last served it (prefix-cache affinity);
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Collection
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -137,9 +139,12 @@ def heartbeat_ttl_ms(interval_s: float) -> int:
 # This is fine for a single Redis (or a replicated primary); it is not Redis Cluster-safe.
 #
 # Queue entries: ``{p}queue`` holds each waiter's lease expiry (short, renewed on each attempt),
-# ``{p}qmeta`` its record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes",
-# mark being "" (waiting), "g:<node>" (a release reserved a slot on <node> for it: it only has to take it)
-# or "shed" (an interactive request took its place); the preferred node holds its prompt prefix (affinity).
+# ``{p}qmeta`` its record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes
+# \t declined", mark being "" (waiting), "g:<node>" (a release reserved a slot on <node> for it: it only has
+# to take it) or "shed" (an interactive request took its place); the preferred node holds its prompt prefix
+# (affinity); declined lists (newline-separated) the nodes it turned a handed-over slot down on - nodes its
+# router no longer sends it to (tried already, or circuit open there): no slot there is handed to it again,
+# nor held back for it from later arrivals.
 # Queue order, for each model: interactive before batch, then the tenant with the fewest requests in
 # flight, then the oldest - except that a release may hand its slot to a request that prefers that node
 # among the first AFFINITY_SKIP equally ranked ones (passing each over at most MAX_PASSES times). Both are
@@ -176,10 +181,22 @@ local function queue_entries(prefix, now)
       local f = fields(metas[i])
       out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
                        mark = f[5] or '', pref = f[6] or '', hashed = f[7] or '',
-                       passes = tonumber(f[8]) or 0}
+                       passes = tonumber(f[8]) or 0, declined = f[9] or ''}
     end
   end
   return out
+end
+
+-- the qmeta record of queue entry `e`
+local function record(e)
+  local f = {e.prio, e.tenant, e.model, e.enq, e.mark, e.pref, e.hashed, e.passes, e.declined}
+  return table.concat(f, '\\t')
+end
+
+-- whether queue entry `e` turned down a slot on `node` before
+local function declined(e, node)
+  if e.declined == '' then return false end
+  return string.find('\\n' .. e.declined .. '\\n', '\\n' .. node .. '\\n', 1, true) ~= nil
 end
 
 local loads = {}
@@ -233,7 +250,7 @@ local function hand_over(prefix, node, now, lease)
   if redis.call('ZCARD', rkey) >= cap then return false end
   local ranked = {}
   for _, e in ipairs(queue_entries(prefix, now)) do
-    if e.mark == '' and serves(f[3], e.model) then ranked[#ranked + 1] = e end
+    if e.mark == '' and serves(f[3], e.model) and not declined(e, node) then ranked[#ranked + 1] = e end
   end
   if #ranked == 0 then return false end
   table.sort(ranked, function(a, b) return before(prefix, now, a, b) end)
@@ -248,8 +265,8 @@ local function hand_over(prefix, node, now, lease)
     if e.pref == node then
       for j = 1, i - 1 do
         local p = ranked[j]
-        local passed = {p.prio, p.tenant, p.model, p.enq, '', p.pref, p.hashed, p.passes + 1}
-        redis.call('HSET', prefix .. 'qmeta', p.rid, table.concat(passed, '\\t'))
+        p.passes = p.passes + 1
+        redis.call('HSET', prefix .. 'qmeta', p.rid, record(p))
       end
       head = e
       break
@@ -257,9 +274,8 @@ local function hand_over(prefix, node, now, lease)
     if e.passes >= MAX_PASSES then break end
   end
   reserve(prefix, node, head.rid, head.tenant, now, lease)
-  local record = {head.prio, head.tenant, head.model, head.enq, 'g:' .. node, head.pref, head.hashed,
-                  head.passes}
-  redis.call('HSET', prefix .. 'qmeta', head.rid, table.concat(record, '\\t'))
+  head.mark = 'g:' .. node
+  redis.call('HSET', prefix .. 'qmeta', head.rid, record(head))
   redis.call('PUBLISH', prefix .. 'events', 'granted ' .. head.rid .. ' ' .. node)
   return true
 end
@@ -286,7 +302,8 @@ local prio, tenant, model = ARGV[8], ARGV[9], ARGV[10]
 local key_limit, batch_max = tonumber(ARGV[11]), tonumber(ARGV[12])
 local abs_t, rel_t, max_entries = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
 local queue_lease = tonumber(ARGV[16])  -- waiters renew their place every attempt, so this is short
-local n_hashes = tonumber(ARGV[17])
+local excluded = ARGV[17]  -- nodes this request's router no longer sends it to, newline-separated
+local n_hashes = tonumber(ARGV[18])
 local qkey, mkey = prefix .. 'queue', prefix .. 'qmeta'
 
 -- remember that `node` now holds this request's prompt prefixes (least recently used ones dropped)
@@ -294,7 +311,7 @@ local function remember(node)
   if n_hashes == 0 then return end
   local akey, lkey = prefix .. 'affinity', prefix .. 'affinity:lru'
   local pairs_, scores = {}, {}
-  for i = 18, 17 + n_hashes do
+  for i = 19, 18 + n_hashes do
     pairs_[#pairs_ + 1] = ARGV[i]; pairs_[#pairs_ + 1] = node
     scores[#scores + 1] = now; scores[#scores + 1] = ARGV[i]
   end
@@ -310,7 +327,7 @@ local function remember(node)
 end
 
 local entries = queue_entries(prefix, now)
-local me = nil
+local me, turned_down = nil, false
 if dequeue then
   for _, e in ipairs(entries) do
     if e.rid == rid then me = e end
@@ -321,19 +338,38 @@ if dequeue then
     return {'shed', '', 0, ''}
   end
   if me and string.sub(me.mark, 1, 2) == 'g:' then
-    -- the slot was handed over with the short queue lease (in case this waiter's router is dead): now
-    -- that the waiter is alive to take it, it gets the full lease
     local node = string.sub(me.mark, 3)
-    redis.call('ZREM', qkey, rid)
-    redis.call('HDEL', mkey, rid)
-    redis.call('ZADD', prefix .. 'resv:' .. node, 'XX', now + lease, rid)
-    redis.call('ZADD', prefix .. 'tenant:' .. tenant, 'XX', now + lease, rid)
-    remember(node)
-    local outcome = ''
-    if me.hashed ~= '' then
-      outcome = me.pref == node and 'hit' or (me.pref ~= '' and 'overridden' or 'miss')
+    local wanted = false  -- a release hands a slot over by model only: is its node one this request takes?
+    for i = 19 + n_hashes, #ARGV, 3 do
+      if ARGV[i] == node then wanted = true end
     end
-    return {'reserved', node, redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf'), outcome}
+    if wanted and redis.call('ZSCORE', prefix .. 'resv:' .. node, rid) then
+      -- the slot was handed over with the short queue lease (in case this waiter's router is dead): now
+      -- that the waiter is alive to take it, it gets the full lease
+      redis.call('ZREM', qkey, rid)
+      redis.call('HDEL', mkey, rid)
+      redis.call('ZADD', prefix .. 'resv:' .. node, 'XX', now + lease, rid)
+      redis.call('ZADD', prefix .. 'tenant:' .. tenant, 'XX', now + lease, rid)
+      remember(node)
+      local outcome = ''
+      if me.hashed ~= '' then
+        outcome = me.pref == node and 'hit' or (me.pref ~= '' and 'overridden' or 'miss')
+      end
+      return {'reserved', node, redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf'), outcome}
+    end
+    if not wanted then
+      -- declined (a node this request already tried, or whose circuit is open in its router): the slot goes
+      -- on to the next in line (this request, still marked, is not among them) and this one waits on
+      release(prefix, node, rid, me.tenant, now, queue_lease, false)
+      me.declined, turned_down = excluded, true
+      if not declined(me, node) then
+        me.declined = excluded == '' and node or excluded .. '\\n' .. node
+      end
+    end
+    -- (a handed-over slot that lapsed before it was taken: this request waits on like any other)
+    me.mark = ''
+    redis.call('HSET', mkey, rid, record(me))
+    entries = queue_entries(prefix, now)  -- the hand-over may have marked another entry
   end
 end
 
@@ -347,7 +383,7 @@ end
 
 -- waiting requests queued ahead of this one for the same model
 local mine = {rid = rid, prio = prio, tenant = tenant, enq = me and me.enq or now}
-local ahead, waiting, waiting_batch, last_batch = 0, 0, 0, nil
+local ahead, waiting, waiting_batch, last_batch = {}, 0, 0, nil
 for _, e in ipairs(entries) do
   if e.mark == '' and e.rid ~= rid then
     waiting = waiting + 1
@@ -355,7 +391,7 @@ for _, e in ipairs(entries) do
       waiting_batch = waiting_batch + 1
       if last_batch == nil or before(prefix, now, last_batch, e) then last_batch = e end
     end
-    if e.model == model and before(prefix, now, e, mine) then ahead = ahead + 1 end
+    if e.model == model and before(prefix, now, e, mine) then ahead[#ahead + 1] = e end
   end
 end
 
@@ -363,7 +399,7 @@ end
 local best, best_util, best_tps, best_rand, best_n = nil, 2.0, -1.0, 0.0, 0
 local free, open, known = 0, {}, {}
 local drained = prefix .. 'drained'
-for i = 18 + n_hashes, #ARGV, 3 do
+for i = 19 + n_hashes, #ARGV, 3 do
   local id = ARGV[i]
   known[id] = true
   local f = redis.call('HMGET', prefix .. 'node:' .. id, 'capacity', 'state')
@@ -392,7 +428,7 @@ end
 local outcome, pref = '', ''
 if n_hashes > 0 then
   outcome = 'miss'
-  local owners = redis.call('HMGET', prefix .. 'affinity', unpack(ARGV, 18, 17 + n_hashes))
+  local owners = redis.call('HMGET', prefix .. 'affinity', unpack(ARGV, 19, 18 + n_hashes))
   for i = 1, n_hashes do
     local owner = owners[i]
     if owner and pref == '' and known[owner] then pref = owner end  -- kept with a queued request
@@ -411,7 +447,13 @@ if n_hashes > 0 then
   end
 end
 
-if best and ahead < free then
+-- a free slot is left to the requests ahead, except those that turned down a slot on the node it is on
+local n_ahead = 0
+for _, e in ipairs(ahead) do
+  if not (best and declined(e, best)) then n_ahead = n_ahead + 1 end
+end
+
+if best and n_ahead < free then
   reserve(prefix, best, rid, tenant, now, lease)
   if me then
     redis.call('ZREM', qkey, rid)
@@ -423,8 +465,12 @@ end
 if not enqueue then
   return {'full', '', waiting, ''}
 end
-if me then  -- still waiting: renew its place
+if me then  -- still waiting: renew its place (and the nodes it turns down: circuits close, and open)
   redis.call('ZADD', qkey, now + queue_lease, rid)
+  if not turned_down and me.declined ~= excluded then
+    me.declined = excluded
+    redis.call('HSET', mkey, rid, record(me))
+  end
   return {'queued', '', waiting + 1, ''}
 end
 if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) then
@@ -435,15 +481,15 @@ if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) the
     return {'full', '', waiting, ''}
   end
   -- an interactive request takes the place of the last queued batch request
-  local b = last_batch
-  local record = table.concat({b.prio, b.tenant, b.model, b.enq, 'shed', b.pref, b.hashed, b.passes}, '\\t')
-  redis.call('HSET', mkey, last_batch.rid, record)
+  last_batch.mark = 'shed'
+  redis.call('HSET', mkey, last_batch.rid, record(last_batch))
   redis.call('PUBLISH', prefix .. 'events', 'shed ' .. last_batch.rid)
   waiting = waiting - 1
 end
 redis.call('ZADD', qkey, now + queue_lease, rid)
 local hashed = n_hashes > 0 and '1' or ''
-redis.call('HSET', mkey, rid, table.concat({prio, tenant, model, now, '', pref, hashed, 0}, '\\t'))
+redis.call('HSET', mkey, rid, record({prio = prio, tenant = tenant, model = model, enq = now, mark = '',
+                                      pref = pref, hashed = hashed, passes = 0, declined = excluded}))
 redis.call('PEXPIRE', qkey, lease * 2)
 redis.call('PEXPIRE', mkey, lease * 2)
 return {'queued', '', waiting + 1, ''}
@@ -501,9 +547,12 @@ def reserve_argv(
     affinity_rel: float = 1.5,
     affinity_max_entries: int = 100_000,
     queue_lease_ms: int = 3_000,
+    excluded: Collection[str] = (),
     now: int | None = None,
 ) -> list[str | int | float]:
-    """The ARGV of :data:`RESERVE_OR_ENQUEUE`; candidates are (node id, tokens/s), prefixes longest first.
+    """The ARGV of :data:`RESERVE_OR_ENQUEUE`; candidates are (node id, tokens/s), prefixes longest first;
+    ``excluded`` are nodes that serve the model but that the request's router no longer sends it to (tried
+    already, circuit open): while it waits, no slot there is handed to it nor held back for it.
 
     Returns ``[status, node_id, count, affinity]``; status is reserved, queued, full, shed (a batch request
     turned away, or a queued one whose place an interactive request took) or limited (the tenant is at its
@@ -513,7 +562,7 @@ def reserve_argv(
     args: list[str | int | float] = [
         keys.prefix, now_ms() if now is None else now, lease_ms, request_id, queue_size, int(enqueue),
         int(dequeue), priority, tenant, model, key_limit, batch_queue_max, affinity_abs, affinity_rel,
-        affinity_max_entries, queue_lease_ms, len(prefixes), *prefixes,
+        affinity_max_entries, queue_lease_ms, "\n".join(excluded), len(prefixes), *prefixes,
     ]
     for node_id, tokens_per_s in candidates:
         args += [node_id, tokens_per_s, random.random()]

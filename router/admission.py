@@ -17,7 +17,7 @@ import statistics
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -174,13 +174,20 @@ class Admission:
 
     # --- acquire / release -------------------------------------------------------------------------
 
-    async def acquire(self, candidates: Callable[[], list[NodeDoc]], ticket: Ticket | None = None) -> Lease:
+    async def acquire(
+        self,
+        candidates: Callable[[], list[NodeDoc]],
+        ticket: Ticket | None = None,
+        tried: Collection[str] = (),
+    ) -> Lease:
         """Reserve a slot (on the node holding the prompt's prefix, or the least-utilised candidate),
         queueing up to ``queue_timeout`` if none is free.
 
         ``candidates`` is re-evaluated on every attempt (the pool view changes while a request waits);
-        it may raise NoNodes / ModelNotFound. Raises :class:`Rejected` when the pool cannot take it and
-        :class:`Limited` when the ticket's tenant is at its concurrency limit.
+        it may raise NoNodes / ModelNotFound. ``tried`` are nodes the request failed on already: like nodes
+        whose circuit is open here, a waiting request is not handed their slots (nor holds them back from
+        others). Raises :class:`Rejected` when the pool cannot take it and :class:`Limited` when the ticket's
+        tenant is at its concurrency limit.
         """
         ticket = ticket or Ticket()
         docs = candidates()
@@ -192,7 +199,7 @@ class Admission:
         if asking:
             self._asking.add(ticket.model)
         try:
-            attempt = await self._try(request_id, docs, ticket, dequeue=False)
+            attempt = await self._try(request_id, docs, ticket, tried, dequeue=False)
         finally:
             if asking:
                 self._asking.discard(ticket.model)
@@ -206,10 +213,15 @@ class Admission:
         if attempt.status == "offline":
             return self._local_lease(request_id, docs, ticket)
         self._refuse(attempt, ticket)
-        return await self._wait(request_id, candidates, docs, ticket)
+        return await self._wait(request_id, candidates, docs, ticket, tried)
 
     async def _wait(
-        self, request_id: str, candidates: Callable[[], list[NodeDoc]], docs: list[NodeDoc], ticket: Ticket
+        self,
+        request_id: str,
+        candidates: Callable[[], list[NodeDoc]],
+        docs: list[NodeDoc],
+        ticket: Ticket,
+        tried: Collection[str],
     ) -> Lease:
         started = time.monotonic()
         deadline = started + self.settings.queue_timeout
@@ -227,25 +239,17 @@ class Admission:
                 waiter.woken.clear()
                 docs = candidates()
                 waiter.nodes = {doc.node_id for doc in docs}
-                attempt = await self._try(request_id, docs, ticket, dequeue=True)
+                attempt = await self._try(request_id, docs, ticket, tried, dequeue=True)
                 if attempt.status == "offline":
                     admitted = True
                     return self._local_lease(request_id, docs, ticket)
                 if attempt.status == "reserved":
-                    waited = time.monotonic() - started
-                    # a release may hand us a slot on a node outside `docs` (one this request already tried,
-                    # or whose circuit is open here): use it all the same if this router knows the node
-                    known = {doc.node_id: doc for doc in docs} | self.pool.snapshot.nodes
-                    if attempt.node_id not in known:
-                        stray = Lease(request_id, NodeDoc(node_id=attempt.node_id, url=""), ticket.tenant)
-                        await self.release(stray)  # the slot goes to the next in line; we queue again
-                        continue
                     admitted = True
                     waited = time.monotonic() - started
                     labels = {"priority": ticket.priority, "tenant": ticket.tenant}
                     self.metrics.queue_wait.labels(**labels).observe(waited)
                     self.recent_waits.append((ticket.priority, ticket.tenant, waited))
-                    lease = self._lease(request_id, [known[attempt.node_id]], attempt, ticket)
+                    lease = self._lease(request_id, docs, attempt, ticket)
                     lease.queued_s = waited
                     return lease
                 self._refuse(attempt, ticket)  # shed, limited, or our entry expired and others took the room
@@ -408,7 +412,9 @@ class Admission:
 
     # --- Redis calls -------------------------------------------------------------------------------
 
-    async def _try(self, request_id: str, docs: list[NodeDoc], ticket: Ticket, dequeue: bool) -> _Attempt:
+    async def _try(
+        self, request_id: str, docs: list[NodeDoc], ticket: Ticket, tried: Collection[str], dequeue: bool
+    ) -> _Attempt:
         settings = self.settings
         args = reserve_argv(
             self.keys, request_id, self.lease_ms, [(doc.node_id, doc.tokens_per_s) for doc in docs],
@@ -418,6 +424,7 @@ class Admission:
             prefixes=ticket.prefixes if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
             affinity_max_entries=settings.affinity_max_entries, queue_lease_ms=QUEUE_LEASE_MS,
+            excluded=self._excluded(tried),
         )
         try:
             raw = await self._reserve(args=args)
@@ -442,6 +449,13 @@ class Admission:
             self.affinity_counts[affinity] += 1
             self.metrics.affinity.labels(outcome=affinity).inc()
         return attempt
+
+    def _excluded(self, tried: Collection[str]) -> list[str]:
+        """The nodes a request is not sent to: those it failed on, and those whose circuit is open here."""
+        circuits = self.pool.circuits
+        if not tried and not circuits:
+            return []
+        return sorted({*tried, *(node_id for node_id in circuits if not self.pool.circuit_allows(node_id))})
 
     def _local_lease(self, request_id: str, docs: list[NodeDoc], ticket: Ticket) -> Lease:
         """Redis is unreachable: admit from the last pool view, counting only this router's own leases.

@@ -150,6 +150,7 @@ class Forwarder:
                 lease = await self.admission.acquire(
                     lambda: [d for d in self.pool.candidates(call.model) if d.node_id not in tried],
                     call.ticket,
+                    tried,
                 )
             except Rejected as rejected:
                 return self.rejection(rejected, call)

@@ -87,6 +87,12 @@ class Pool:
         return name
 
 
+def queued(router_url: str) -> int:
+    """How many requests wait in the pool's queue, as the router sees it."""
+    depth: int = httpx.get(router_url + "/api/pool").json()["pool"]["queued"]
+    return depth
+
+
 @pytest.fixture
 def pool(spawn: SpawnFactory, redis_url: str) -> Pool:
     return Pool(spawn, redis_url)

@@ -200,6 +200,86 @@ def test_a_waiter_taking_its_slot_gets_the_full_lease(store: Store) -> None:
     assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") == expiry
 
 
+def test_a_waiter_excluding_a_node_is_neither_handed_its_slots_nor_holds_them_back(store: Store) -> None:
+    # the waiter's router tried node a already (or a's circuit is open there): its attempts exclude a
+    store.node("a", 1)
+    store.node("b", 1)
+    store.ask("busy-a", ["a"])
+    store.ask("busy-b", ["b"])
+    assert store.ask("picky", ["b"], excluded=("a",))[0] == "queued"
+    time.sleep(0.005)  # queued after picky (ties in arrival are broken by id)
+    assert store.ask("any", ["a", "b"])[0] == "queued"
+    store.events()
+    store.release("busy-a", "a")  # a's slot skips picky, first in line, for the next one
+    assert store.events() == ["granted any a"]
+    assert store.ask("any", ["a", "b"], dequeue=True)[:2] == ["reserved", "a"]
+    store.release("any", "a")
+    assert store.events() == ["freed a"]
+    # a free slot on a is not held back for picky from a later arrival (it would otherwise wait behind it)
+    assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "a"]
+    # once its router takes a again (the circuit closed), a is picky's like any node
+    assert store.ask("picky", ["b"], dequeue=True, excluded=())[0] == "queued"
+    store.release("late", "a")
+    assert store.events() == ["granted picky a"]
+
+
+def test_a_handed_over_slot_gone_before_it_is_taken_is_not_counted_as_held(store: Store) -> None:
+    store.node("a", 1)
+    store.ask("busy", ["a"])
+    store.ask("waiter", ["a"])
+    store.events()
+    store.release("busy", "a")
+    assert store.events() == ["granted waiter a"]
+    store.r.zrem(KEYS.reservations("a"), "waiter")  # as if its short lease had run out
+    answer = store.ask("waiter", ["a"], dequeue=True)
+    assert answer[:2] == ["reserved", "a"]  # a is free, and the waiter takes it properly
+    assert store.r.zscore(KEYS.reservations("a"), "waiter") is not None
+    assert store.r.zcard(KEYS.queue) == 0
+
+
+def test_a_waiter_declines_a_slot_on_a_node_it_no_longer_takes_and_it_goes_to_the_next(store: Store) -> None:
+    # the waiter's router tries node a, and fails, after a's slot was handed to it: it turns it down
+    store.node("a", 1)
+    store.node("b", 1)
+    store.ask("busy-a", ["a"])
+    store.ask("busy-b", ["b"])
+    assert store.ask("picky", ["b"])[0] == "queued"
+    time.sleep(0.005)  # queued after picky (ties in arrival are broken by id)
+    assert store.ask("any", ["a", "b"])[0] == "queued"
+    store.events()
+    store.release("busy-a", "a")  # hands a's slot to the head of the queue, by model only
+    assert store.events() == ["granted picky a"]
+    # picky's next attempt declines it: the slot goes on to the next in line, picky keeps its place
+    assert store.ask("picky", ["b"], dequeue=True, excluded=("a",))[:2] == ["queued", ""]
+    assert store.events() == ["granted any a"]
+    assert store.r.zscore(KEYS.reservations("a"), "picky") is None
+    assert store.ask("any", ["a", "b"], dequeue=True)[:2] == ["reserved", "a"]
+    # picky is still first in line for b
+    store.release("busy-b", "b")
+    assert store.events() == ["granted picky b"]
+    assert store.ask("picky", ["b"], dequeue=True)[:2] == ["reserved", "b"]
+    assert store.r.zcard(KEYS.queue) == 0 and store.r.hlen(KEYS.queue_meta) == 0
+
+
+def test_a_declined_slot_nobody_else_wants_is_freed(store: Store) -> None:
+    store.node("a", 1)
+    store.node("b", 1)
+    store.ask("busy-a", ["a"])
+    store.ask("busy-b", ["b"])
+    store.ask("picky", ["b"])
+    store.events()
+    store.release("busy-a", "a")
+    assert store.events() == ["granted picky a"]
+    assert store.ask("picky", ["b"], dequeue=True)[0] == "queued"
+    assert store.events() == ["freed a"]
+    assert store.r.zcard(KEYS.reservations("a")) == 0
+    # a later arrival is not held back for picky, nor is a slot on a handed to picky again
+    assert store.ask("new", ["a"], enqueue=False)[:2] == ["reserved", "a"]
+    store.release("new", "a")
+    assert store.events() == ["freed a"]
+    assert store.ask("picky", ["b"], dequeue=True)[0] == "queued"
+
+
 def test_a_hand_over_prefers_a_waiter_whose_prefix_the_node_holds_among_equals(store: Store) -> None:
     store.node("a", 1)
     store.node("b", 1)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 
-from tests.conftest import chat
-from tests.router.conftest import Pool
+from tests.conftest import chat, metric
+from tests.router.conftest import AGENT_TOKEN, Pool, queued, wait_until
 
 
 def test_failover_before_first_byte_then_error_event_mid_stream(pool: Pool) -> None:
@@ -44,3 +46,47 @@ def test_failover_before_first_byte_then_error_event_mid_stream(pool: Pool) -> N
     assert "127.0.0.1" not in error["message"]
     metrics = httpx.get(router.url + "/metrics").text
     assert f'macpool_upstream_errors_total{{kind="connect",node="{idle}"}}' in metrics
+
+
+def test_a_request_waiting_after_a_node_refused_it_neither_gets_nor_blocks_that_node(pool: Pool) -> None:
+    nodes = {name: pool.node(name, cap=1, speed=1) for name in ("a", "b")}
+    router = pool.router("--queue-size", "4", "--queue-timeout", "45")
+    pool.wait_ready(router, nodes=2)
+    model = pool.model(router)
+    long_body, short_body = chat(model, 4000), chat(model, 4, stream=False)
+    token = {"x-macpool-token": AGENT_TOKEN}
+    answers: list[httpx.Response] = []
+    # a's only slot is taken behind the router's back (Redis still sees it free): a's agent refuses
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", nodes["a"].agent.url + "/v1/chat/completions", json=long_body,
+                      headers=token) as direct,
+    ):
+        assert direct.status_code == 200
+        direct_chunks = direct.iter_raw()
+        next(direct_chunks)
+        with client.stream("POST", router.url + "/v1/chat/completions", json=long_body) as held:
+            assert held.status_code == 200 and held.headers["x-macpool-node"] == "b"
+            held_chunks = held.iter_raw()
+            next(held_chunks)
+
+            def picky() -> None:  # tries a (refused: node_full), then waits for b
+                with httpx.Client(timeout=60) as own:
+                    answers.append(own.post(router.url + "/v1/chat/completions", json=short_body))
+
+            waiter = threading.Thread(target=picky)
+            waiter.start()
+            wait_until(lambda: queued(router.url) == 1)
+            assert metric(router.url, 'macpool_upstream_errors_total{kind="node_full",node="a"}') >= 1
+            direct.close()  # a is free again
+            status = nodes["a"].agent.url + "/status"
+            wait_until(lambda: httpx.get(status, timeout=5).json()["in_flight"] == 0)
+            # a later request is not held back behind the waiter that will not go to a...
+            later = client.post(router.url + "/v1/chat/completions", json=short_body, timeout=20)
+            assert later.status_code == 200 and later.headers["x-macpool-node"] == "a"
+            # ...and a's slot, released, is not handed to that waiter either: it still waits for b
+            time.sleep(1.0)
+            assert queued(router.url) == 1 and not answers
+        waiter.join(timeout=60)  # b's stream was closed: its slot goes to the waiter
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].headers["x-macpool-node"] == "b"

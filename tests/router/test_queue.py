@@ -10,12 +10,7 @@ import redis
 
 from macpool.contract import Keys
 from tests.conftest import chat, metric
-from tests.router.conftest import Pool, wait_until
-
-
-def queued(router_url: str) -> int:
-    depth: int = httpx.get(router_url + "/api/pool").json()["pool"]["queued"]
-    return depth
+from tests.router.conftest import Pool, queued, wait_until
 
 
 def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, redis_url: str) -> None:
