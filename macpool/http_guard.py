@@ -10,6 +10,8 @@
    Transfer-Encoding, ...) get the ``400`` uvicorn gives them, with an OpenAI-shaped JSON body instead of its
    plain text. Every such answer ends the connection: it is half-closed and what the client still sends is
    read and dropped for up to ``LINGER_S``, so a client still sending does not lose the answer to a reset.
+   Each refusal is logged once, with its status and reason ("Request refused: 431 ..."), in place of
+   uvicorn's "Invalid HTTP request received.".
 3. Cut off clients that trickle their request in. uvicorn bounds an idle keep-alive connection, but not
    the time a client may take to send a request's headers and body, so a slowloris client holds a socket
    (and, once its headers are in, a request handler) for as long as it likes. This protocol closes a
@@ -74,6 +76,15 @@ class Refusal(Exception):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+# uvicorn logs this for every request its parser refuses, before GuardedProtocol answers it: the answer's own
+# line (``_refuse``) says which refusal it was, so in a process serving the guarded protocol this one goes
+_UVICORN_INVALID = "Invalid HTTP request received."
+
+
+def _not_uvicorn_invalid(record: logging.LogRecord) -> bool:
+    return record.msg != _UVICORN_INVALID
 
 
 class GuardedProtocol(CorkedProtocol):
@@ -164,6 +175,7 @@ class GuardedProtocol(CorkedProtocol):
     def _refuse(self, refusal: Refusal) -> None:
         """Answer a request that will not be read whole, and end the connection."""
         self._refused = True
+        self.logger.warning("Request refused: %d %s", refusal.status, refusal)
         cycle = self.cycle
         body_broke = self._head_in and cycle is not None and not cycle.response_started
         if self.pipeline or (cycle is not None and not cycle.response_complete and not body_broke):
@@ -323,4 +335,7 @@ def read_bounded_protocol(
         holds or answers early without uvicorn."""
 
     HttpProtocol.limits = limits
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _not_uvicorn_invalid not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_not_uvicorn_invalid)
     return HttpProtocol

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -150,3 +151,29 @@ def test_a_refusal_behind_a_response_being_made_waits_for_it(port: int) -> None:
         reply = read_reply(sock)
         assert reply.status == 200 and json.loads(reply.body)["fields"] == 1
         assert at_eof(sock)
+
+
+def test_each_refusal_is_logged_once_with_its_reason(port: int) -> None:
+    logger = logging.getLogger("uvicorn.error")  # where uvicorn logs a request its parser refused
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        assert exchange(port, head("/" + "a" * MAX_URL_BYTES), then_closed=True).status == 414
+        assert exchange(port, head("/", *filler(MAX_HEADER_FIELDS)), then_closed=True).status == 431
+        big = b"GET / HTTP/1.1\r\nX-Big: " + b"a" * MAX_HEAD_BYTES
+        assert exchange(port, big, then_closed=True).status == 431
+        assert exchange(port, b"BREW / HTTP/1.1\r\nHost: test\r\n\r\n", then_closed=True).status == 400
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    # not uvicorn's "Invalid HTTP request received." (which a 431 or 414 is not) on top
+    assert [record.getMessage() for record in records] == [
+        f"Request refused: 414 Request target over {MAX_URL_BYTES} bytes",
+        f"Request refused: 431 More than {MAX_HEADER_FIELDS} request header fields",
+        f"Request refused: 431 Request header fields over {MAX_HEAD_BYTES} bytes",
+        "Request refused: 400 Invalid HTTP request: Invalid method encountered",
+    ]
