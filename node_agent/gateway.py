@@ -27,13 +27,12 @@ from starlette.types import Receive, Scope, Send
 
 from macpool.asgi import DirectPosts, Guard
 from macpool.errors import error_body, error_response
-from macpool.headers import HOP_BY_HOP
+from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
 from macpool.transport import HTTP11Transport
 
 from . import unstream
 from .runtime import Runtime
 
-TOKEN_HEADER = "x-macpool-token"
 # never forwarded upstream: hop-by-hop (RFC 9110 7.6.1), what httpx recomputes, and X-Conversation-Id
 # (llama-server keeps generating after a disconnect when it is present)
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "x-conversation-id"}
@@ -244,7 +243,9 @@ class Gateway:
         """The upstream's answer to the request: relayed, or assembled from a stream asked for instead."""
         started = time.perf_counter()  # TTFT counts from here: llama-server's head comes with the first token
         endpoint: str = request.scope["path"]
-        streamed = unstream.streamed_body(endpoint, body)
+        # a body the router found asking for a stream is passed through as it is, without parsing it again
+        marked = request.headers.get(STREAM_HEADER) == "1"
+        streamed = None if marked else unstream.streamed_body(endpoint, body)
         upstream = await self._send(request, streamed or body)
         if isinstance(upstream, Response):
             return upstream

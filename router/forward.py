@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from macpool.asgi import Guard
 from macpool.errors import error_body, error_response
-from macpool.headers import HOP_BY_HOP_RAW
+from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER
 from macpool.transport import HTTP11Transport
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
 from router.metrics import RouterMetrics
@@ -34,6 +34,7 @@ _DROP_UPSTREAM = HOP_BY_HOP_RAW | {
 # the router's own server/date headers are written by uvicorn
 _DROP_DOWNSTREAM = HOP_BY_HOP_RAW | {b"server", b"date", b"x-request-id"}
 _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+_STREAMED, _TOKEN = (STREAM_HEADER.encode(), b"1"), TOKEN_HEADER.encode()
 # the code of the error event an agent ends a stream with when llama-server fails mid-stream, looked for in
 # the last bytes of a stream only (node_agent/gateway.py ProxyResponse)
 _AGENT_MIDSTREAM = b'"upstream_midstream"'
@@ -274,8 +275,10 @@ class Forwarder:
         drop = _DROP_UPSTREAM | _connection_listed(call.headers)
         headers = [(k, v) for k, v in call.headers if k not in drop and not k.startswith(b"x-macpool-")]
         headers.append((b"x-request-id", call.request_id.encode()))
+        if call.stream:
+            headers.append(_STREAMED)
         if self.settings.agent_token:
-            headers.append((b"x-macpool-token", self.settings.agent_token.encode()))
+            headers.append((_TOKEN, self.settings.agent_token.encode()))
         return headers
 
     def _upstream_error(self, node_id: str, kind: str) -> None:

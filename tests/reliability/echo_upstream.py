@@ -1,7 +1,8 @@
 """A stand-in llama-server that echoes the request headers it received and answers with hostile headers.
 
 ``python -m tests.reliability.echo_upstream --port P``. Enough of llama-server's surface for an agent to go
-ready (/health, /props, /v1/models, /metrics); generation endpoints answer ``{"headers": [[k, v], ...]}``.
+ready (/health, /props, /v1/models, /metrics); generation endpoints answer
+``{"headers": [[k, v], ...], "body": "<the request body>"}``.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ async def metrics(request: Request) -> Response:
 
 
 async def echo(request: Request) -> Response:
-    await request.body()
-    return JSONResponse({"headers": [[k, v] for k, v in request.headers.items()]}, headers=HOSTILE)
+    body = (await request.body()).decode()
+    received = {"headers": [[k, v] for k, v in request.headers.items()], "body": body}
+    return JSONResponse(received, headers=HOSTILE)
 
 
 def main(argv: list[str]) -> int:

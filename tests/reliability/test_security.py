@@ -320,6 +320,7 @@ def test_headers_sanitised_both_ways(rig: Rig, spawn: SpawnFactory) -> None:
         "x-hop-client",
         "x-conversation-id",
         "x-macpool-token",
+        "x-macpool-stream",
         "x-macpool-node",
         "x-macpool-reason",
         "authorization",
@@ -334,3 +335,31 @@ def test_headers_sanitised_both_ways(rig: Rig, spawn: SpawnFactory) -> None:
     assert values["x-request-id"] == "req-abc-123"
     assert values["x-macpool-node"] == "echo"
     assert_clean(raw, agent.url, echo.url)
+
+
+def test_a_body_the_router_found_streamed_is_passed_on_unparsed(rig: Rig, spawn: SpawnFactory) -> None:
+    port = free_port()
+    echo = spawn(
+        argv=[sys.executable, "-m", "tests.reliability.echo_upstream", "--port", str(port)],
+        port=port,
+        name="echo",
+    )
+    agent = rig.agent("echo", echo.url, cap=2)
+    router = rig.router()
+    rig.wait_ready(router, nodes=1)
+    url, token = "/v1/chat/completions", {"x-macpool-token": AGENT_TOKEN}
+
+    def upstream_got(base: str, body: dict[str, object], headers: dict[str, str]) -> dict[str, object]:
+        answer = httpx.post(base + url, json=body, headers=headers, timeout=30)
+        assert answer.status_code == 200, answer.text
+        got: dict[str, object] = json.loads(answer.json()["body"])
+        return got
+
+    # through the router, a streamed request reaches llama-server as the client sent it
+    streamed = chat("", 2, True)
+    assert upstream_got(router.url, streamed, {}) == streamed
+    # the agent asks for a stream in a client's stead only when nobody said the body is streamed already
+    plain = chat("", 2, False)
+    assert upstream_got(agent.url, plain, token)["stream"] is True
+    # the router's word is taken for it (the agent does not parse the body again): passed on as it is
+    assert upstream_got(agent.url, plain, token | {"x-macpool-stream": "1"}) == plain
