@@ -277,7 +277,8 @@ def test_error_bodies_carry_nothing_internal(rig: Rig, spawn: SpawnFactory) -> N
             assert set(reply.json()["error"]) >= {"message", "type", "code"}
 
 
-def test_headers_sanitised_both_ways(rig: Rig, spawn: SpawnFactory) -> None:
+def _echo_pool(rig: Rig, spawn: SpawnFactory) -> tuple[Server, Server, Server]:
+    """A router and an agent in front of tests/reliability/echo_upstream.py (it answers what it received)."""
     port = free_port()
     echo = spawn(
         argv=[sys.executable, "-m", "tests.reliability.echo_upstream", "--port", str(port)],
@@ -287,6 +288,11 @@ def test_headers_sanitised_both_ways(rig: Rig, spawn: SpawnFactory) -> None:
     agent = rig.agent("echo", echo.url, cap=2)
     router = rig.router()
     rig.wait_ready(router, nodes=1)
+    return echo, agent, router
+
+
+def test_headers_sanitised_both_ways(rig: Rig, spawn: SpawnFactory) -> None:
+    echo, agent, router = _echo_pool(rig, spawn)
     sent = (
         "POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
         "Connection: keep-alive, X-Hop-Client\r\nX-Hop-Client: private\r\nKeep-Alive: timeout=5\r\n"
@@ -338,15 +344,7 @@ def test_headers_sanitised_both_ways(rig: Rig, spawn: SpawnFactory) -> None:
 
 
 def test_a_body_the_router_found_streamed_is_passed_on_unparsed(rig: Rig, spawn: SpawnFactory) -> None:
-    port = free_port()
-    echo = spawn(
-        argv=[sys.executable, "-m", "tests.reliability.echo_upstream", "--port", str(port)],
-        port=port,
-        name="echo",
-    )
-    agent = rig.agent("echo", echo.url, cap=2)
-    router = rig.router()
-    rig.wait_ready(router, nodes=1)
+    _, agent, router = _echo_pool(rig, spawn)
     url, token = "/v1/chat/completions", {"x-macpool-token": AGENT_TOKEN}
 
     def upstream_got(base: str, body: dict[str, object], headers: dict[str, str]) -> dict[str, object]:
