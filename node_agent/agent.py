@@ -163,6 +163,7 @@ class Agent:
             http=read_bounded_protocol(settings.request_read_timeout, limits=AGENT_HEAD_LIMITS),
             lifespan="off",
             log_level="warning",
+            log_config=None,  # uvicorn's loggers write through the root logger's format (macpool/logs.py)
             access_log=False,
             proxy_headers=False,  # its clients are routers: X-Forwarded-* says nothing it uses
             # longer than the routers keep an idle connection (30 s, router/forward.py), so a router never

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from macpool import logs
 from macpool.settings import ConfigError
 
 from .settings import load_settings
@@ -84,6 +85,10 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", dest="log_level", choices=["debug", "info", "warning", "error"], help="default info"
     )
+    p.add_argument(
+        "--log-format", dest="log_format", choices=["text", "json"],
+        help="default text; json: one JSON object per line (uvicorn's lines too)",
+    )
     return p
 
 
@@ -126,12 +131,7 @@ def run(argv: list[str]) -> int:
     if extra:
         args["llama_args"] = extra
     settings = load_settings(args, config)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream poll is noise
+    logs.configure(settings.log_level, settings.log_format)
     logging.getLogger("asyncio").setLevel(logging.ERROR)  # "socket.send() raised" after a client left
     from .agent import run_agent  # uvicorn and friends only once the configuration is known good
 

@@ -65,6 +65,7 @@ class AgentSettings(BaseSettings):
     restart_backoff_max: float = Field(default=30.0, gt=0)
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
 
     @property
     def supervise(self) -> bool:

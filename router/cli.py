@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import uvicorn
 from pydantic_core import PydanticUndefined
 
+from macpool import logs
 from router.settings import ConfigError, Settings, load_settings
 
 # flag -> (type, help); every flag also has a MACPOOL_<NAME> environment variable and a TOML key
@@ -50,6 +50,7 @@ FLAGS: dict[str, tuple[type, str]] = {
     "circuit-failures": (int, "consecutive connect failures that open a node's circuit"),
     "circuit-cooldown": (float, "seconds an open circuit waits before letting traffic probe the node"),
     "log-level": (str, "debug, info, warning or error"),
+    "log-format": (str, "text, or json: one JSON object per line (uvicorn's lines too)"),
     "shutdown-timeout": (int, "on SIGTERM, seconds in-flight requests may take to finish; streams still "
                               "open then end with an SSE error event (router_shutdown)"),
     "scale-webhook": (str, "POST the scale hint (GET /api/pool/scale) here when desired_nodes changes"),
@@ -84,10 +85,7 @@ def build_settings(argv: list[str]) -> Settings:
 def serve(settings: Settings) -> None:
     from router.app import create_app
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is too much
+    logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
@@ -98,6 +96,7 @@ def serve(settings: Settings) -> None:
         access_log=settings.access_log,
         proxy_headers=settings.access_log,  # a client's address (X-Forwarded-For) is for the access log
         log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers write through the root logger's format (macpool/logs.py)
         server_header=False,
         timeout_graceful_shutdown=settings.shutdown_timeout,
         # idle client connections stay open longer than clients keep them (httpx, the OpenAI SDK: 5 s), so

@@ -78,6 +78,7 @@ class Settings(BaseSettings):
     shutdown_timeout: int = Field(default=15, ge=0)
     access_log: bool = False
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
 
 
 def load_settings(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
