@@ -314,7 +314,7 @@ class Admission:
                 await self._release(args=args)
             except Exception as exc:  # the lease expires on its own
                 log.warning("release of %s on %s failed (%s); the lease will expire", lease.request_id,
-                            node_id, type(exc).__name__)
+                            node_id, type(exc).__name__, extra={"node": node_id, "lease": lease.request_id})
 
     def _undo(self, request_id: str, node_ids: list[str], tenant: str) -> None:
         """Release whatever ``request_id`` holds on ``node_ids`` (a release of nothing changes nothing)."""
@@ -408,7 +408,8 @@ class Admission:
             results = await pipe.execute()
         for lease, result in zip(leases, results, strict=True):
             if not result and not lease.released:
-                log.warning("lease %s on %s had already expired", lease.request_id, lease.node.node_id)
+                log.warning("lease %s on %s had already expired", lease.request_id, lease.node.node_id,
+                            extra={"node": lease.node.node_id, "lease": lease.request_id})
 
     # --- Redis calls -------------------------------------------------------------------------------
 

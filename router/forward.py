@@ -214,7 +214,8 @@ class Forwarder:
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.pool.connect_failed(node.node_id)
             self._upstream_error(node.node_id, "connect")
-            log.warning("node %s: connect failed (%s)", node.node_id, type(exc).__name__)
+            log.warning("node %s: connect failed (%s)", node.node_id, type(exc).__name__,
+                        extra=_ids(node.node_id, call))
             raise _Retry("connect") from None
         except TimeoutError:
             await _close(upstream)
@@ -231,7 +232,8 @@ class Forwarder:
             # the connection died before any answer (typically a keep-alive connection an agent closed as it
             # shut down): nothing reached the client, so another node may take the request
             self._upstream_error(node.node_id, "reset")
-            log.warning("node %s: %s before an answer; trying another node", node.node_id, type(exc).__name__)
+            log.warning("node %s: %s before an answer; trying another node", node.node_id, type(exc).__name__,
+                        extra=_ids(node.node_id, call))
             raise _Retry("reset") from None
         except httpx.HTTPError as exc:
             return await self._failed_before_first_byte(call, lease, upstream, exc)
@@ -259,7 +261,8 @@ class Forwarder:
         await _close(upstream)
         await self.admission.release(lease, failed=True)
         self._upstream_error(node_id, "protocol")
-        log.warning("node %s: %s before the first byte", node_id, type(exc).__name__)
+        log.warning("node %s: %s before the first byte", node_id, type(exc).__name__,
+                    extra=_ids(node_id, call))
         self.metrics.requests.labels(model=call.model, node=node_id, status="502").inc()
         return error_response(502, "the node failed before answering", "upstream_error")
 
@@ -364,7 +367,8 @@ class Relay(Response):
                         await self._fail(send, "idle_timeout")
             elif guard.reason == "send":
                 self.outcome = "client_stalled"  # the response stays incomplete: the server drops it
-                log.info("request %s: the client stopped reading; cut off", self.call.request_id)
+                log.info("request %s: the client stopped reading; cut off", self.call.request_id,
+                         extra=_ids(self.lease.node.node_id, self.call))
         finally:
             with anyio.CancelScope(shield=True):
                 await _close(self.upstream)
@@ -422,7 +426,8 @@ class Relay(Response):
     def _failed_upstream(self, kind: str) -> None:
         node_id = self.lease.node.node_id
         self.forwarder.metrics.upstream_errors.labels(node=node_id, kind=kind).inc()
-        log.warning("node %s: %s after the first byte (request %s)", node_id, kind, self.call.request_id)
+        log.warning("node %s: %s after the first byte (request %s)", node_id, kind, self.call.request_id,
+                    extra=_ids(node_id, self.call))
         self.outcome = kind
 
     async def _fail(self, send: Send, kind: str) -> None:
@@ -440,6 +445,11 @@ class Relay(Response):
         event += b"\n\n"
         await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _ids(node_id: str, call: Call) -> dict[str, str]:
+    """A log record's fields (in ``--log-format json``): which node, which request (its X-Request-ID)."""
+    return {"node": node_id, "request_id": call.request_id}
 
 
 def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:

@@ -254,14 +254,15 @@ class PoolView:
         circuit.failures += 1
         if circuit.state == "half_open" or circuit.failures >= self.settings.circuit_failures:
             if circuit.state != "open":
-                log.warning("node %s: circuit open after %d connect failures", node_id, circuit.failures)
+                log.warning("node %s: circuit open after %d connect failures", node_id, circuit.failures,
+                            extra={"node": node_id})
             circuit.state = "open"
             circuit.opened_at = time.monotonic()
 
     def connected(self, node_id: str) -> None:
         circuit = self.circuits.pop(node_id, None)
         if circuit is not None and circuit.state != "closed":
-            log.info("node %s: circuit closed", node_id)
+            log.info("node %s: circuit closed", node_id, extra={"node": node_id})
 
     def _may_probe(self, node_id: str, circuit: Circuit) -> bool:
         # reopen for traffic only after the cooldown and a heartbeat that arrived after the circuit opened

@@ -40,8 +40,13 @@ def test_router_and_agent_write_json_lines(redis_url: str, spawn: SpawnFactory) 
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:  # a head over the bound
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n")
         assert sock.recv(100).startswith(b"HTTP/1.1 431")
+    # a node gone without a word (its heartbeat still fresh): the router's line names the node and the request
+    agent.child.kill()
+    agent_logged = records(agent)
+    gone = httpx.post(router.url + "/v1/chat/completions", json=chat("op-model", 4, False), timeout=30,
+                      headers={"X-Request-ID": "log-test-1"})
+    assert gone.status_code in (502, 503), gone.text
     router.child.stop()
-    agent.child.stop()
 
     logged = records(router)
     by_logger = {record["logger"] for record in logged}
@@ -50,4 +55,6 @@ def test_router_and_agent_write_json_lines(redis_url: str, spawn: SpawnFactory) 
     refused = [r for r in logged if r["message"].startswith("Request refused: 431")]
     assert len(refused) == 1 and refused[0]["level"] == "WARNING"
     assert any(r["message"].startswith("router ") and "serving" in r["message"] for r in logged)
-    assert {record["logger"] for record in records(agent)} >= {"macpool.agent"}
+    failed = [r for r in logged if "connect failed" in r["message"]]
+    assert failed and failed[0]["node"] == "mac-1" and failed[0]["request_id"] == "log-test-1", failed
+    assert {record["logger"] for record in agent_logged} >= {"macpool.agent"}
