@@ -145,9 +145,19 @@ def test_prometheus_rules_and_grafana_name_only_exported_metrics(exported_metric
 
 
 def test_other_deploy_files_parse() -> None:
+    router_env = env_names(RouterSettings)
+    named: list[str] = []  # MACPOOL_* variables set for the router: a typo would be ignored silently
     for path in (DEPLOY / "k8s").glob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
             assert doc["apiVersion"] and doc["kind"], path
+            named += [key for key in doc.get("stringData", {}) if key.startswith("MACPOOL_")]
+            for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                named += [var["name"] for var in container.get("env", [])]
+    example = (DEPLOY / "linux" / "router.env.example").read_text()
+    named += re.findall(r"^#? ?(MACPOOL_[A-Z_]+)=", example, flags=re.MULTILINE)
+    assert "MACPOOL_LOG_FORMAT" in named
+    for name in named:
+        assert name in router_env, f"{name} is no setting of macpool router"
     yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     unit = (DEPLOY / "linux" / "macpool-router.service").read_text()
     exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
