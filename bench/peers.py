@@ -2,6 +2,8 @@
 
 - Added TTFT: two simulated nodes at high speed; client -> {nodes directly, macpool router -> agents, nginx
   (``least_conn``), LiteLLM proxy (``least-busy``)} -> the same two simulators, at each concurrency level.
+  The four paths take turns (``--rounds``, the order reversed every other round): percentiles are over
+  all rounds' requests, and each round's added p50s are kept beside them (``rounds``).
 - Relay rate: each proxy, pinned to one core, in front of one fast SSE upstream (``bench.perfkit``): SSE
   events relayed per second of the proxy's CPU (all its processes), and per wall second.
 
@@ -58,7 +60,11 @@ class PeerError(RuntimeError):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="macpool bench peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default=",".join(map(str, LEVELS)))
-    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per proxy and level")
+    p.add_argument("--duration", type=float, default=4.0,
+                   help="measured seconds per proxy and level (over all rounds)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="the proxies take turns this many times per level (the order reversed every other "
+                        "round), so a drift of the machine during the run falls on all of them alike")
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--speed", type=float, default=1000.0, help="simulator speed")
     p.add_argument("--streams", type=int, default=64, help="concurrent SSE streams in the relay phase")
@@ -202,9 +208,9 @@ def start_litellm(stack: Stack, binary: Path, sims: list[Proc], fast: Proc, cpu:
 
 
 def ttft_run(
-    targets: list[tuple[int, str]], model: str, level: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    """``level`` clients spread over ``targets`` (port, path)."""
+    targets: list[tuple[int, str]], model: str, level: int, seconds: float, args: argparse.Namespace
+) -> list[Any]:
+    """The records of ``level`` clients spread over ``targets`` (port, path) for ``seconds``."""
     serial = itertools.count()
 
     def maker(path: str) -> Any:
@@ -226,14 +232,51 @@ def ttft_run(
         await warm()
         parts = await asyncio.gather(
             *(
-                raw_load(port, maker(path), n, duration_s=args.duration, warmup_s=args.warmup)
+                raw_load(port, maker(path), n, duration_s=seconds, warmup_s=args.warmup)
                 for (port, path), n in zip(targets, shares, strict=True)
                 if n
             )
         )
         return [rec for part in parts for rec in part]
 
-    return summarize(asyncio.run(go()))
+    return asyncio.run(go())
+
+
+def ttft_level(
+    paths: dict[str, tuple[list[tuple[int, str]], str]], level: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Every path at ``level`` streams, taking turns over ``args.rounds`` rounds: percentiles over all the
+    rounds' requests, and each round's added p50s beside them (how much the figure moves within a run)."""
+    rounds = max(args.rounds, 1)
+    records: dict[str, list[Any]] = {name: [] for name in paths}
+    each: list[dict[str, Any]] = []
+    for turn in range(rounds):
+        order = list(paths) if turn % 2 == 0 else list(reversed(paths))
+        got = {name: ttft_run(*paths[name], level, args.duration / rounds, args) for name in order}
+        for name, recs in got.items():
+            records[name] += recs
+        summary = _added({name: summarize(recs) for name, recs in got.items()})
+        each.append({name: summary[name]["ttft_added_p50_ms"] for name in _PROXIES}
+                    | {"litellm_over_macpool": summary["litellm_over_macpool_ttft_added_p50"]})
+    row = _added({name: summarize(recs) for name, recs in records.items()})
+    row["rounds"] = each
+    return row
+
+
+_PROXIES = ("macpool", "nginx", "litellm")
+
+
+def _added(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` (summaries by path) with each proxy's TTFT minus the direct path's, and their ratios."""
+    base = row["direct"]
+    for name in _PROXIES:
+        for q in ("p50", "p99"):
+            a, b = row[name][f"ttft_{q}_ms"], base[f"ttft_{q}_ms"]
+            row[name][f"ttft_added_{q}_ms"] = None if a is None or b is None else round(a - b, 3)
+    m, n, lt = (row[k]["ttft_added_p50_ms"] for k in _PROXIES)
+    row["litellm_over_macpool_ttft_added_p50"] = _ratio(lt, m)
+    row["macpool_over_nginx_ttft_added_p50"] = _ratio(m, n)
+    return row
 
 
 def relay_run(port: int, pids: list[int], model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -314,17 +357,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         ttft: dict[str, Any] = {}
         for level in levels:
-            row: dict[str, Any] = {n: ttft_run(t, mdl, level, args) for n, (t, mdl) in paths.items()}
-            base = row["direct"]
-            for name in ("macpool", "nginx", "litellm"):
-                for q in ("p50", "p99"):
-                    a, b = row[name][f"ttft_{q}_ms"], base[f"ttft_{q}_ms"]
-                    row[name][f"ttft_added_{q}_ms"] = None if a is None or b is None else round(a - b, 3)
-            m, n, lt = (row[k]["ttft_added_p50_ms"] for k in ("macpool", "nginx", "litellm"))
-            row["litellm_over_macpool_ttft_added_p50"] = _ratio(lt, m)
-            row["macpool_over_nginx_ttft_added_p50"] = _ratio(m, n)
+            row = ttft_level(paths, level, args)
             ttft[str(level)] = row
-            print(f"level {level}: added TTFT p50 ms macpool={m} nginx={n} litellm={lt}", file=sys.stderr)
+            m, n, lt = (row[k]["ttft_added_p50_ms"] for k in _PROXIES)
+            by_round = [r["litellm_over_macpool"] for r in row["rounds"]]
+            print(f"level {level}: added TTFT p50 ms macpool={m} nginx={n} litellm={lt} "
+                  f"(LiteLLM/macpool by round: {by_round})", file=sys.stderr)
 
         relay = {
             "macpool": relay_run(relay_router.port, [relay_router.pid], MODEL, args),

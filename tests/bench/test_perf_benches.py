@@ -146,10 +146,15 @@ def test_peers(tmp_path: Path) -> None:
         "0.3",
         "--streams",
         "4",
+        "--rounds",
+        "2",
     )
     row = data["ttft"]["2"]
     for name in ("direct", "macpool", "nginx", "litellm"):
         assert row[name]["ok"] > 0, (name, row[name])
+    assert len(row["rounds"]) == 2  # the paths took turns twice; each round's figures are kept
+    for turn in row["rounds"]:
+        assert set(turn) == {"macpool", "nginx", "litellm", "litellm_over_macpool"}, turn
     for name in ("macpool", "nginx", "litellm"):
         assert positive(data["relay"][name]["chunks_per_s_wall"]), (name, data["relay"])
     assert "macpool_over_nginx_relay" in data["ratios"]
