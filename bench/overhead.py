@@ -1,7 +1,8 @@
 """``macpool bench overhead``: what the router (and the agent) add to TTFT and latency.
 
 One simulator at high speed on a roomy machine (so the proxies are what is measured), and three paths to it,
-measured one after the other at each concurrency level with the same closed-loop streaming client:
+measured at each concurrency level with the same closed-loop streaming client, taking turns over
+``--rounds`` (the order reversed every other round; percentiles over all rounds' requests):
 
 - ``direct``: client -> simulator;
 - ``routed``: client -> router -> agent -> simulator (the real deployment path);
@@ -9,7 +10,9 @@ measured one after the other at each concurrency level with the same closed-loop
   to split the added time between the router and the agent.
 
 Per level: TTFT (first SSE event) and latency p50/p99 for each path, and ``ttft_added_p50_ms`` /
-``ttft_added_p99_ms`` (routed minus direct), plus the same for ``router_only``.
+``ttft_added_p99_ms`` (routed minus direct), plus the same for ``router_only``; each round's routed-minus-
+direct p50 in ``rounds_ttft_added_p50_ms``; and the router's and agent's CPU ms per request over the
+measured windows.
 
 ``--upstream paced`` puts the bench's fast SSE upstream (``bench/perfkit.py``) where the simulator was: its
 first event leaves at once and each stream then sends ``--max-tokens`` events ``--interval-ms`` apart, the
@@ -34,6 +37,7 @@ from redis import Redis
 from bench.perfkit import (
     MODEL,
     Proc,
+    Rec,
     Stack,
     UpstreamConfig,
     build_request,
@@ -42,6 +46,7 @@ from bench.perfkit import (
     dump,
     raw_load,
     summarize,
+    take_turns,
     wait_nodes,
     write_machine,
 )
@@ -55,8 +60,12 @@ TARGET_P99_MS = 5.0
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="macpool bench overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="comma-separated concurrency levels")
-    p.add_argument("--duration", type=float, default=4.0, help="measured seconds per path and level")
+    p.add_argument("--duration", type=float, default=4.0,
+                   help="measured seconds per path and level (over all rounds)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds before each measurement")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="the paths take turns this many times per level (the order reversed every other "
+                        "round), so a drift of the machine during the run falls on all of them alike")
     p.add_argument(
         "--upstream",
         choices=("sim", "paced"),
@@ -111,11 +120,11 @@ class Heartbeats:
 
 
 def measure(
-    port: int, path: str, concurrency: int, args: argparse.Namespace, pids: dict[str, int] | None = None
-) -> dict[str, Any]:
-    """One closed-loop run; with ``pids``, also the CPU ms those processes spent per request."""
+    port: int, path: str, concurrency: int, seconds: float, args: argparse.Namespace, pids: dict[str, int]
+) -> tuple[list[Rec], dict[str, float]]:
+    """One closed-loop run of ``seconds`` after the warm-up: its records, and the CPU seconds each of ``pids``
+    spent over the measured window."""
     serial = itertools.count()
-    cpu0 = {name: cpu_seconds(pid) for name, pid in (pids or {}).items()}
 
     def make(client: int) -> bytes:
         salt = f"c{client}-r{next(serial)}"
@@ -123,21 +132,52 @@ def measure(
 
     # paced streams all last about as long: start them spread over one stream's length (and measure after)
     stagger = args.max_tokens * args.interval_ms / 1000.0 if args.upstream == "paced" else 0.0
-    load = raw_load(
-        port, make, concurrency, duration_s=args.duration, warmup_s=args.warmup + stagger, stagger_s=stagger
-    )
+    warmup = args.warmup + stagger
+
+    async def go() -> tuple[list[Rec], dict[str, float]]:
+        load = asyncio.create_task(
+            raw_load(port, make, concurrency, duration_s=seconds, warmup_s=warmup, stagger_s=stagger)
+        )
+        await asyncio.sleep(warmup)
+        cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        records = await load
+        return records, {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+
     try:
         import uvloop
 
-        records = uvloop.run(load)
+        return uvloop.run(go())
     except ImportError:
-        records = asyncio.run(load)
-    result = summarize(records)
+        return asyncio.run(go())
+
+
+def pooled(runs: list[tuple[list[Rec], dict[str, float]]]) -> dict[str, Any]:
+    """One path's rounds together: percentiles over all their requests, CPU ms per request over all."""
+    result = summarize([rec for records, _ in runs for rec in records])
     if result["ok"]:
-        for name, pid in (pids or {}).items():
-            spent = cpu_seconds(pid) - cpu0[name]
+        for name in runs[0][1]:
+            spent = sum(cpu[name] for _, cpu in runs)
             result[f"{name}_cpu_ms_per_request"] = round(spent / result["ok"] * 1000.0, 3)
     return result
+
+
+def measure_level(
+    paths: dict[str, tuple[int, str, dict[str, int]]], level: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Every path at ``level`` streams, taking turns over ``args.rounds`` rounds (``take_turns``)."""
+    seconds = args.duration / max(args.rounds, 1)
+
+    def one(name: str) -> tuple[list[Rec], dict[str, float]]:
+        port, path, pids = paths[name]
+        return measure(port, path, level, seconds, args, pids)
+
+    turns = take_turns(list(paths), args.rounds, one)
+    row: dict[str, Any] = {name: pooled([got[name] for got in turns]) for name in paths}
+    row["rounds_ttft_added_p50_ms"] = [
+        _diff(summarize(got["routed"][0])["ttft_p50_ms"], summarize(got["direct"][0])["ttft_p50_ms"])
+        for got in turns
+    ]
+    return row
 
 
 def _diff(a: float | None, b: float | None) -> float | None:
@@ -183,9 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             out: dict[str, Any] = {}
             for level in levels:
-                row: dict[str, Any] = {}
-                for name, (port, path, pids) in paths.items():
-                    row[name] = measure(port, path, level, args, pids)
+                row = measure_level(paths, level, args)
                 d, r = row["direct"], row["routed"]
                 row["ttft_added_p50_ms"] = _diff(r["ttft_p50_ms"], d["ttft_p50_ms"])
                 row["ttft_added_p99_ms"] = _diff(r["ttft_p99_ms"], d["ttft_p99_ms"])

@@ -41,6 +41,7 @@ from bench.perfkit import (
     pinned,
     raw_load,
     summarize,
+    take_turns,
     tree_cpu_seconds,
     wait_nodes,
     write_machine,
@@ -247,18 +248,14 @@ def ttft_level(
 ) -> dict[str, Any]:
     """Every path at ``level`` streams, taking turns over ``args.rounds`` rounds: percentiles over all the
     rounds' requests, and each round's added p50s beside them (how much the figure moves within a run)."""
-    rounds = max(args.rounds, 1)
-    records: dict[str, list[Any]] = {name: [] for name in paths}
+    seconds = args.duration / max(args.rounds, 1)
+    turns = take_turns(list(paths), args.rounds, lambda name: ttft_run(*paths[name], level, seconds, args))
     each: list[dict[str, Any]] = []
-    for turn in range(rounds):
-        order = list(paths) if turn % 2 == 0 else list(reversed(paths))
-        got = {name: ttft_run(*paths[name], level, args.duration / rounds, args) for name in order}
-        for name, recs in got.items():
-            records[name] += recs
+    for got in turns:
         summary = _added({name: summarize(recs) for name, recs in got.items()})
         each.append({name: summary[name]["ttft_added_p50_ms"] for name in _PROXIES}
                     | {"litellm_over_macpool": summary["litellm_over_macpool_ttft_added_p50"]})
-    row = _added({name: summarize(recs) for name, recs in records.items()})
+    row = _added({name: summarize([rec for got in turns for rec in got[name]]) for name in paths})
     row["rounds"] = each
     return row
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import httptools
 import httpx
@@ -554,6 +554,20 @@ def run_load(*args: Any, **kwargs: Any) -> tuple[list[Rec], float]:
     records: list[Rec] = runner(raw_load(*args, **kwargs))
     wall = time.perf_counter() - started - float(kwargs.get("warmup_s", 0.0))
     return records, wall
+
+
+_T = TypeVar("_T")
+
+
+def take_turns(names: Sequence[str], rounds: int, measure: Callable[[str], _T]) -> list[dict[str, _T]]:
+    """``measure`` each of ``names`` in turn, ``rounds`` times, the order reversed every other round: a drift
+    of the machine during the run falls on every path alike, where measuring each path's whole share in one
+    go let it fall on one. One dict (name -> result) per round."""
+    turns: list[dict[str, _T]] = []
+    for turn in range(max(rounds, 1)):
+        order = list(names) if turn % 2 == 0 else list(reversed(names))
+        turns.append({name: measure(name) for name in order})
+    return turns
 
 
 def summarize(records: list[Rec]) -> dict[str, Any]:

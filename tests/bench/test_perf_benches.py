@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from bench import peers
-from bench.perfkit import Rec, build_request, raw_load
+from bench.perfkit import Rec, build_request, raw_load, take_turns
 from tests.bench.conftest import run_bench
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,12 +56,22 @@ def test_reject_with_wrk(tmp_path: Path) -> None:
     assert positive(data["rejections_per_s"]) and positive(data["reject_p99_ms"])
 
 
+def test_paths_take_turns_in_alternating_order() -> None:
+    calls: list[str] = []
+    turns = take_turns(["a", "b", "c"], 3, lambda name: calls.append(name) or len(calls))
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert turns[1] == {"c": 4, "b": 5, "a": 6}
+    assert take_turns(["a"], 0, lambda name: name) == [{"a": "a"}]  # at least one round
+
+
 def test_overhead(tmp_path: Path) -> None:
-    data = run_bench(tmp_path, "overhead", "--levels", "1,4", "--duration", "1", "--warmup", "0.3")
+    data = run_bench(tmp_path, "overhead", "--levels", "1,4", "--duration", "1", "--warmup", "0.3",
+                     "--rounds", "2")
     assert set(data["levels"]) == {"1", "4"}
     for row in data["levels"].values():
         for path in ("direct", "routed", "router_only"):
             assert row[path]["ok"] > 0 and row[path]["errors"] == 0, row
+        assert len(row["rounds_ttft_added_p50_ms"]) == 2, row  # the paths took turns twice
         assert isinstance(row["ttft_added_p50_ms"], float)
         assert isinstance(row["ttft_added_p99_ms"], float)
         assert positive(row["routed"]["router_cpu_ms_per_request"])
