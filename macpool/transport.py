@@ -49,6 +49,9 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
         self.idle_until = 0.0  # monotonic time after which this idle connection is not reused
+        # the read timeout: one timer per connection, re-armed only when it fires (see _wait)
+        self.wait_deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -97,6 +100,9 @@ class _Connection(asyncio.Protocol):
                 reason = "peer closed connection without sending complete message body"
                 self.error = httpx.RemoteProtocolError(reason) if exc is None else httpx.ReadError(str(exc))
         self._wake()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.writable is not None and not self.writable.done():
             self.writable.set_result(None)
 
@@ -154,17 +160,35 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     async def _wait(self, seconds: float | None) -> None:
-        self.waiter = asyncio.get_running_loop().create_future()
+        """Until data arrives or the connection ends; httpx.ReadTimeout after ``seconds`` without either.
+
+        A relayed stream waits once per chunk: an ``asyncio.timeout`` each time scheduled and cancelled a
+        timer per chunk (~3 us). Here a wait only stamps its deadline, and the connection's one timer, when
+        it fires, fails the wait then in progress if that wait's deadline has passed, else re-arms for it.
+        """
+        loop = asyncio.get_running_loop()
+        self.waiter = waiter = loop.create_future()
+        if seconds is None:
+            self.wait_deadline = None
+        else:
+            self.wait_deadline = deadline = loop.time() + seconds
+            if self._timer is None:
+                self._timer = loop.call_at(deadline, self._check_wait)
         try:
-            if seconds is None:
-                await self.waiter
-            else:
-                async with asyncio.timeout(seconds):
-                    await self.waiter
-        except TimeoutError:
-            raise httpx.ReadTimeout("timed out waiting for the upstream") from None
+            await waiter
         finally:
             self.waiter = None
+
+    def _check_wait(self) -> None:
+        self._timer = None
+        waiter, deadline = self.waiter, self.wait_deadline
+        if waiter is None or waiter.done() or deadline is None:
+            return  # no timed wait now: the next one arms the timer again
+        loop = asyncio.get_running_loop()
+        if loop.time() >= deadline:
+            waiter.set_exception(httpx.ReadTimeout("timed out waiting for the upstream"))
+        else:
+            self._timer = loop.call_at(deadline, self._check_wait)
 
     async def send(self, data: bytes, seconds: float | None) -> None:
         assert self.transport is not None
@@ -220,6 +244,9 @@ class _Connection(asyncio.Protocol):
         return None
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 

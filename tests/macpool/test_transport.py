@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -231,6 +232,49 @@ def test_connect_refused_and_read_timeout_map_to_httpx_errors(serve, client) -> 
                 await http.get(url)
             with pytest.raises(httpx.ConnectError):
                 await http.get("http://127.0.0.1:1/")
+
+    run(main())
+
+
+def test_the_read_timeout_counts_from_each_wait_not_from_the_response(serve) -> None:
+    """Chunks 0.15 s apart under a 0.4 s read timeout: a 1.2 s stream goes through (each wait has its own
+    deadline, though one timer serves them all); then 1 s of silence mid-stream is a ReadTimeout, raised
+    about 0.4 s into it. A connection with no read timeout waits as long as it takes."""
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(8):
+            writer.write(b"2\r\nok\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.15)
+        await asyncio.sleep(1.0)  # silence
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def read(url: str, limits: httpx.Timeout) -> tuple[list[float], BaseException | None]:
+        arrivals: list[float] = []
+        started = time.monotonic()
+        try:
+            async with (httpx.AsyncClient(transport=HTTP11Transport(), timeout=limits) as http,
+                        http.stream("GET", url) as response):
+                async for _ in response.aiter_raw():
+                    arrivals.append(time.monotonic() - started)
+        except httpx.ReadTimeout as exc:
+            arrivals.append(time.monotonic() - started)
+            return arrivals, exc
+        arrivals.append(time.monotonic() - started)  # the end of the response
+        return arrivals, None
+
+    async def main() -> None:
+        _, url = await serve(trickle)
+        arrivals, error = await read(url, httpx.Timeout(5.0, read=0.4))
+        assert isinstance(error, httpx.ReadTimeout)
+        assert len(arrivals) >= 8 + 1, arrivals  # every chunk of the 1.2 s trickle, then the timeout
+        silence = arrivals[-1] - arrivals[-2]
+        assert 0.3 <= silence < 0.9, arrivals  # ~0.4 s after the last chunk, not a full second
+        arrivals, error = await read(url, httpx.Timeout(5.0, read=None))
+        assert error is None and arrivals[-1] >= 2.0, arrivals
 
     run(main())
 
