@@ -18,10 +18,12 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from macpool.contract import Keys, NodeDoc, PoolSnapshot, now_ms, read_pool
 from router.loops import every
 from router.metrics import RouterMetrics
+from router.pipelined import raw_capable, subscribe
 from router.settings import Settings
 
 log = logging.getLogger("macpool.router")
@@ -135,9 +137,17 @@ class PoolView:
                 self._forget(node_id)
 
     async def _listen(self) -> None:
+        raw = raw_capable(self.redis)
         while True:
             try:
-                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+                if raw:  # its own connection, each message handled as it is read (router/pipelined.py)
+                    subscription = await subscribe(self.redis, self.keys.events, self._on_event)
+                    try:
+                        await subscription.closed
+                    finally:
+                        subscription.close()
+                    raise RedisConnectionError("the events connection was lost")
+                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:  # TLS: redis-py
                     await pubsub.subscribe(self.keys.events)
                     while True:
                         message = await pubsub.get_message(timeout=1.0)
@@ -149,6 +159,9 @@ class PoolView:
                 self.redis_ok = False
                 log.warning("pool events: %s: %s; resubscribing", type(exc).__name__, exc)
                 await asyncio.sleep(0.5)
+
+    def _on_event(self, data: bytes) -> None:
+        self.apply(data.decode())
 
     # --- events ------------------------------------------------------------------------------------
 

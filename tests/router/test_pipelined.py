@@ -15,9 +15,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from macpool.contract import Keys
 from macpool.redis_server import RedisServer, free_port
 from router.app import redis_client
-from router.pipelined import Pipelined
+from router.pipelined import Pipelined, subscribe
+from router.pool import PoolView
 from router.settings import Settings
 
 ECHO = "return {ARGV[1], redis.call('INCR', KEYS[1] or 'calls')}"
@@ -219,3 +221,74 @@ def test_tls_is_left_to_redis_py() -> None:
     assert not pipe.supported
     assert isinstance(pipe.register("return 1"), redis.commands.core.AsyncScript)
 
+
+
+def test_a_subscription_hands_on_each_message_in_order_and_survives_a_bad_one() -> None:
+    with RedisServer(password="pw-s3cret") as server:
+        publisher = redis.Redis(port=server.port, password="pw-s3cret")
+
+        async def scenario() -> None:
+            client = redis_client(Settings(redis_url=f"redis://:pw-s3cret@127.0.0.1:{server.port}/2"))
+            seen: list[bytes] = []
+            done = asyncio.Event()
+
+            def on_message(data: bytes) -> None:
+                if data == b"bad":
+                    raise ValueError("a message the router cannot apply")
+                seen.append(data)
+                if data == b"last":
+                    done.set()
+
+            subscription = await subscribe(client, "events", on_message)
+            for payload in ("freed n1", "bad", "granted r1 n2", "last"):
+                await asyncio.to_thread(publisher.publish, "events", payload)
+            await asyncio.wait_for(done.wait(), 5)
+            assert seen == [b"freed n1", b"granted r1 n2", b"last"]
+            assert not subscription.closed.done()
+            subscription.close()
+            await asyncio.wait_for(subscription.closed, 1)
+            with pytest.raises(RedisConnectionError):  # a wrong password: refused, not hanging
+                await subscribe(redis_client(Settings(redis_url=f"redis://:no@127.0.0.1:{server.port}/0")),
+                                "events", on_message)
+            await client.aclose()
+
+        asyncio.run(scenario())
+        publisher.close()
+
+
+def test_the_pool_view_hears_events_again_after_redis_restarts() -> None:
+    """The events connection dies with Redis; the pool view subscribes again and hears the next release."""
+    server = RedisServer().start()
+    restarted: RedisServer | None = None
+    try:
+
+        async def scenario() -> None:
+            nonlocal restarted
+            client = redis_client(Settings(redis_url=server.url))
+            view = PoolView(Settings(redis_url=server.url), client, Keys())
+            freed: list[str] = []
+            view.freed_listeners.append(freed.append)
+            await view.start()
+            publisher = redis.Redis.from_url(server.url)
+
+            async def heard(node: str) -> None:
+                for _ in range(100):  # published until heard: the subscription may still be connecting
+                    await asyncio.to_thread(publisher.publish, Keys().events, f"freed {node}")
+                    if node in freed:
+                        return
+                    await asyncio.sleep(0.1)
+                raise AssertionError(f"the pool view never heard {node}: {freed}")
+
+            await heard("before")
+            server.kill()
+            restarted = RedisServer(port=server.port).start()
+            await heard("after")
+            await view.stop()
+            publisher.close()
+            await client.aclose()
+
+        asyncio.run(scenario())
+    finally:
+        server.close()
+        if restarted is not None:
+            restarted.close()
