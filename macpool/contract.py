@@ -167,6 +167,7 @@ end
 -- every live queue entry as {rid, prio, tenant, model, enq, mark}; expired entries are dropped here
 local function queue_entries(prefix, now)
   local qkey, mkey = prefix .. 'queue', prefix .. 'qmeta'
+  if redis.call('EXISTS', qkey) == 0 then return {} end
   local expired = redis.call('ZRANGEBYSCORE', qkey, '-inf', now)
   if #expired > 0 then
     redis.call('ZREMRANGEBYSCORE', qkey, '-inf', now)
@@ -240,6 +241,7 @@ end
 
 -- a slot on `node` is free: reserve it for the first waiting request that node can serve
 local function hand_over(prefix, node, now, lease)
+  if redis.call('EXISTS', prefix .. 'queue') == 0 then return false end  -- nobody waits: the common case
   local f = redis.call('HMGET', prefix .. 'node:' .. node, 'capacity', 'state', 'models')
   local cap = tonumber(f[1])
   if not cap or cap <= 0 or f[2] ~= 'ready' or redis.call('SISMEMBER', prefix .. 'drained', node) == 1 then
