@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+from types import FrameType
 
 # name -> (module, one-line help). Add a benchmark by adding a row.
 BENCHMARKS: dict[str, tuple[str, str]] = {
@@ -27,7 +30,20 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def _stop(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM (a timeout, a cancelled job) ends a bench the way Ctrl-C does - as a SIGINT, which asyncio's
+    runner turns into cancelling the run and then KeyboardInterrupt - so that what it started (Redis,
+    simulators, agents, routers) is stopped on the way out instead of left running. Once: a second SIGTERM
+    must not cut that cleanup short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def main(argv: list[str]) -> int:
+    # Ctrl-C too, even when started with SIGINT ignored (a background job of a non-interactive shell):
+    # asyncio's runner only takes SIGINT over (cancelling the run cleanly) when its handler is Python's own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _stop)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0

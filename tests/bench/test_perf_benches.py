@@ -8,10 +8,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from bench import peers
@@ -226,3 +230,26 @@ def test_load_clients_can_start_staggered() -> None:
     asyncio.run(main(0.8))
     gaps = [b - a for a, b in itertools.pairwise(sorted(arrivals))]
     assert len(gaps) == 3 and all(gap >= 0.15 for gap in gaps), gaps  # 0.2 s apart
+
+
+def test_a_bench_stopped_with_sigterm_stops_what_it_started() -> None:
+    """A timeout or a cancelled job sends SIGTERM: the bench's Redis, simulator, agent and router go too."""
+    bench = subprocess.Popen([sys.executable, "-m", "macpool.cli", "bench", "overhead", "--levels", "1",
+                              "--duration", "120", "--no-router-only"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        parent = psutil.Process(bench.pid)
+        deadline = time.monotonic() + 60
+        started: list[psutil.Process] = []
+        while time.monotonic() < deadline and len(started) < 4:  # Redis, simulator, agent, router
+            time.sleep(0.5)
+            started = parent.children(recursive=True)
+        assert len(started) >= 4, started
+        time.sleep(2)  # into the measurement
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) != 0
+        _, alive = psutil.wait_procs(started, timeout=15)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
