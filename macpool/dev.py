@@ -21,7 +21,19 @@ def _run(step: str, argv: list[str], env: dict[str, str] | None = None) -> int:
 
 
 def _ensure_llama_server() -> Path | None:
-    """Build (cached) llama-server. In CI a failure is fatal; locally the real-server tests skip."""
+    """``$MACPOOL_LLAMA_SERVER_BIN`` when set, else build (cached) llama-server.
+
+    In CI a missing binary or a failed build is fatal; locally the real-server tests skip.
+    """
+    explicit = os.environ.get("MACPOOL_LLAMA_SERVER_BIN")
+    if explicit:
+        if Path(explicit).is_file():
+            return Path(explicit)
+        message = f"MACPOOL_LLAMA_SERVER_BIN={explicit} is not a file"
+        if os.environ.get("CI"):
+            raise SystemExit(f"macpool dev test: {message}")
+        print(f"warning: {message}; the real-llama-server tests will skip", file=sys.stderr)
+        return None
     try:
         return llama_build.build()
     except (llama_build.BuildError, subprocess.CalledProcessError, OSError) as exc:
@@ -34,6 +46,8 @@ def _ensure_llama_server() -> Path | None:
 def _ensure_build_tools() -> None:
     """cmake/ninja/g++ for the llama-server build; on Debian install them when missing and root."""
     missing = [tool for tool in ("cmake", "ninja", "g++") if shutil.which(tool) is None]
+    if os.environ.get("MACPOOL_LLAMA_SERVER_BIN"):
+        return  # no build: the binary is given
     if not missing or llama_build.binary_path().is_file() or shutil.which("apt-get") is None:
         return
     if os.geteuid() == 0:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from macpool import llama_build, tiny_model
+from macpool import dev, llama_build, tiny_model
 
 
 @pytest.fixture
@@ -125,6 +125,25 @@ def test_explicit_binary_wins(cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_
     assert llama_build.find_llama_server() == binary
     monkeypatch.setenv("MACPOOL_LLAMA_SERVER_BIN", str(tmp_path / "missing"))
     assert llama_build.find_llama_server() is None
+
+
+def test_the_test_command_uses_the_given_binary_and_builds_nothing(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def no_build(*args: object, **kwargs: object) -> Path:
+        raise AssertionError("a given binary must not start a build")
+
+    monkeypatch.setattr(llama_build, "build", no_build)
+    binary = tmp_path / "my-llama-server"
+    binary.write_bytes(b"")
+    monkeypatch.setenv("MACPOOL_LLAMA_SERVER_BIN", str(binary))
+    assert dev._ensure_llama_server() == binary
+    monkeypatch.setenv("MACPOOL_LLAMA_SERVER_BIN", str(tmp_path / "missing"))
+    monkeypatch.delenv("CI", raising=False)
+    assert dev._ensure_llama_server() is None  # locally: the real-server tests skip
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(SystemExit, match="not a file"):
+        dev._ensure_llama_server()
 
 
 def test_cmake_configuration_builds_a_lean_static_server(tmp_path: Path) -> None:

@@ -173,3 +173,15 @@ def test_other_deploy_files_parse() -> None:
         check = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "haproxy" / "haproxy.cfg")],
                                capture_output=True, text=True, timeout=60)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_ci_runs_the_readmes_test_command_verbatim() -> None:
+    """README.md opens with two commands; `.ci/run` runs the second one exactly as written."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```bash\n(.*?)```", readme, re.S)
+    assert block is not None and readme.index(block.group(0)) < readme.index("\n## ")
+    commands = block.group(1).strip().splitlines()
+    assert len(commands) == 2 and commands[0].endswith("macpool demo")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [commands[1]]
