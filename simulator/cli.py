@@ -80,7 +80,7 @@ def strip_ignored(argv: list[str]) -> list[str]:
 def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
     args = build_parser().parse_args(strip_ignored(argv))
     values = {
-        "host": args.host, "port": args.port, "preset": args.preset, "machine_file": args.machine,
+        "host": args.host, "port": args.port, "preset": args.preset, "machine": args.machine,
         "parallel": args.parallel, "ctx_size": args.ctx_size, "model": args.model, "alias": args.alias,
         "metrics": args.metrics, "speed": args.speed, "load_seconds": args.load_seconds,
     }

@@ -19,7 +19,7 @@ class SimSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     preset: str | None = None
-    machine_file: Path | None = None
+    machine: Path | None = Field(None, description="--machine: a machine description JSON file")
     parallel: int | None = Field(None, gt=0, description="slots (-np); default: the machine's")
     ctx_size: int | None = Field(None, ge=0, description="total context (-c), split across slots")
     model: str | None = Field(None, description="-m: the model's path or name, reported like llama-server")
@@ -29,10 +29,10 @@ class SimSettings(BaseSettings):
     load_seconds: float = Field(0.0, ge=0)
 
     def load_machine(self) -> Machine:
-        if self.machine_file is not None:
+        if self.machine is not None:
             if self.preset is not None:
                 raise MachineError("give --preset or --machine, not both")
-            return load_machine(self.machine_file)
+            return load_machine(self.machine)
         return load_preset(self.preset or DEFAULT_PRESET)
 
 

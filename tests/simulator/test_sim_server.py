@@ -5,11 +5,16 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+import simulator
 from macpool.procs import macpool_argv
+from simulator.cli import parse_settings
+from simulator.machine import load_preset
 from tests.conftest import Server, SpawnFactory
 
 SimFactory = Callable[..., Server]
@@ -165,3 +170,14 @@ def test_environment_fills_the_flags_not_given(sim: SimFactory) -> None:
     assert httpx.get(server.url + "/sim/stats").json()["speed"] == 40.0
     assert httpx.get(server.url + "/metrics").status_code == 200
     assert len(httpx.get(server.url + "/slots").json()) == 2
+
+
+def test_every_flag_has_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`MACPOOL_SIM_<FLAG>`, as the docs say: `--machine` is `MACPOOL_SIM_MACHINE`."""
+    preset = Path(simulator.__file__).parent / "presets" / "m2pro-32g-8b-q4.json"
+    monkeypatch.setenv("MACPOOL_SIM_MACHINE", str(preset))
+    monkeypatch.setenv("MACPOOL_SIM_CTX_SIZE", "4096")
+    monkeypatch.setenv("MACPOOL_SIM_LOAD_SECONDS", "0.5")
+    settings, _ = parse_settings([])
+    assert settings.load_machine().name == load_preset("m2pro-32g-8b-q4").name
+    assert (settings.ctx_size, settings.load_seconds) == (4096, 0.5)
