@@ -185,16 +185,21 @@ def result_json(rows: list[LevelResult], knee: Knee, options: CalibrateOptions) 
 
 
 def write_config(path: Path, knee: Knee) -> None:
-    """Set ``calibrated_cap`` / ``calibrated_per_request_gb`` in an agent TOML config, keeping other lines."""
+    """Set ``calibrated_cap`` / ``calibrated_per_request_gb`` in an agent TOML config, keeping other lines.
+
+    The keys go where ``agent run --config`` reads them: into the ``[agent]`` table when the file has one
+    (the agent then reads only that table), else at the top level, before the first table.
+    """
     values: dict[str, str] = {"calibrated_cap": str(knee.recommended_cap)}
     if knee.per_request_gb:
         values["calibrated_per_request_gb"] = repr(knee.per_request_gb)
     lines = path.read_text().splitlines() if path.exists() else []
     kept = [ln for ln in lines if not re.match(r"\s*(calibrated_cap|calibrated_per_request_gb)\s*=", ln)]
-    # top-level keys must come before the first [table]
-    first_table = next((i for i, ln in enumerate(kept) if ln.lstrip().startswith("[")), len(kept))
+    tables = [i for i, ln in enumerate(kept) if ln.lstrip().startswith("[")]
+    agent = [i for i in tables if re.match(r"\s*\[\s*agent\s*\]\s*(#.*)?$", kept[i])]
+    at = agent[0] + 1 if agent else (tables[0] if tables else len(kept))
     new = [f"{key} = {value}" for key, value in values.items()]
-    path.write_text("\n".join([*kept[:first_table], *new, *kept[first_table:]]) + "\n")
+    path.write_text("\n".join([*kept[:at], *new, *kept[at:]]) + "\n")
 
 
 def plot(path: Path, rows: list[LevelResult], knee: Knee) -> None:

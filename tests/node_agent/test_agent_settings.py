@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from macpool.settings import ConfigError
+from node_agent.calibrate import Knee, write_config
 from node_agent.settings import load_settings
 
 
@@ -36,6 +37,21 @@ def test_calibration_file_sets_the_calibrated_terms(tmp_path: Path) -> None:
     written = tmp_path / "agent.toml"
     written.write_text("calibrated_cap = 6\n")
     assert load_settings({"upstream": "http://127.0.0.1:1", "calibration": written}).calibrated_cap == 6
+
+
+@pytest.mark.parametrize("layout", ["top-level", "agent table"])
+def test_write_config_puts_the_cap_where_the_agent_reads_it(tmp_path: Path, layout: str) -> None:
+    config = tmp_path / "agent.toml"
+    keys = 'upstream = "http://127.0.0.1:1"\ncalibrated_cap = 2\n'
+    agent_table = f'# the agent\n[agent]  # this node\n{keys}\n[router]\n'
+    config.write_text(keys if layout == "top-level" else agent_table)
+    for cap in (7, 5):  # written twice: the second replaces the first
+        write_config(config, Knee(cap, "memory", 2.5, 20.0, 96.0))
+        settings = load_settings({}, config)
+        assert (settings.calibrated_cap, settings.calibrated_per_request_gb) == (cap, 2.5)
+        calibrated = load_settings({"upstream": "http://127.0.0.1:1", "calibration": config})
+        assert calibrated.calibrated_cap == cap
+    assert config.read_text().count("calibrated_cap") == 1
 
 
 def test_one_line_errors_name_the_key(tmp_path: Path) -> None:
