@@ -142,7 +142,7 @@ class Forwarder:
     async def _handle(self, call: Call) -> Response:
         self.pool.requests.mark()
         tried: set[str] = set()
-        last_failure = ""
+        failures: set[str] = set()  # what each node tried answered
         for _ in range(self.settings.max_attempts):
             try:
                 docs = self.pool.candidates(call.model)
@@ -167,15 +167,20 @@ class Forwarder:
                 return await self._open(call, lease)
             except _Retry as retry:
                 tried.add(lease.node.node_id)
-                last_failure = retry.kind
+                failures.add(retry.kind)
                 await self.admission.release(lease, failed=True)
             except BaseException:
                 await self.admission.release(lease)
                 raise
-        if last_failure == "node_full":
-            return self.rejection(self.admission.reject("pool_full", "every node tried was full"), call)
-        if last_failure == "unavailable":  # draining, loading, or its llama-server down: a 503 to retry later
-            return self.rejection(self.admission.reject("no_nodes", "every node tried was unavailable"), call)
+        # a node that answered 503 (full; draining, loading, its llama-server down) makes the answer a 503 to
+        # retry later, whatever the other nodes tried did; only nodes that could not be reached at all: 502
+        mixed = len(failures) > 1
+        if "node_full" in failures:
+            message = "no node tried could take the request" if mixed else "every node tried was full"
+            return self.rejection(self.admission.reject("pool_full", message), call)
+        if "unavailable" in failures:
+            message = "no node tried could take the request" if mixed else "every node tried was unavailable"
+            return self.rejection(self.admission.reject("no_nodes", message), call)
         self.metrics.requests.labels(model=call.model, node="", status="502").inc()
         return error_response(502, "no node could be reached", "upstream_unavailable")
 

@@ -90,3 +90,35 @@ def test_a_request_waiting_after_a_node_refused_it_neither_gets_nor_blocks_that_
         waiter.join(timeout=60)  # b's stream was closed: its slot goes to the waiter
     assert answers and answers[0].status_code == 200, answers
     assert answers[0].headers["x-macpool-node"] == "b"
+
+
+def test_a_full_node_then_an_unreachable_one_is_a_503_to_retry_not_a_502(pool: Pool) -> None:
+    nodes = {name: pool.node(name, cap=1, speed=1) for name in ("a", "b")}
+    router = pool.router("--queue-size", "0")
+    pool.wait_ready(router, nodes=2)
+    model = pool.model(router)
+    # a prompt long enough for prefix affinity: its second request goes first to the node that served it
+    body = {"model": model, "max_tokens": 4, "messages": [
+        {"role": "system", "content": "You answer in one short sentence. " * 20},
+        {"role": "user", "content": "hello"},
+    ]}
+    with httpx.Client(timeout=60) as client:
+        first = client.post(router.url + "/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
+        full = first.headers["x-macpool-node"]
+        dead = "b" if full == "a" else "a"
+        # that node's only slot is taken behind the router's back (its agent refuses: node_full), and the
+        # other node's agent is killed (its heartbeat not yet expired: connection refused)
+        with client.stream("POST", nodes[full].agent.url + "/v1/chat/completions", json=chat(model, 4000),
+                           headers={"x-macpool-token": AGENT_TOKEN}) as direct:
+            assert direct.status_code == 200
+            direct_chunks = direct.iter_raw()  # kept: a dropped iterator closes the stream
+            next(direct_chunks)
+            nodes[dead].agent.child.kill()
+            answer = client.post(router.url + "/v1/chat/completions", json=body)
+    assert metric(router.url, f'macpool_upstream_errors_total{{kind="node_full",node="{full}"}}') == 1
+    assert metric(router.url, f'macpool_upstream_errors_total{{kind="connect",node="{dead}"}}') == 1
+    # the pool was full, not broken: a 503 with Retry-After, whatever the last node tried did
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["x-macpool-reason"] == "pool_full" and int(answer.headers["retry-after"]) >= 1
+    assert answer.json()["error"]["code"] == "pool_full"
