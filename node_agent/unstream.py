@@ -27,12 +27,21 @@ def streamed_body(endpoint: str, body: bytes) -> bytes | None:
         return None  # llama-server answers malformed JSON with its own 400
     if not isinstance(request, dict) or request.get("stream") or not _one_choice(request.get("n")):
         return None
-    if any(request.get(name) for name in _UNSUPPORTED):
+    if any(request.get(name) for name in _UNSUPPORTED) or _several_prompts(request.get("prompt")):
         return None
     request["stream"] = True
     if endpoint != "/completion":
         request["stream_options"] = {"include_usage": True}
     return json.dumps(request).encode()
+
+
+def _several_prompts(prompt: object) -> bool:
+    """A list of prompts (strings, token lists, multimodal objects), not one prompt's token list.
+
+    llama-server answers each prompt of a list as its own task - ``choices[i]``, or a JSON array from
+    ``/completion`` - and the stream interleaves their events: passed through as is.
+    """
+    return isinstance(prompt, list) and not all(type(token) is int for token in prompt)
 
 
 def _one_choice(n: object) -> bool:

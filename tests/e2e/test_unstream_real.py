@@ -51,6 +51,21 @@ def test_non_streaming_reply_and_abandonment(spawn: SpawnFactory, redis_url: str
     assert document["usage"]["completion_tokens"] == 8
     assert reply.headers["content-type"].startswith("application/json")
 
+    # several prompts: one answer per prompt, as llama-server gives it (the agent passes such a request
+    # through; folded from a stream, the prompts' tokens came back interleaved as one answer)
+    several = {"prompt": ["hello", "world"], "temperature": 0}
+    for path, request in (("/v1/completions", {**several, "max_tokens": 4}),
+                          ("/completion", {**several, "n_predict": 4})):
+        direct = httpx.post(llama_url + path, json=request, timeout=60).json()
+        through = httpx.post(agent.url + path, json=request, timeout=60).json()
+        if path == "/completion":
+            assert isinstance(through, list) and len(through) == 2
+            assert [answer["content"] for answer in through] == [answer["content"] for answer in direct]
+        else:
+            assert sorted(choice["index"] for choice in through["choices"]) == [0, 1]
+            texts = {choice["index"]: choice["text"] for choice in through["choices"]}
+            assert texts == {choice["index"]: choice["text"] for choice in direct["choices"]}
+
     long = {**body, "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(agent.url + "/v1/chat/completions", json=long, timeout=httpx.Timeout(60, read=1.0))

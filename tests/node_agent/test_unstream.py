@@ -84,6 +84,12 @@ def test_tool_calls_and_errors_fold() -> None:
         ("/v1/chat/completions", b'{"messages": [], "n": 1.0}', False),
         ("/v1/embeddings", b'{"input": "x"}', False),
         ("/completion", b'{"prompt": "x"}', True),
+        ("/completion", b'{"prompt": [15, 16, 17]}', True),  # one prompt's tokens
+        # several prompts: one answer each, and their stream events interleave
+        ("/completion", b'{"prompt": ["hello", "world"]}', False),
+        ("/v1/completions", b'{"prompt": ["hello", "world"]}', False),
+        ("/v1/completions", b'{"prompt": [[15, 16], [17]]}', False),
+        ("/v1/completions", b'{"prompt": "hello"}', True),
         ("/v1/completions", b"{not json", False),  # llama-server's own 400
         ("/v1/completions", b"[" * 100_000, False),  # too deep for Python's parser: llama-server's to judge
     ],
