@@ -136,6 +136,8 @@ class Admission:
         self._undoing: set[asyncio.Future[None]] = set()  # cancelled requests giving their slot back
         # this replica's recent queue waits, for the dashboard: (priority, tenant, seconds)
         self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
+        # how long this replica's recent requests held their slot, for Retry-After (Little's law)
+        self.recent_holds: deque[float] = deque(maxlen=64)
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
         self._full: dict[str, tuple[int, float]] = {}  # model -> (pool version, when) of the last "full"
         self._asking: set[str] = set()  # models whose lapsed "full" one request is asking Redis about again
@@ -294,6 +296,8 @@ class Admission:
             return
         lease.released = True
         self.active.pop(lease.request_id, None)
+        if not failed:
+            self.recent_holds.append(time.monotonic() - lease.acquired_at)
         if lease.local:
             self.pool.freed.mark()
             return
@@ -342,15 +346,29 @@ class Admission:
         if reason in ("no_nodes", "pool_unavailable"):
             seconds = max(self.settings.stale_after, 1.0)
         else:
-            rate = self.pool.freed.rate()
+            rate = self.release_rate()
             waiting = self.pool.snapshot.queue_depth + 1
             seconds = waiting / rate if rate > 0 else max(self.settings.queue_timeout, 1.0)
         return min(30, max(1, math.ceil(seconds)))
 
+    def release_rate(self) -> float:
+        """Slots freed per second pool-wide: the rate observed over the last 30 s, or - when more - the busy
+        slots over the mean time this replica's recent requests held theirs (Little's law).
+
+        The observed rate alone lags: at the start of a burst after a quiet spell the window holds a
+        release or two spread over 30 s, and (queue + 1) / rate came out at the 30 s clamp for a pool whose
+        slots were freeing every second.
+        """
+        observed = self.pool.freed.rate()
+        if not self.recent_holds:
+            return observed
+        busy, held = self.pool.busy(), statistics.fmean(self.recent_holds)
+        return max(observed, busy / held) if busy and held > 0 else observed
+
     def retry_after_limited(self, limit: int) -> int:
         """Seconds until one of a tenant's ``limit`` requests is likely done (Little's law on the pool)."""
-        rate = self.pool.freed.rate()
-        busy = self.pool.totals()["busy"]
+        rate = self.release_rate()
+        busy = self.pool.busy()
         mean_duration = busy / rate if rate > 0 and busy else 1.0
         return min(30, max(1, math.ceil(mean_duration / max(limit, 1))))
 

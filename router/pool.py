@@ -284,11 +284,15 @@ class PoolView:
 
     # --- reporting ---------------------------------------------------------------------------------
 
+    def busy(self) -> int:
+        """Live reservations on the nodes with a fresh heartbeat."""
+        return sum(self.snapshot.reservations.get(doc.node_id, 0) for doc in self.fresh_nodes())
+
     def totals(self) -> dict[str, Any]:
         fresh = self.fresh_nodes()
         ready = [doc for doc in fresh if self.is_ready(doc)]
         capacity = sum(doc.capacity for doc in ready)
-        busy = sum(self.snapshot.reservations.get(doc.node_id, 0) for doc in fresh)
+        busy = self.busy()
         queued = self.snapshot.queue_depth
         demand = busy + queued
         saturation = demand / capacity if capacity else (1.0 if demand else 0.0)

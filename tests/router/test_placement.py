@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 
 import httpx
@@ -45,6 +46,28 @@ def test_least_utilisation_fills_in_proportion_to_capacity(pool: Pool) -> None:
         assert 1 <= int(full.headers["retry-after"]) <= 30
     # every stream closed: every slot comes back
     wait_until(lambda: httpx.get(router.url + "/api/pool").json()["pool"]["busy"] == 0, timeout=10)
+
+
+def test_retry_after_follows_how_long_slots_are_held(pool: Pool) -> None:
+    """After a quiet spell the 30 s window of releases holds one or two: Retry-After still says about how
+    soon a slot frees (busy slots / the time recent requests held theirs), not the window's 30 s."""
+    pool.node("a", cap=2, speed=1)
+    router = pool.router("--queue-size", "0")
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+    with httpx.Client(base_url=router.url, timeout=30) as client, contextlib.ExitStack() as streams:
+        short = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        assert client.post("/v1/chat/completions", json=short).status_code == 200  # held ~0.1 s
+        time.sleep(4)  # quiet: one release in the window, seconds ago
+        for _ in range(2):
+            request = client.build_request("POST", "/v1/chat/completions", json=_long_stream(model))
+            response = streams.enter_context(contextlib.closing(client.send(request, stream=True)))
+            assert response.status_code == 200
+        full = client.post("/v1/chat/completions", json=_long_stream(model))
+        assert full.status_code == 503 and full.headers["x-macpool-reason"] == "pool_full"
+        # two busy slots, held ~0.1 s each lately: a slot is likely free within the second (it said 5 here,
+        # one release over the 5 s the router had been up)
+        assert int(full.headers["retry-after"]) <= 2
 
 
 def test_two_replicas_never_exceed_node_capacity(pool: Pool, redis_url: str) -> None:
