@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.types import Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -33,14 +33,21 @@ class DirectPosts(Starlette):
         self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and len(scope["path"]) > 1 and scope["path"].endswith("/"):
+            # a trailing slash names the same path. Starlette would answer with a 307 to the other spelling
+            # built from the client's own Host header (an open redirect, and plain http behind a TLS proxy),
+            # and a POST client that does not follow redirects (the OpenAI SDK's) would fail: a page is
+            # redirected by path alone (its relative links need the right base), anything else is served
+            raw: bytes | None = scope.get("raw_path")
+            path = scope["path"].rstrip("/") or "/"
+            if scope["method"] in ("GET", "HEAD"):
+                query = scope.get("query_string", b"").decode("latin-1")
+                target = (raw.rstrip(b"/").decode("latin-1") or "/") if raw else path
+                target = "/" + target.lstrip("/")  # "//host/x" would be another host
+                await RedirectResponse(target + ("?" + query if query else ""), 307)(scope, receive, send)
+                return
+            scope = {**scope, "path": path, "raw_path": raw.rstrip(b"/") or b"/" if raw else path.encode()}
         endpoint = self.direct.get(scope["path"]) if scope["type"] == "http" else None
-        if endpoint is None and scope["type"] == "http" and scope["path"].endswith("/"):
-            # "/v1/chat/completions/" is the same endpoint (a 307 to the other spelling would fail a POST
-            # from a client that does not follow redirects, the OpenAI SDK's included)
-            path = scope["path"].rstrip("/")
-            endpoint = self.direct.get(path)
-            if endpoint is not None:
-                scope = {**scope, "path": path, "raw_path": path.encode()}
         if endpoint is None or scope["method"] != "POST" or scope.get("root_path"):
             await super().__call__(scope, receive, send)
             return

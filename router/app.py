@@ -118,6 +118,7 @@ class Router:
         headers = request.headers
         key = self.api_keys.match(bearer_token(headers.get("authorization")))
         if self.api_keys.enabled and key is None:
+            self.metrics.requests.labels(model="", node="", status="401").inc()
             return error_response(401, "invalid or missing API key", "invalid_api_key")
         try:
             priority = self._priority(headers.get("x-macpool-priority"), key)
@@ -125,6 +126,7 @@ class Router:
             call = self._call(request.scope["path"], headers.raw, body, key, priority, arrived,
                               headers.get("x-request-id"), affinity=self.settings.affinity)
         except BadRequest as exc:
+            self.metrics.requests.labels(model="", node="", status=str(exc.status)).inc()
             return error_response(exc.status, str(exc), exc.code)
         except ClientDisconnect:
             return Response(status_code=400)

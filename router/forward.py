@@ -68,6 +68,7 @@ class Call:
     request_id: str
     arrived: float
     ticket: Ticket = field(default_factory=Ticket)
+    node: str = ""  # the node it is sent to, while it is
 
 
 class _Retry(Exception):
@@ -113,7 +114,7 @@ class Forwarder:
             guard.finish()
             if not guard.claim():
                 raise
-            self.metrics.requests.labels(model=call.model, node="", status="client_closed").inc()
+            self.metrics.requests.labels(model=call.model, node=call.node, status="client_closed").inc()
             return Response(status_code=499)  # nobody is listening any more
         except BaseException:
             guard.finish()  # the watch must not cancel the server's own error answer
@@ -163,9 +164,11 @@ class Forwarder:
                 self.metrics.requests.labels(model="", node="", status="404").inc()
                 message = f"model {call.model!r} is not served by any node"
                 return error_response(404, message, "model_not_found")
+            call.node = lease.node.node_id
             try:
                 return await self._open(call, lease)
             except _Retry as retry:
+                call.node = ""
                 tried.add(lease.node.node_id)
                 failures.add(retry.kind)
                 await self.admission.release(lease, failed=True)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
+from starlette.types import Message
 
 from macpool.asgi import DirectPosts
 
@@ -38,6 +41,27 @@ def test_direct_posts_and_routed_requests_answer_as_before() -> None:
         assert client.get("/v1/x").status_code == 405  # other methods are Starlette's
         assert client.post("/other").json() == {"routed": "POST"}
         assert client.get("/missing").status_code == 404
+        # a trailing slash names the same path, for every method, with no redirect
+        trailing = client.post("/v1/x/", content=b"hi")
+        assert (trailing.status_code, trailing.headers["x-path"]) == (200, "/v1/x")
+        assert client.post("/other/").json() == {"routed": "POST"}
+        # a page is redirected (its relative links need the right base), by path alone: never to the host
+        # the client named
+        other = client.get("/other//?a=1", headers={"host": "evil.example"}, follow_redirects=False)
+        assert (other.status_code, other.headers["location"]) == (307, "/other?a=1")
+    # "//evil.example/x/" as the request target: the redirect stays on this host
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": "http", "method": "GET", "path": "//evil.example/x/", "raw_path": b"//evil.example/x/",
+             "query_string": b"", "headers": [], "root_path": ""}
+    asyncio.run(app()(scope, receive, send))
+    assert (sent[0]["status"], dict(sent[0]["headers"])[b"location"]) == (307, b"/evil.example/x")
 
 
 def test_an_error_in_a_direct_endpoint_is_answered_then_raised() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from tests.conftest import metric
 from tests.router.conftest import Pool, wait_until
 
 API_KEY = "client-secret"
@@ -134,6 +135,11 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
         ):
             assert f"# TYPE {name}" in metrics, name
         assert 'macpool_rejections_total{reason="no_nodes"} 2.0' in metrics
+        # refused before routing, counted too (the /v1/models 401 is not a generation request: not counted)
+        refused = 'macpool_requests_total{{model="",node="",status="{}"}}'
+        assert metric(router.url, refused.format(401)) == 2
+        assert metric(router.url, refused.format(400)) == 2
+        assert metric(router.url, refused.format(413)) == 1
         wait_until(lambda: 'macpool_pool_slots{state="total"} 2.0' in client.get("/metrics").text)
 
 

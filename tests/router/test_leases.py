@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 import redis
 
 from macpool.contract import Keys, now_ms
+from tests.conftest import metric
 from tests.router.conftest import Pool, wait_until
 
 LEASE_S = 2.0
@@ -41,6 +43,14 @@ def test_disconnect_renewal_and_crash(pool: Pool, redis_url: str) -> None:
         wait_until(lambda: live() == 0, timeout=5, interval=0.02)
         wait_until(lambda: node.stats()["processing"] == 0, timeout=5, interval=0.02)
         assert time.monotonic() - left < 1.5  # generous for a loaded 2-core machine; typically ~10 ms
+
+        # the same for a non-streamed request, and both are counted as the node's
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/chat/completions", json={**body, "stream": False},
+                        timeout=httpx.Timeout(30, read=0.5))
+        wait_until(lambda: live() == 0, timeout=5, interval=0.02)
+        closed = f'macpool_requests_total{{model="{model}",node="n1",status="client_closed"}}'
+        wait_until(lambda: metric(router.url, closed) == 2, timeout=5)
 
         # a live stream keeps its lease past the lease time (the renewal loop)
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
