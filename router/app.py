@@ -215,9 +215,16 @@ class Router:
     async def models(self, request: Request) -> Response:
         if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
             return error_response(401, "invalid or missing API key", "invalid_api_key")
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "macpool"}
-                for m in self.services.pool.models()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [_model(m) for m in self.services.pool.models()]})
+
+    async def model(self, request: Request) -> Response:
+        """One model (the OpenAI SDK's ``models.retrieve``): served by a ready node, else 404."""
+        if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
+            return error_response(401, "invalid or missing API key", "invalid_api_key")
+        name: str = request.path_params["model"]
+        if name not in self.services.pool.models():
+            return error_response(404, f"model {name!r} is not served by any node", "model_not_found")
+        return JSONResponse(_model(name))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "router_id": self.settings.router_id})
@@ -276,6 +283,7 @@ class Router:
         routes: list[BaseRoute] = [Route(path, self.proxy, methods=["POST"]) for path in PROXIED_PATHS]
         routes += [
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
@@ -317,6 +325,10 @@ def create_app(settings: Settings) -> Starlette:
     )
     app.state.early_answers = router  # refusals below ASGI (router/cli.py, macpool/http_guard.py)
     return app
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "macpool"}
 
 
 def _dashboard_routes(router: Router) -> list[BaseRoute]:

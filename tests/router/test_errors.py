@@ -54,6 +54,9 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
         models = client.get("/v1/models", headers=auth).json()
         assert models["object"] == "list"
         body["model"] = model = models["data"][0]["id"]
+        assert client.get(f"/v1/models/{model}", headers=auth).json() == models["data"][0]
+        _error(client.get("/v1/models/org/no-such-model", headers=auth), 404, "model_not_found")
+        _error(client.get(f"/v1/models/{model}"), 401, "invalid_api_key")
 
         # auth
         _error(client.post("/v1/chat/completions", json=body), 401, "invalid_api_key")
