@@ -154,7 +154,10 @@ def main(argv: list[str]) -> int:
         print(f"macpool top: invalid --interval={args.interval}: must be > 0", file=sys.stderr)
         return 2
     view_state = TopView()
-    console = Console()
+    # not a terminal (a pipe, a file, a cron job's mail): rich would assume 80 columns and wrap the figures
+    # away from their labels, unless COLUMNS says otherwise
+    wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
+    console = Console(width=160) if wide else Console()
     with httpx.Client() as client:
         if args.once:
             try:

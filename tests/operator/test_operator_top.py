@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Callable
 
@@ -13,9 +14,11 @@ def test_top_once_renders_every_node_and_the_totals(pool: Callable[..., Pool]) -
     running = pool(nodes=2)
     result = subprocess.run(
         macpool_argv("top", "--router", running.router.url, "--once"),
-        capture_output=True, text=True, timeout=60, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr
+    # a pipe, not a terminal: the figures stay on their labels' lines
+    assert re.search(r"503/s[ \t]+\d", result.stdout), result.stdout
     for node_id in running.agents:
         assert node_id in result.stdout
     capacity = running.view()["pool"]["capacity"]  # type: ignore[index]
