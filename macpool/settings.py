@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsError
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -23,6 +23,8 @@ def load_layered(cls: type[S], flags: dict[str, Any], config_file: Path | None, 
         return layered(cls, flags, file_values)
     except ValidationError as exc:
         raise ConfigError(first_error(exc)) from None
+    except SettingsError as exc:  # an environment variable pydantic-settings cannot decode
+        raise ConfigError(f"{exc} (in the environment, a list setting is JSON: '[\"-t\", \"4\"]')") from None
 
 
 def layered(cls: type[S], flags: dict[str, Any], file_values: dict[str, Any]) -> S:
@@ -52,6 +54,8 @@ def read_toml_section(path: Path, section: str) -> dict[str, Any]:
         raise ConfigError(f"--config {str(path)!r}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"--config {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {str(path)!r}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {str(path)!r}: {exc}") from None
     values = data.get(section, data)
@@ -60,8 +64,15 @@ def read_toml_section(path: Path, section: str) -> dict[str, Any]:
     return {key.replace("-", "_"): value for key, value in values.items()}
 
 
+_SECRET_WORDS = ("token", "key", "password", "secret")
+
+
 def first_error(exc: ValidationError) -> str:
-    """The first validation error as one line naming the key and the value."""
+    """The first validation error as one line naming the key and the value (never a secret's value)."""
     error = exc.errors()[0]
     key = ".".join(str(part) for part in error["loc"]) or "settings"
-    return f"invalid {key}={error.get('input')!r}: {error['msg']}"
+    if error["type"] == "extra_forbidden":
+        return (f"unknown setting {key!r}: a misspelled key in the config file, or a "
+                f"MACPOOL_{key.upper()} environment variable this command does not read")
+    value = "***" if any(word in key.lower() for word in _SECRET_WORDS) else repr(error.get("input"))
+    return f"invalid {key}={value}: {error['msg']}"

@@ -79,7 +79,11 @@ def _memory_line(rows: list[LevelResult]) -> tuple[float | None, float | None]:
     slope, intercept = _line(points)
     if slope is None or intercept is None:
         return None, None
-    return round(slope, 4), round(intercept, 3)
+    # pinned memory that did not grow with concurrency (llama-server allocates its KV cache for all of
+    # --ctx-size at start; or noise between nearly equal readings) says nothing about a request's share:
+    # no figure, rather than a zero or negative one the agent cannot use
+    per_request = round(slope, 4)
+    return (per_request if per_request > 0 else None), round(intercept, 3)
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float | None, float | None]:
@@ -104,7 +108,6 @@ class CalibrateOptions:
     step: int = 1
     window_requests: int = 0  # 0: 2 x concurrency, at least 6
     model: str | None = None
-    token: str | None = None
     levels: list[int] = field(default_factory=list)
 
     def concurrency_levels(self) -> list[int]:
@@ -136,7 +139,6 @@ async def total_slots(client: httpx.AsyncClient, base: str) -> int | None:
 async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[LevelResult], Knee]:
     """Measure level after level; stop a few levels past the knee (paging levels are slow, say little)."""
     base = options.upstream.rstrip("/")
-    headers = {"X-Macpool-Token": options.token} if options.token else {}
     timeout = httpx.Timeout(600, connect=5)
     rows: list[LevelResult] = []
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
@@ -158,7 +160,6 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
                 options.max_tokens,
                 options.model,
                 window,
-                headers,
             )
             rows.append(await level.run())
             if progress is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,6 @@ def _calibrate_parser() -> argparse.ArgumentParser:
         "--window", type=int, default=0, help="requests measured per level (default max(6, 2 x level))"
     )
     p.add_argument("--model", help="model name to send (default: the server's)")
-    p.add_argument("--token", help="X-Macpool-Token, when calibrating through an agent")
     p.add_argument("--json", type=Path, help="write the result (recommended_cap, per_request_gb, rows)")
     p.add_argument("--plot", type=Path, help="draw throughput, p50 and pinned memory curves (PNG)")
     p.add_argument("--write-config", type=Path, help="store calibrated_cap in this agent TOML config")
@@ -138,6 +138,25 @@ def run(argv: list[str]) -> int:
     return run_agent(settings)
 
 
+def _check_calibrate_args(a: argparse.Namespace, levels: list[int]) -> None:
+    """Bad figures and unwritable outputs fail before the sweep, not after minutes of measuring."""
+    for flag, value, least in (("--prompt-tokens", a.prompt_tokens, 1), ("--max-tokens", a.max_tokens, 1),
+                               ("--max-concurrency", a.max_concurrency, 1), ("--step", a.step, 1),
+                               ("--window", a.window, 0)):
+        if value < least:
+            raise ConfigError(f"{flag} {value}: must be >= {least}")
+    if any(level < 1 for level in levels):
+        raise ConfigError(f"--levels {a.levels!r}: every level must be >= 1")
+    for flag, path in (("--json", a.json), ("--plot", a.plot), ("--write-config", a.write_config)):
+        if path is None:
+            continue
+        folder = path.parent if str(path.parent) else Path(".")
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ConfigError(f"{flag} {str(path)!r}: {str(folder)!r} is not a writable directory")
+        if path.exists() and (path.is_dir() or not os.access(path, os.W_OK)):
+            raise ConfigError(f"{flag} {str(path)!r}: not a writable file")
+
+
 def calibrate(argv: list[str]) -> int:
     from . import calibrate as cal
 
@@ -154,12 +173,12 @@ def calibrate(argv: list[str]) -> int:
         step=a.step,
         window_requests=a.window,
         model=a.model,
-        token=a.token,
         levels=levels,
     )
     from .settings import _check_http_url
 
     _check_http_url("--upstream", a.upstream)
+    _check_calibrate_args(a, levels)
     print(f"{'conc':>4} {'tok/s':>8} {'p50 s':>8} {'ratio':>6} {'pinned GB':>9}  state", flush=True)
     first: list[float] = []
 

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
     SettingsConfigDict,
 )
 
 from macpool.contract import DEFAULT_PREFIX
-from macpool.settings import ConfigError, load_layered
+from macpool.settings import ConfigError, first_error, load_layered
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
 
@@ -123,6 +123,8 @@ def read_calibration(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"--calibration {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"--calibration {str(path)!r}: not UTF-8 text") from None
     try:
         data: Any = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
@@ -149,6 +151,10 @@ def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> Age
         settings.check()
         calibrated = read_calibration(settings.calibration)
         explicit = {k for k in ("calibrated_cap", "calibrated_per_request_gb") if flags.get(k) is not None}
-        settings = settings.model_copy(update={k: v for k, v in calibrated.items() if k not in explicit})
+        update = {k: v for k, v in calibrated.items() if k not in explicit}
+        try:  # validated like any other source (a copy with an update would take "x" or -5 as they are)
+            settings = AgentSettings.model_validate({**settings.model_dump(), **update})
+        except ValidationError as exc:
+            raise ConfigError(f"--calibration {str(settings.calibration)!r}: {first_error(exc)}") from None
     settings.check()
     return settings

@@ -84,3 +84,17 @@ def test_calibrate_finds_the_knee_of_another_machine(sim: SimFactory, tmp_path: 
     )
     assert result["recommended_cap"] == 12
     assert result["limited_by"] == "memory"
+
+
+def test_bad_figures_and_unwritable_outputs_fail_before_measuring(tmp_path: Path) -> None:
+    # nothing listens at the upstream: each of these must be refused before the sweep tries to reach it
+    # (--levels 0 used to hang, --step 0 to raise from range(), an unwritable --json to lose the results)
+    for args, said in ((["--levels", "0"], "--levels"), (["--step", "0"], "--step"),
+                       (["--max-concurrency", "0"], "--max-concurrency"),
+                       (["--json", str(tmp_path / "missing" / "cal.json")], "--json"),
+                       (["--write-config", str(tmp_path)], "--write-config")):
+        done = subprocess.run(macpool_argv("agent", "calibrate", "--upstream", "http://127.0.0.1:9", *args),
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2, (args, done.stderr)
+        assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "conc" not in done.stdout  # the sweep's table never started

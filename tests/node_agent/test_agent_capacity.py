@@ -73,3 +73,10 @@ def test_knee_of_a_machine_that_never_bends() -> None:
     curve = [(c, 40.0 * c, 1 + 0.05 * c, 5 + c) for c in range(1, 5)]
     knee = find_knee(_rows(curve, 64))
     assert (knee.recommended_cap, knee.limited_by) == (4, "none")
+
+
+def test_memory_that_does_not_grow_with_concurrency_gives_no_per_request_figure() -> None:
+    # llama-server allocates its KV cache up front: pinned memory flat, or a hair lower at the next level
+    curve = [(1, 40.0, 1.0, 20.002), (2, 80.0, 1.05, 20.0)]
+    knee = find_knee(_rows(curve, 64))
+    assert knee.per_request_gb is None and knee.weights_gb is not None

@@ -54,6 +54,41 @@ def test_write_config_puts_the_cap_where_the_agent_reads_it(tmp_path: Path, layo
     assert config.read_text().count("calibrated_cap") == 1
 
 
+def test_calibration_values_are_checked_like_any_setting(tmp_path: Path) -> None:
+    """A bad figure in a calibration file stops the agent at start with one line (it used to be taken as
+    is, and every heartbeat then failed with a traceback)."""
+    negative = ('{"recommended_cap": 4, "per_request_gb": -0.001}', "calibrated_per_request_gb=-0.001")
+    for content, said in (('{"recommended_cap": "x"}', "calibrated_cap='x'"),
+                          ('{"recommended_cap": -5}', "calibrated_cap=-5"), negative):
+        path = tmp_path / "cal.json"
+        path.write_text(content)
+        with pytest.raises(ConfigError, match=said):
+            load_settings({"upstream": "http://127.0.0.1:1", "calibration": path})
+    binary = tmp_path / "cal.toml"
+    binary.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_settings({"upstream": "http://127.0.0.1:1", "calibration": binary})
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_settings({"upstream": "http://127.0.0.1:1"}, binary)
+
+
+def test_setting_errors_are_one_line_and_never_echo_a_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MACPOOL_LLAMA_ARGS", "--x")  # a list setting takes JSON
+    with pytest.raises(ConfigError, match="JSON"):
+        load_settings({"upstream": "http://127.0.0.1:1"})
+    monkeypatch.delenv("MACPOOL_LLAMA_ARGS")
+    config = tmp_path / "agent.toml"
+    config.write_text('upstream = "http://127.0.0.1:1"\nagent_token = "s3cret"\n')  # the key is `token`
+    with pytest.raises(ConfigError, match="unknown setting 'agent_token'") as raised:
+        load_settings({}, config)
+    assert "s3cret" not in str(raised.value)
+    with pytest.raises(ConfigError, match=r"token=\*\*\*") as raised:
+        load_settings({"upstream": "http://127.0.0.1:1", "token": ["not", "a", "string"]})
+    assert "not" not in str(raised.value)
+
+
 def test_one_line_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="parallel"):
         load_settings({"upstream": "http://127.0.0.1:1", "parallel": 0})
