@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,17 +190,21 @@ def write_config(path: Path, knee: Knee) -> None:
     """Set ``calibrated_cap`` / ``calibrated_per_request_gb`` in an agent TOML config, keeping other lines.
 
     The keys go where ``agent run --config`` reads them: into the ``[agent]`` table when the file has one
-    (the agent then reads only that table), else at the top level, before the first table.
+    (the agent then reads only that table; ``agent.`` dotted keys when the table is made of those), else at
+    the top level, before the first table.
     """
     values: dict[str, str] = {"calibrated_cap": str(knee.recommended_cap)}
     if knee.per_request_gb:
         values["calibrated_per_request_gb"] = repr(knee.per_request_gb)
-    lines = path.read_text().splitlines() if path.exists() else []
-    kept = [ln for ln in lines if not re.match(r"\s*(calibrated_cap|calibrated_per_request_gb)\s*=", ln)]
+    text = path.read_text() if path.exists() else ""
+    lines = text.splitlines()
+    ours = r"\s*(agent\s*\.\s*)?(calibrated_cap|calibrated_per_request_gb)\s*="
+    kept = [ln for ln in lines if not re.match(ours, ln)]
     tables = [i for i, ln in enumerate(kept) if ln.lstrip().startswith("[")]
     agent = [i for i in tables if re.match(r"\s*\[\s*agent\s*\]\s*(#.*)?$", kept[i])]
     at = agent[0] + 1 if agent else (tables[0] if tables else len(kept))
-    new = [f"{key} = {value}" for key, value in values.items()]
+    dotted = not agent and "agent" in tomllib.loads(text)  # agent.upstream = ... at the top level
+    new = [f"{'agent.' if dotted else ''}{key} = {value}" for key, value in values.items()]
     path.write_text("\n".join([*kept[:at], *new, *kept[at:]]) + "\n")
 
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,11 @@ def _check_calibrate_args(a: argparse.Namespace, levels: list[int]) -> None:
             raise ConfigError(f"{flag} {str(path)!r}: {str(folder)!r} is not a writable directory")
         if path.exists() and (path.is_dir() or not os.access(path, os.W_OK)):
             raise ConfigError(f"{flag} {str(path)!r}: not a writable file")
+    if a.write_config is not None and a.write_config.exists():
+        try:  # the calibrated keys are placed by its tables: a file that does not parse must say so now
+            tomllib.loads(a.write_config.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--write-config {str(a.write_config)!r}: not a TOML file ({exc})") from None
 
 
 def calibrate(argv: list[str]) -> int:

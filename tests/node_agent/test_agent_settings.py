@@ -39,12 +39,13 @@ def test_calibration_file_sets_the_calibrated_terms(tmp_path: Path) -> None:
     assert load_settings({"upstream": "http://127.0.0.1:1", "calibration": written}).calibrated_cap == 6
 
 
-@pytest.mark.parametrize("layout", ["top-level", "agent table"])
+@pytest.mark.parametrize("layout", ["top-level", "agent table", "dotted keys"])
 def test_write_config_puts_the_cap_where_the_agent_reads_it(tmp_path: Path, layout: str) -> None:
     config = tmp_path / "agent.toml"
     keys = 'upstream = "http://127.0.0.1:1"\ncalibrated_cap = 2\n'
     agent_table = f'# the agent\n[agent]  # this node\n{keys}\n[router]\n'
-    config.write_text(keys if layout == "top-level" else agent_table)
+    dotted = 'agent.upstream = "http://127.0.0.1:1"\nagent.calibrated_cap = 2\n'
+    config.write_text({"top-level": keys, "agent table": agent_table, "dotted keys": dotted}[layout])
     for cap in (7, 5):  # written twice: the second replaces the first
         write_config(config, Knee(cap, "memory", 2.5, 20.0, 96.0))
         settings = load_settings({}, config)
