@@ -23,14 +23,16 @@ class DirectPosts(Starlette):
     every send of every chunk (docs/profiles/router-findings.md, finding 3). Everything else - other
     methods on those paths included - is routed by Starlette as usual. An exception from a direct
     endpoint is answered like Starlette's ``ServerErrorMiddleware`` does: ``on_error``'s response (when
-    given), then re-raised for the server to log.
+    given), then re-raised for the server to log; one cancelled by the server's shutdown, with
+    ``on_shutdown``'s response (when given).
     """
 
     def __init__(self, direct: Mapping[str, Endpoint], on_error: ErrorHandler | None = None,
-                 **kwargs: Any) -> None:
+                 on_shutdown: Callable[[Request], Response] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.direct = dict(direct)
         self.on_error = on_error
+        self.on_shutdown = on_shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and len(scope["path"]) > 1 and scope["path"].endswith("/"):
@@ -55,6 +57,16 @@ class DirectPosts(Starlette):
         request = Request(scope, receive, send)
         try:
             response = await endpoint(request)
+        except asyncio.CancelledError:
+            # a direct endpoint takes back the cancellations it asked for (Guard): this one is the server's,
+            # stopping past its shutdown timeout before this request's answer began. Answered with
+            # ``on_shutdown``'s response (a 503 to retry) rather than the server's plain-text 500 and a
+            # logged traceback
+            task = asyncio.current_task()
+            if self.on_shutdown is None or task is None or not task.cancelling():
+                raise
+            task.uncancel()
+            response = self.on_shutdown(request)
         except Exception as exc:
             if self.on_error is not None:
                 await (await self.on_error(request, exc))(scope, receive, send)

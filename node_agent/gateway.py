@@ -349,6 +349,12 @@ class Gateway:
             url = self._urls[base, path, query] = httpx.URL(text)
         return url
 
+    def shutdown_answer(self, request: Request) -> Response:
+        """A request cancelled by the agent's stop (its drain timeout passed) before its answer began: the
+        router tries another node (macpool/asgi.py)."""
+        self.runtime.metrics.requests.labels(request.scope["path"], "503").inc()
+        return self._unavailable("node_draining", "this node shut down before answering; retry elsewhere")
+
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -394,5 +400,5 @@ def create_app(runtime: Runtime) -> Starlette:
     ]
     # the generation POSTs skip Starlette's routing and per-send middleware wrappers (macpool/asgi.py)
     direct = dict.fromkeys(PROXIED, gateway.generate)
-    return DirectPosts(direct, on_error=_internal_error, routes=routes,
+    return DirectPosts(direct, on_error=_internal_error, on_shutdown=gateway.shutdown_answer, routes=routes,
                        exception_handlers={HTTPException: _http_error, Exception: _internal_error})

@@ -166,6 +166,13 @@ class Router:
             ticket=ticket,
         )
 
+    def shutdown_answer(self, request: Request) -> Response:
+        """A request cancelled by the server's shutdown timeout before its answer began (macpool/asgi.py):
+        it reached no client yet, so it is a 503 to retry - elsewhere, behind a balancer."""
+        self.metrics.requests.labels(model="", node="", status="router_shutdown").inc()
+        headers = {"Retry-After": "1", "X-Macpool-Reason": "router_shutdown"}
+        return error_response(503, "the router is shutting down; retry", "router_shutdown", headers=headers)
+
     # --- refusals below ASGI (macpool/http_guard.py) -----------------------------------------------
 
     early_paths = frozenset(path.encode() for path in PROXIED_PATHS)
@@ -319,6 +326,7 @@ def create_app(settings: Settings) -> Starlette:
     app = DirectPosts(
         dict.fromkeys(PROXIED_PATHS, router.proxy),
         on_error=_internal_error,
+        on_shutdown=router.shutdown_answer,
         routes=router.routes(),
         lifespan=router.lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},

@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import string
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -187,6 +188,30 @@ def test_a_stream_outlasting_the_drain_timeout_ends_with_an_error_event(
     gateway.child.process.wait(15)
     log = gateway.child.log_path.read_text() if gateway.child.log_path else ""
     assert "drain timeout" in log and "Exception in ASGI application" not in log, log
+
+
+def test_a_non_streamed_request_outlasting_the_drain_timeout_is_a_503_to_retry(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    upstream = sim("--parallel", "2", "--speed", "1")
+    gateway = agent("--upstream", upstream.url, "--drain-timeout", "1")
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready")
+    with httpx.Client(timeout=30) as client:
+        url = gateway.url + "/v1/chat/completions"
+        pending = client.build_request("POST", url, json=chat(3000, stream=False))
+        timer = threading.Timer(0.5, gateway.child.signal, (signal.SIGTERM,))
+        timer.start()
+        answer = client.send(pending)
+        timer.join()
+    # nothing reached the client: a JSON 503 the router retries elsewhere, not a plain-text 500
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "node_draining"
+    assert answer.headers["x-macpool-reason"] == "node_draining" and answer.headers["retry-after"]
+    assert gateway.child.process is not None
+    gateway.child.process.wait(15)
+    log = gateway.child.log_path.read_text() if gateway.child.log_path else ""
+    assert "drain timeout" in log and "Exception in ASGI application" not in log, log
+
 
 def test_redis_outage_and_recovery(sim: SimFactory, agent: AgentFactory) -> None:
     port = free_port()

@@ -267,3 +267,23 @@ def test_router_shutdown_ends_open_streams_with_an_error_event(rig: Rig) -> None
     assert router.child.process is not None
     assert router.child.process.wait(10) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
     wait_until(lambda: rig.reservations(node.node_id) == 0, 5, "the lease released on the way out")
+
+
+def test_router_shutdown_answers_a_request_still_waiting_for_its_node_with_a_503(rig: Rig) -> None:
+    node = rig.node("n1", cap=2, speed=1)
+    router = rig.router("--shutdown-timeout", "1")
+    rig.wait_ready(router, nodes=1)
+    body = {**chat(rig.model(router), max_tokens=3000), "stream": False}  # its answer comes whole, at the end
+    with httpx.Client(base_url=router.url, timeout=30) as client, ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.post, "/v1/chat/completions", json=body)
+        wait_until(lambda: rig.reservations(node.node_id) == 1, 5, "the request on its node")
+        router.child.signal(signal.SIGTERM)
+        answer = pending.result(timeout=20)
+    # nothing had reached the client: a JSON 503 to retry, not uvicorn's plain-text 500 and a traceback
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "router_shutdown" and answer.headers["retry-after"] == "1"
+    assert router.child.process is not None
+    router.child.process.wait(10)
+    log = router.child.log_path.read_text() if router.child.log_path else ""
+    assert "Exception in ASGI application" not in log, log
+    wait_until(lambda: rig.reservations(node.node_id) == 0, 5, "the lease released on the way out")
