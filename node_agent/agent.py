@@ -208,11 +208,12 @@ class Agent:
         finally:
             # the gateway first: a stream still open past the drain timeout is ended by the gateway with an
             # error event now - stopping llama-server first (or its supervising task) would cut it as a
-            # llama-server failure, seconds later. Not force_exit: uvicorn then cancels the requests still
-            # running (after its own 1 s), and each open stream ends with the gateway's error event.
+            # llama-server failure, seconds later. Never uvicorn's force_exit, even on a second signal: it
+            # would leave the requests running, to be cut by llama-server's kill below as its failure;
+            # without it uvicorn cancels them after its own 1 s, and each open stream ends with the
+            # gateway's error event.
             if self.server is not None and self.server_task is not None:
                 self.server.should_exit = True
-                self.server.force_exit = self.force.is_set()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.server_task, 3)
             # then the heartbeat: a beat written after remove_node would bring the key back

@@ -187,7 +187,8 @@ class Supervisor:
         _killpg(process.pid, signal.SIGKILL)  # anything left in its group
 
     def kill_now(self) -> None:
-        """Synchronous last resort (forced exit): SIGKILL the group."""
+        """Synchronous last resort (forced exit): SIGKILL the group (and restart nothing)."""
+        self._stopping = True
         if self.process is not None:
             _killpg(self.process.pid, signal.SIGKILL)
 

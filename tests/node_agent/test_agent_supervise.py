@@ -92,6 +92,32 @@ def test_sigterm_stops_the_supervised_server(agent: AgentFactory, redis_url: str
     assert read_node(redis_url, "n1") is None
 
 
+def test_a_second_sigterm_ends_open_streams_as_a_shutdown_then_stops_at_once(
+    agent: AgentFactory, redis_url: str, tmp_path: Path
+) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    slow = SIM_COMMAND.replace("--speed 20", "--speed 1")  # a stream that lasts well past the test
+    gateway = agent("--llama-server", slow, "--model", str(model), "--parallel", "2", "--drain-timeout", "30")
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready")
+    pid = status(gateway.url)["llama_server"]["pid"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=30) as response:
+        chunks = response.iter_raw()
+        first = next(chunks)
+        gateway.child.signal(signal.SIGTERM)
+        wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "draining", what="draining")
+        gateway.child.signal(signal.SIGTERM)  # the operator does not want to wait the 30 s
+        forced = time.monotonic()
+        rest = b"".join(chunks)
+    assert gateway.child.process is not None and gateway.child.process.wait(15) == 0
+    assert time.monotonic() - forced < 5
+    # the stream ended as the node's shutdown, not as a llama-server failure (which counts toward alerts)
+    last = [line for line in (first + rest).decode().splitlines() if line.startswith("data: ")][-1]
+    assert "shut down" in last, last
+    wait_until(lambda: not alive(pid), timeout=5, what="llama-server stopped")
+
+
 def sockets_and_pipes(pid: int) -> set[Inode]:
     """(device, inode) of every socket and pipe the process holds past its stdio."""
     found = set()
