@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
 
-from pydantic import ValidationError
+from pydantic import AfterValidator, ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsError
 
 S = TypeVar("S", bound=BaseSettings)
@@ -14,6 +16,23 @@ S = TypeVar("S", bound=BaseSettings)
 
 class ConfigError(ValueError):
     """A configuration value or file that cannot work; the message names the key and the value."""
+
+
+def _redis_url(url: str) -> str:
+    """redis://[user:password@]host[:port][/db], rediss://..., or unix:///path[?db=N]; redis-py would take
+    ``/abc`` as database 0 without a word."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("expected redis://, rediss:// or unix://")
+    if parts.scheme != "unix":
+        _ = parts.port  # ValueError for a port that is not a number in range
+        database = parts.path.strip("/")
+        if database and not database.isdigit():
+            raise ValueError(f"the database {database!r} is not a number (redis://host:6379/0)")
+    return url
+
+
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 
 
 def load_layered(cls: type[S], flags: dict[str, Any], config_file: Path | None, section: str) -> S:
@@ -75,4 +94,5 @@ def first_error(exc: ValidationError) -> str:
         return (f"unknown setting {key!r}: a misspelled key in the config file, or a "
                 f"MACPOOL_{key.upper()} environment variable this command does not read")
     value = "***" if any(word in key.lower() for word in _SECRET_WORDS) else repr(error.get("input"))
+    value = re.sub(r"(//[^/@:]*:)[^@/]*@", r"\1***@", value)  # a URL's password
     return f"invalid {key}={value}: {error['msg']}"

@@ -18,7 +18,7 @@ from pydantic_settings import (
 )
 
 from macpool.contract import DEFAULT_PREFIX
-from macpool.settings import ConfigError, first_error, load_layered
+from macpool.settings import ConfigError, RedisUrl, first_error, load_layered
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
 
@@ -38,7 +38,7 @@ class AgentSettings(BaseSettings):
     llama_log: Path | None = None
 
     # the pool
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0"
     node_id: str = Field(default_factory=socket.gethostname)
     advertise_url: str | None = None
     key_prefix: str = DEFAULT_PREFIX
@@ -91,8 +91,6 @@ class AgentSettings(BaseSettings):
             _check_http_url("--upstream", self.upstream)
         if self.advertise_url is not None:
             _check_http_url("--advertise-url", self.advertise_url)
-        if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(f"--redis-url {self.redis_url!r}: expected redis://, rediss:// or unix://")
         if self.supervise:
             argv = self.llama_command
             if not argv:

@@ -12,7 +12,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from macpool.contract import DEFAULT_PREFIX
-from macpool.settings import ConfigError, load_layered
+from macpool.settings import ConfigError, RedisUrl, load_layered
 
 __all__ = ["ConfigError", "Settings", "load_settings"]
 
@@ -26,7 +26,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MACPOOL_", extra="forbid")
 
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: RedisUrl = "redis://127.0.0.1:6379/0"
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     key_prefix: str = DEFAULT_PREFIX

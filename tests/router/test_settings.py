@@ -26,6 +26,18 @@ def test_bad_value_names_key_and_value() -> None:
         build_settings(["--queue-size", "-1"])
 
 
+def test_a_redis_url_redis_py_would_misread_is_refused_without_its_password() -> None:
+    for url, said in (("redis://h:6379/abc", "database 'abc' is not a number"),
+                      ("redis://h:99999/0", "Port out of range"), ("http://h:6379", "expected redis://")):
+        with pytest.raises(ConfigError, match=said):
+            build_settings(["--redis-url", url])
+    with pytest.raises(ConfigError, match=r"redis://user:\*\*\*@h") as raised:
+        build_settings(["--redis-url", "redis://user:s3cret@h/db1"])
+    assert "s3cret" not in str(raised.value)
+    for url in ("redis://h:6379/3", "rediss://user:pw@h:6380", "unix:///tmp/redis.sock?db=2", "redis://h"):
+        assert build_settings(["--redis-url", url]).redis_url == url
+
+
 def test_cli_config_error_is_one_line_exit_2(tmp_path: Path) -> None:
     result = subprocess.run(
         macpool_argv("router", "--config", str(tmp_path / "missing.toml")), capture_output=True, timeout=60
