@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 from redis.asyncio import Redis
@@ -30,6 +31,8 @@ from .memory import GB, MemoryProbe, MemorySample, ProbeError
 from .runtime import Runtime
 
 log = logging.getLogger("macpool.agent")
+
+UpstreamCondition = Literal["healthy", "loading", "unreachable"]
 
 
 async def ticker(interval: float, wake: asyncio.Event | None = None) -> AsyncIterator[int]:
@@ -70,6 +73,7 @@ class UpstreamView:
 
     healthy: bool = False
     reachable: bool = False
+    problem: str = ""  # why it is not healthy, for the log: "not answering /health (ConnectError)"
     total_slots: int = 0
     ctx_per_slot: int = 0
     build: str = ""
@@ -78,18 +82,25 @@ class UpstreamView:
     tokens_at: float = 0.0
     tokens_per_s: float = 0.0
 
+    @property
+    def condition(self) -> UpstreamCondition:
+        return "healthy" if self.healthy else "loading" if self.reachable else "unreachable"
+
 
 async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView) -> None:
     """Refresh ``view`` in place; a failure marks the upstream unhealthy and keeps the last figures."""
     try:
         health = await client.get(base + "/health", timeout=2.0)
-    except httpx.HTTPError:
+    except httpx.HTTPError as exc:
         view.healthy = view.reachable = False
+        view.problem = f"not answering /health ({type(exc).__name__})"
         return
     view.reachable = True
     view.healthy = health.status_code == 200
     if not view.healthy:
+        view.problem = f"answering /health with HTTP {health.status_code}"
         return
+    view.problem = ""
     props, models, metrics = await asyncio.gather(
         client.get(base + "/props", timeout=2.0),
         client.get(base + "/v1/models", timeout=2.0),
@@ -137,6 +148,8 @@ class Heartbeat:
     upstream: UpstreamView = field(default_factory=UpstreamView)
     pressure: capacity.PressureGuard = field(default_factory=capacity.PressureGuard)
     was_ready: bool = False
+    # the upstream's condition as last logged; None while the supervisor is the one telling (supervise mode)
+    upstream_seen: UpstreamCondition | None = None
     draining: bool = False
     redis_ok: bool = True
     _redis_retry_at: float = 0.0
@@ -199,6 +212,7 @@ class Heartbeat:
                 pressure_reason = self.pressure.reason
             runtime.metrics.pinned.set(sample.pinned_gb * GB)
             runtime.metrics.wired_limit.set(sample.wired_limit_gb * GB)
+        self._log_upstream_change()
         configured = settings.cap if settings.cap is not None else (view.total_slots or None)
         decision = capacity.decide(
             configured, memory_cap, settings.calibrated_cap, runtime.in_flight, pressure_reason
@@ -229,6 +243,34 @@ class Heartbeat:
             started_at_ms=self.started_at_ms,
             updated_at_ms=now_ms(),
         )
+
+    def _log_upstream_change(self) -> None:
+        """One line each time llama-server's health changes: the node's state alone changes silently.
+
+        Warning when it stops being healthy, info otherwise. In supervise mode the supervisor logs its
+        process's starts, exits and first health itself; this covers a llama-server that stops answering
+        without exiting (hung, overloaded), once the supervisor has called it healthy.
+        """
+        condition = self.upstream.condition
+        if self.supervisor_state() is not None:
+            self.upstream_seen = None
+            return
+        previous, self.upstream_seen = self.upstream_seen, condition
+        if condition == previous:
+            return
+        if previous is None and self.runtime.settings.supervise:
+            # the supervisor has just said "healthy"; a poll that went out before that is no news
+            if condition != "healthy":
+                self.upstream_seen = None
+            return
+        url = self.runtime.upstream_url
+        if condition == "healthy":
+            log.info("llama-server at %s is healthy", url)
+        elif previous == "healthy":
+            problem = self.upstream.problem
+            log.warning("llama-server at %s is %s; admitting nothing until it is healthy again", url, problem)
+        else:
+            log.info("waiting for llama-server at %s: %s", url, self.upstream.problem)
 
     def _state(self, decision: capacity.Decision) -> tuple[NodeState, str]:
         if self.draining:
