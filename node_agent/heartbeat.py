@@ -27,7 +27,7 @@ from macpool.contract import (
 
 from . import capacity
 from .gguf_info import ModelShape
-from .memory import GB, MemoryProbe, MemorySample, ProbeError
+from .memory import GB, MemoryProbe, MemorySample, ProbeError, UpstreamUnreachable
 from .runtime import Runtime
 
 log = logging.getLogger("macpool.agent")
@@ -123,6 +123,13 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
         _update_rate(view, parse_metrics(metrics.text).get("llamacpp:tokens_predicted_total"))
 
 
+def _describe(error: Exception) -> str:
+    """A probe's own errors say what failed; another (a timeout, an OS error) is named by its type."""
+    if isinstance(error, ProbeError):
+        return str(error)
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
 def _update_rate(view: UpstreamView, total: float | None) -> None:
     """Tokens/s from the counter's delta over wall time, smoothed (restarts reset the counter)."""
     now = time.monotonic()
@@ -150,6 +157,7 @@ class Heartbeat:
     was_ready: bool = False
     # the upstream's condition as last logged; None while the supervisor is the one telling (supervise mode)
     upstream_seen: UpstreamCondition | None = None
+    probe_failing: bool = False
     draining: bool = False
     redis_ok: bool = True
     _redis_retry_at: float = 0.0
@@ -180,12 +188,39 @@ class Heartbeat:
         sampled = await asyncio.gather(poll, self.probe.sample(), return_exceptions=True)
         if isinstance(sampled[0], BaseException):
             raise sampled[0]
-        sample = sampled[1] if isinstance(sampled[1], MemorySample) else None
-        if isinstance(sampled[1], BaseException) and not isinstance(sampled[1], ProbeError | OSError):
-            raise sampled[1]
+        probed = sampled[1]
+        if isinstance(probed, BaseException) and not isinstance(probed, ProbeError | OSError):
+            raise probed
+        sample = probed if isinstance(probed, MemorySample) else None
+        self._note_probe(None if isinstance(probed, MemorySample) else probed)
         doc = self._decide(sample)
         runtime.doc = doc
         return doc
+
+    def _note_probe(self, error: ProbeError | OSError | None) -> None:
+        """Warn once when the memory probe starts failing, and say when it answers again.
+
+        Without samples there is no memory term and no pressure guard: capacity rests on the other terms,
+        which an operator must hear about rather than find in the figures (all 0). /status shows the error.
+        """
+        name = self.probe.name
+        if error is None:
+            if self.probe_failing:
+                log.info("memory probe %s answers again", name)
+            self.probe_failing = False
+            self.runtime.details["memory_probe_error"] = None
+            return
+        message = _describe(error)
+        self.runtime.details["memory_probe_error"] = message
+        if isinstance(error, UpstreamUnreachable):
+            return  # the simulator's figures come from llama-server, whose own line says it is down
+        if not self.probe_failing:
+            log.warning(
+                "memory probe %s failed: %s; no memory limit and no pressure guard until it answers",
+                name,
+                message,
+            )
+        self.probe_failing = True
 
     def _decide(self, sample: MemorySample | None) -> NodeDoc:
         runtime, settings, view = self.runtime, self.runtime.settings, self.upstream

@@ -142,9 +142,12 @@ SYSCTL_NAMES = (
 
 async def _run(argv: list[str]) -> str:
     """The command's output; killed if the caller stops waiting (a timeout): a hung sysctl must not linger."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-    )
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+    except OSError as exc:  # uvloop's error does not name the command
+        raise ProbeError(f"{argv[0]}: {exc.strerror or exc}") from exc
     try:
         out, _ = await proc.communicate()
     finally:

@@ -1,4 +1,5 @@
-"""What the heartbeat tells the operator: a line for each change of llama-server's health."""
+"""What the heartbeat tells the operator: a line for each change of llama-server's health or of the memory
+probe's, and the probe's error in /status."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.conftest import Server
 from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until
 
 SimFactory = Callable[..., Server]
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def logged(server: Server, needle: str) -> list[tuple[str, str]]:
@@ -78,3 +80,42 @@ def test_supervise_mode_logs_a_llama_server_that_stops_answering(
         ),
         ("INFO", f"llama-server at {llama['url']} is healthy"),
     ]
+
+
+def fake_command(directory: Path, name: str, output: Path) -> None:
+    """An executable ``name`` in ``directory`` that prints a recorded output, whatever it is asked."""
+    script = directory / name
+    script.write_text(f"#!/bin/sh\nexec cat {output}\n")
+    script.chmod(0o755)
+
+
+def test_a_failing_memory_probe_is_logged_once_per_failure_and_shown_in_status(
+    sim: SimFactory, agent: AgentFactory, redis_url: str, tmp_path: Path
+) -> None:
+    # the macos probe runs `sysctl` and `vm_stat` from PATH: none (Linux), then recorded ones, then none again
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    upstream = sim("--parallel", "3", "--speed", "20")
+    gateway = agent(
+        "--upstream", upstream.url, "--memory-probe", "macos", env={"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    )
+    wait_until(state_is(redis_url, "ready"), what="ready")
+    time.sleep(1.0)  # three more failed samples: still one line
+    failing = status(gateway.url)
+    assert failing["memory_probe_error"], failing
+    # nothing else changes: no memory term, the slots decide
+    assert failing["capacity"] == 3 and failing["node"]["capacity_breakdown"]["memory"] is None
+    warning = "memory probe macos failed: "
+    assert [level for level, _ in logged(gateway, warning)] == ["WARNING"]
+
+    fake_command(bin_dir, "sysctl", FIXTURES / "sysctl-m5max-128g-sonoma-default.txt")
+    fake_command(bin_dir, "vm_stat", FIXTURES / "vm_stat-m5max-idle.txt")
+    wait_until(lambda: status(gateway.url)["memory_probe_error"] is None, what="the probe answers")
+    assert wait_until(lambda: (d := read_node(redis_url, "n1")) and d.memory.total_gb, what="figures") > 100
+    answers = "memory probe macos answers again"
+    assert logged(gateway, answers) == [("INFO", answers)]
+
+    (bin_dir / "vm_stat").unlink()
+    error = wait_until(lambda: status(gateway.url)["memory_probe_error"], what="the probe fails again")
+    assert "vm_stat" in error
+    assert [level for level, _ in logged(gateway, warning)] == ["WARNING", "WARNING"]

@@ -46,6 +46,16 @@ def test_a_command_that_hangs_is_killed_at_the_timeout(loop: str, tmp_path: Path
         assert runner.run(_run(failing)) == "hw.memsize: 1\n"
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_missing_command_is_a_probe_error_that_names_it(loop: str, tmp_path: Path) -> None:
+    missing = tmp_path / "vm_stat"
+    with (
+        asyncio.Runner(loop_factory=LOOPS[loop]) as runner,
+        pytest.raises(ProbeError, match=f"^{missing}: No such file or directory$"),
+    ):
+        runner.run(_run([str(missing)]))
+
+
 def test_default_wired_limit_is_two_thirds_up_to_36_gb_and_three_quarters_above() -> None:
     assert default_wired_limit_bytes(32 * GIB) == int(32 * GIB * 2 / 3)
     assert default_wired_limit_bytes(36 * GIB) == int(36 * GIB * 2 / 3)
