@@ -29,6 +29,26 @@ from macpool.redis_server import free_port
 log = logging.getLogger("macpool.agent")
 
 STABLE_AFTER_S = 30.0  # a run this long resets the restart backoff
+# llama-server flags whose value is a credential: /status needs no token, so it never shows them
+# (--api-key-file names a path, which is no secret)
+SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "-hft"})
+REDACTED = "<redacted>"
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the values of :data:`SECRET_FLAGS` replaced (``--api-key K`` and ``--api-key=K``)."""
+    shown: list[str] = []
+    value_next = False
+    for arg in argv:
+        name, equals, _ = arg.partition("=")
+        if value_next:
+            shown.append(REDACTED)
+        elif equals and name in SECRET_FLAGS:
+            shown.append(f"{name}={REDACTED}")
+        else:
+            shown.append(arg)
+        value_next = arg in SECRET_FLAGS  # even as a value: hiding one argument too many leaks nothing
+    return shown
 
 
 def _die_with_parent() -> None:
@@ -79,7 +99,7 @@ class Supervisor:
 
     def describe(self) -> dict[str, object]:
         pid = self.process.pid if self.process and self.process.returncode is None else None
-        return {"pid": pid, "url": self.url, "restarts": self.restarts, "argv": self.argv()}
+        return {"pid": pid, "url": self.url, "restarts": self.restarts, "argv": redacted(self.argv())}
 
     def argv(self) -> list[str]:
         return [

@@ -20,7 +20,8 @@ from macpool.contract import heartbeat_ttl_ms
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
 from node_agent.agent import bind_socket
-from node_agent.supervisor import Supervisor
+from node_agent.supervisor import Supervisor, redacted
+from tests.conftest import SpawnFactory
 from tests.node_agent.helpers import LOOPS, SIM_COMMAND, AgentFactory, read_node, status, wait_until
 
 Inode = tuple[int, int]  # (st_dev, st_ino)
@@ -116,6 +117,38 @@ def test_a_second_sigterm_ends_open_streams_as_a_shutdown_then_stops_at_once(
     last = [line for line in (first + rest).decode().splitlines() if line.startswith("data: ")][-1]
     assert "shut down" in last, last
     wait_until(lambda: not alive(pid), timeout=5, what="llama-server stopped")
+
+
+def test_status_shows_the_llama_server_command_without_its_secrets(
+    spawn: SpawnFactory, redis_url: str, tmp_path: Path
+) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    port = free_port()  # given here: the `agent` fixture's --port would land after `--`
+    argv = macpool_argv(
+        "agent", "run", "--redis-url", redis_url, "--node-id", "n1", "--port", str(port),
+        "--llama-server", SIM_COMMAND + " --api-key=IN-COMMAND", "--model", str(model), "--parallel", "2",
+        "--", "--api-key", "AFTER-DASHES",
+    )
+    gateway = spawn(argv=argv, port=port, name="agent")
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready")
+    argv = status(gateway.url)["llama_server"]["argv"]
+    assert "--api-key=<redacted>" in argv
+    assert argv[argv.index("--api-key") + 1] == "<redacted>"
+    assert argv[-2:] == ["--api-key", "<redacted>"]
+    assert gateway.child.log_path is not None
+    for secret in ("IN-COMMAND", "AFTER-DASHES"):
+        assert secret not in httpx.get(gateway.url + "/status").text
+        assert secret not in gateway.child.log_path.read_text()
+
+
+def test_redacted_hides_the_value_of_every_credential_flag() -> None:
+    argv = ["llama-server", "--api-key", "k1", "-hft", "t1", "--hf-token=t2", "--api-key-file", "/etc/keys",
+            "--alias", "--api-key", "--api-key", "k2"]
+    assert redacted(argv) == [
+        "llama-server", "--api-key", "<redacted>", "-hft", "<redacted>", "--hf-token=<redacted>",
+        "--api-key-file", "/etc/keys", "--alias", "--api-key", "<redacted>", "<redacted>",
+    ]
 
 
 def sockets_and_pipes(pid: int) -> set[Inode]:
