@@ -99,6 +99,13 @@ class AgentSettings(BaseSettings):
                 raise ConfigError(f"--llama-server {argv[0]!r}: no such executable")
             if self.model is None:
                 raise ConfigError("--model FILE.gguf is required with --llama-server")
+            for arg in self.llama_args:
+                # llama-server takes the last --host/--port it is given, and these come after the agent's:
+                # one would open it to the network past the cap and token, the other hide it from the agent
+                if arg.partition("=")[0] in ("--host", "--port"):
+                    raise ConfigError(
+                        f"-- {arg}: the agent runs llama-server on 127.0.0.1 and a free port of its choosing"
+                    )
         if self.model is not None and not self.model.is_file():
             raise ConfigError(f"--model {str(self.model)!r}: no such file")
         if self.calibration is not None and not self.calibration.is_file():

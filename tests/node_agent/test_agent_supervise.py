@@ -226,6 +226,9 @@ def test_bad_configuration_fails_before_start_with_one_line(tmp_path: Path) -> N
     assert "--upstream" in one_liner("--upstream", "not a url")
     assert "--redis-url" in one_liner("--upstream", "http://127.0.0.1:1", "--redis-url", "http://x")
     assert "exactly one" in one_liner()
+    for after_dashes in (["--host", "0.0.0.0"], ["--port=8080"]):
+        line = one_liner("--llama-server", SIM_COMMAND, "--model", __file__, "--", *after_dashes)
+        assert "127.0.0.1" in line and after_dashes[0] in line, line
     assert "--config" in one_liner("--config", str(tmp_path / "none.toml"))
     with socket_taken() as port:
         assert "cannot listen" in one_liner("--upstream", "http://127.0.0.1:1", "--port", str(port))
