@@ -76,19 +76,30 @@ def decide(
     calibrated: int | None,
     in_flight: int,
     pressure_reason: str = "",
+    slots: int | None = None,
 ) -> Decision:
-    """The capacity to enforce and advertise, with each term and why the smallest one wins."""
-    terms = {"configured": configured, "memory": memory, "calibrated": calibrated}
+    """The capacity to enforce and advertise, with each term and why the smallest one wins.
+
+    ``configured`` is ``--cap``, ``slots`` llama-server's ``total_slots`` (None: not known). The configured
+    term is the smaller of the two: a request past the slots would wait in llama-server's own queue, where
+    no router can see it or send it to a node with room.
+    """
+    parallel = min((value for value in (configured, slots) if value is not None), default=None)
+    terms = {"configured": parallel, "memory": memory, "calibrated": calibrated}
     known = {name: value for name, value in terms.items() if value is not None}
     capacity = min(known.values()) if known else 0
     reason = ""
     if known:
         limiting = min(known, key=lambda name: known[name])
         reason = f"capacity {capacity} set by the {limiting} limit"
+        if limiting == "configured" and parallel == slots and configured != slots:
+            reason = f"capacity {capacity} set by llama-server's {slots} slots"
+            if configured is not None:
+                reason += f" (--cap {configured} is above them)"
     if pressure_reason:
         capacity = min(capacity, in_flight)
         reason = f"{pressure_reason}: admitting nothing new (capacity {capacity} = in flight)"
     breakdown = CapacityBreakdown(
-        configured=configured, memory=memory, calibrated=calibrated, pressure_limited=bool(pressure_reason)
+        configured=parallel, memory=memory, calibrated=calibrated, pressure_limited=bool(pressure_reason)
     )
     return Decision(capacity=capacity, breakdown=breakdown, reason=reason)

@@ -67,7 +67,9 @@ def _run_parser() -> argparse.ArgumentParser:
         "--read-timeout", dest="read_timeout", type=float, help="upstream silence, s (default 600)"
     )
     cap = p.add_argument_group("capacity")
-    cap.add_argument("--cap", type=int, help="configured cap (default: llama-server's total_slots)")
+    cap.add_argument(
+        "--cap", type=int, help="configured cap, never above llama-server's total_slots (default: that)"
+    )
     cap.add_argument("--calibration", type=Path, help="a `calibrate --json` result or --write-config file")
     cap.add_argument("--calibrated-cap", dest="calibrated_cap", type=int, help="the calibrated cap, directly")
     cap.add_argument(

@@ -158,6 +158,7 @@ class Heartbeat:
     # the upstream's condition as last logged; None while the supervisor is the one telling (supervise mode)
     upstream_seen: UpstreamCondition | None = None
     probe_failing: bool = False
+    cap_warned_slots: int | None = None  # the slot count --cap was last found above
     draining: bool = False
     redis_ok: bool = True
     _redis_retry_at: float = 0.0
@@ -248,9 +249,10 @@ class Heartbeat:
             runtime.metrics.pinned.set(sample.pinned_gb * GB)
             runtime.metrics.wired_limit.set(sample.wired_limit_gb * GB)
         self._log_upstream_change()
-        configured = settings.cap if settings.cap is not None else (view.total_slots or None)
+        slots = view.total_slots or None
+        self._warn_cap_over_slots(slots)
         decision = capacity.decide(
-            configured, memory_cap, settings.calibrated_cap, runtime.in_flight, pressure_reason
+            settings.cap, memory_cap, settings.calibrated_cap, runtime.in_flight, pressure_reason, slots
         )
         state, reason = self._state(decision)
         runtime.capacity = decision.capacity
@@ -277,6 +279,20 @@ class Heartbeat:
             agent_version=__version__,
             started_at_ms=self.started_at_ms,
             updated_at_ms=now_ms(),
+        )
+
+    def _warn_cap_over_slots(self, slots: int | None) -> None:
+        """Say once (per slot count: a restarted llama-server may have another) that --cap is not honoured."""
+        cap = self.runtime.settings.cap
+        if cap is None or slots is None or cap <= slots or slots == self.cap_warned_slots:
+            return
+        self.cap_warned_slots = slots
+        log.warning(
+            "--cap %d is above llama-server's %d slots (total_slots in /props): capacity is at most %d, "
+            "since requests past the slots would queue inside llama-server",
+            cap,
+            slots,
+            slots,
         )
 
     def _log_upstream_change(self) -> None:

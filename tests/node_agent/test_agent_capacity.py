@@ -22,6 +22,18 @@ def test_decide_takes_the_smallest_known_term() -> None:
     assert decide(16, None, None, 0).capacity == 16
 
 
+def test_capacity_never_exceeds_the_slots_of_llama_server() -> None:
+    over = decide(configured=6, memory=None, calibrated=None, in_flight=0, slots=3)
+    assert (over.capacity, over.breakdown.configured) == (3, 3)
+    assert over.reason == "capacity 3 set by llama-server's 3 slots (--cap 6 is above them)"
+    assert decide(None, None, None, 0, slots=24).reason == "capacity 24 set by llama-server's 24 slots"
+    assert decide(4, None, None, 0, slots=4).reason == "capacity 4 set by the configured limit"
+    assert decide(2, None, None, 0, slots=4).reason == "capacity 2 set by the configured limit"
+    assert decide(6, 10, 8, 0, slots=24).capacity == 6
+    assert decide(None, 10, 12, 0, slots=24).reason == "capacity 10 set by the memory limit"
+    assert decide(6, None, None, 0).capacity == 6  # the slots not known yet: the cap alone
+
+
 def test_pressure_admits_nothing_new() -> None:
     decision = decide(configured=24, memory=10, calibrated=8, in_flight=5, pressure_reason="memory paging")
     assert decision.capacity == 5

@@ -1,5 +1,5 @@
 """What the heartbeat tells the operator: a line for each change of llama-server's health or of the memory
-probe's, and the probe's error in /status."""
+probe's, the probe's error in /status, and a capacity never above llama-server's slots."""
 
 from __future__ import annotations
 
@@ -119,3 +119,22 @@ def test_a_failing_memory_probe_is_logged_once_per_failure_and_shown_in_status(
     error = wait_until(lambda: status(gateway.url)["memory_probe_error"], what="the probe fails again")
     assert "vm_stat" in error
     assert [level for level, _ in logged(gateway, warning)] == ["WARNING", "WARNING"]
+
+
+def test_a_cap_above_the_slots_is_held_to_the_slots_with_one_warning(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    upstream = sim("--parallel", "3", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url, "--cap", "6")
+    doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready" and d, what="ready")
+    assert (doc.capacity, doc.total_slots, doc.capacity_breakdown.configured) == (3, 3, 3)
+    assert doc.reason == "capacity 3 set by llama-server's 3 slots (--cap 6 is above them)"
+    assert status(gateway.url)["capacity"] == 3
+    time.sleep(1.0)  # three more beats: still one line
+    assert logged(gateway, "--cap 6 is above") == [
+        (
+            "WARNING",
+            "--cap 6 is above llama-server's 3 slots (total_slots in /props): capacity is at most 3, "
+            "since requests past the slots would queue inside llama-server",
+        )
+    ]
