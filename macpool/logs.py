@@ -18,6 +18,17 @@ from pythonjsonlogger.json import JsonFormatter
 LogFormat = Literal["text", "json"]
 TEXT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
+# uvicorn logs this at ERROR when requests outlast its graceful shutdown: every agent drain that times out
+# with a stream open, every router stopped with streams open. Those streams end with an error event by
+# design, so the line is a warning: at ERROR it pages whoever alerts on errors, at every such deploy.
+UVICORN_SHUTDOWN_TIMEOUT = "Cancel %s running task(s), timeout graceful shutdown exceeded"
+
+
+def _shutdown_timeout_as_warning(record: logging.LogRecord) -> bool:
+    if record.msg == UVICORN_SHUTDOWN_TIMEOUT and record.levelno > logging.WARNING:
+        record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+    return True
+
 
 def configure(level: str, log_format: LogFormat) -> None:
     """Send every logger's records (uvicorn's included: pass ``log_config=None`` to it) to stderr."""
@@ -38,3 +49,6 @@ def configure(level: str, log_format: LogFormat) -> None:
     root.handlers = [handler]
     root.setLevel(level.upper())
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per upstream call is too much
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _shutdown_timeout_as_warning not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_shutdown_timeout_as_warning)
