@@ -366,9 +366,8 @@ class Heartbeat:
             self._redis_backoff = min(max(self._redis_backoff * 2, 0.5), 10.0)
             self._redis_retry_at = time.monotonic() + self._redis_backoff
             if self.redis_ok:
-                log.warning(
-                    "redis unreachable (%s); serving under the local cap, retrying", type(exc).__name__
-                )
+                log.warning("redis at %s unreachable (%s: %s); serving under the local cap, retrying",
+                            _address(self.redis), type(exc).__name__, exc)
             self.redis_ok = False
             self.runtime.details["redis_ok"] = False
             return
@@ -388,3 +387,9 @@ class Heartbeat:
         from macpool.contract import remove_node
 
         await remove_node(self.redis, self.keys, self.runtime.settings.node_id)
+
+
+def _address(redis: Redis) -> str:
+    """Where the Redis client connects (host:port, or a unix socket's path), never its password."""
+    kwargs = redis.connection_pool.connection_kwargs
+    return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"

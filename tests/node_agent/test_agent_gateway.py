@@ -225,6 +225,8 @@ def test_redis_outage_and_recovery(sim: SimFactory, agent: AgentFactory) -> None
         wait_until(lambda: read_node(server.url, "n1"), what="registered")
         server.kill()
         wait_until(lambda: status(gateway.url)["redis_ok"] is False, what="outage noticed")
+        log = gateway.child.log_path.read_text() if gateway.child.log_path else ""
+        assert f"redis at 127.0.0.1:{port} unreachable (ConnectionError: " in log, log
         # still serving, under the cap
         assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5, stream=False)).status_code == 200
         server.close()
