@@ -224,7 +224,7 @@ def test_bad_configuration_fails_before_start_with_one_line(tmp_path: Path) -> N
     assert "--model" in one_liner("--llama-server", SIM_COMMAND, "--model", str(tmp_path / "missing.gguf"))
     assert "no such executable" in one_liner("--llama-server", "/nope/llama-server", "--model", __file__)
     assert "--upstream" in one_liner("--upstream", "not a url")
-    assert "--redis-url" in one_liner("--upstream", "http://127.0.0.1:1", "--redis-url", "http://x")
+    assert "redis_url=" in one_liner("--upstream", "http://127.0.0.1:1", "--redis-url", "http://x")
     assert "exactly one" in one_liner()
     for after_dashes in (["--host", "0.0.0.0"], ["--port=8080"]):
         line = one_liner("--llama-server", SIM_COMMAND, "--model", __file__, "--", *after_dashes)

@@ -82,7 +82,7 @@ def test_supervised_upstream_listens_on_loopback_only(rig: Rig, server: str) -> 
         binary = find_llama_server()
         if binary is None:
             pytest.skip("llama-server not built (macpool dev build-llama-server)")
-        command = f"{binary}"
+        command = f"{binary} -t 1"  # in the command: the spawn fixture appends the agent's --port
     agent = rig.spawn(
         "agent",
         "run",
@@ -104,7 +104,6 @@ def test_supervised_upstream_listens_on_loopback_only(rig: Rig, server: str) -> 
         "0.0.0.0",
         "--heartbeat-interval",
         "0.3",
-        *(["--", "-t", "1"] if server != "sim" else []),
         name=f"agent-sup-{server}",
     )
     child = _supervised_child(agent)
