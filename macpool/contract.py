@@ -506,11 +506,15 @@ return release(ARGV[1], ARGV[5], ARGV[4], ARGV[6], tonumber(ARGV[2]), tonumber(A
 
 RENEW = """
 -- KEYS: reservations key, tenant key; ARGV: request_id, new expiry ms, lease ms
-local r = redis.call('ZADD', KEYS[1], 'XX', 'CH', ARGV[2], ARGV[1])
+-- 1: renewed; 2: re-created - the lease was gone (Redis lost its data, or the lease had expired) while its
+-- request still runs: counted again, or the pool would read idle and admit past what the nodes hold
+local had = redis.call('ZSCORE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) * 2)
-redis.call('ZADD', KEYS[2], 'XX', ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]) * 2)
-return r
+if had then return 1 end
+return 2
 """
 
 LEAVE_QUEUE = _PRELUDE + """

@@ -425,9 +425,19 @@ class Admission:
                 )
             results = await pipe.execute()
         for lease, result in zip(leases, results, strict=True):
-            if not result and not lease.released:
-                log.warning("lease %s on %s had already expired", lease.request_id, lease.node.node_id,
-                            extra={"node": lease.node.node_id, "lease": lease.request_id})
+            if result != 2:
+                continue
+            ids = {"node": lease.node.node_id, "lease": lease.request_id}
+            if lease.released:
+                # released while the renewal was on its way: if the release ran first, the renewal
+                # brought the lease back - take it out again (a no-op if the release ran after it)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.zrem(self.keys.reservations(lease.node.node_id), lease.request_id)
+                    pipe.zrem(self.keys.tenant(lease.tenant), lease.request_id)
+                    await pipe.execute()
+                continue
+            log.warning("lease %s on %s was gone from Redis (restarted empty, or the lease had expired); "
+                        "counted again", lease.request_id, lease.node.node_id, extra=ids)
 
     # --- Redis calls -------------------------------------------------------------------------------
 

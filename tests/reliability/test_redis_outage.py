@@ -87,3 +87,33 @@ def test_redis_outage_and_recovery(spawn: SpawnFactory, own_redis: RedisServer) 
             wait_until(lambda: rig.pool_doc(router)["pool"]["busy"] == 0, 5, "the router sees the pool idle")
         finally:
             restarted.close()
+
+
+def test_a_running_stream_is_counted_again_after_redis_restarts_empty(
+    spawn: SpawnFactory, own_redis: RedisServer
+) -> None:
+    rig = Rig(spawn, own_redis.url)
+    node = rig.node("n1", cap=CAP, speed=1)
+    router = rig.router("--lease-seconds", "1.5")  # renewed every 0.5 s
+    rig.wait_ready(router, nodes=1)
+    body = chat(rig.model(router), 3000)
+    with (
+        httpx.Client(base_url=router.url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        chunks = response.iter_raw()  # kept: a dropped iterator closes the stream
+        next(chunks)
+        assert rig.reservations(node.node_id) == 1
+        own_redis.close()
+        restarted = RedisServer(port=own_redis.port).start()  # empty, on the same port
+        try:
+            # the stream still runs on the node: its lease is written again at the next renewal (it used
+            # to stay gone until the stream ended, and the pool read idle meanwhile)
+            wait_until(lambda: rig.reservations(node.node_id) == 1, 10, "the stream counted again")
+            wait_until(lambda: client.get("/api/pool").json()["pool"]["busy"] == 1, 10, "busy 1 again")
+            response.close()
+            # ended: released, not left behind by the renewal
+            wait_until(lambda: rig.reservations(node.node_id) == 0, 10, "the lease released at the end")
+        finally:
+            restarted.close()
