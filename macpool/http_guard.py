@@ -328,6 +328,11 @@ def read_bounded_protocol(
         def _read_timed_out(self) -> None:
             self._read_deadline = None
             if not self.transport.is_closing():
+                # one line per connection, like the refusals: a slowloris shows up in the log
+                peer = self.transport.get_extra_info("peername")
+                where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else peer
+                log.info("closed a connection from %s: no whole request within %.3g s "
+                         "(--request-read-timeout)", where, timeout)
                 self.transport.close()
 
     class HttpProtocol(GuardedProtocol, ReadBoundedProtocol):

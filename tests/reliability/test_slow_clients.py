@@ -124,3 +124,5 @@ def test_requests_read_too_slowly_are_cut_off(spawn: SpawnFactory, redis_url: st
     assert max(closed_after.values()) < 6.0, closed_after
     assert rig.reservations(node.node_id) == 0
     assert _served(router.url)
+    log = router.child.log_path.read_text() if router.child.log_path else ""
+    assert log.count("no whole request within 1.5 s (--request-read-timeout)") == 3, log
