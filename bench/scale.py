@@ -47,11 +47,13 @@ from macpool.contract import Keys
 # commands the contract's Lua scripts run inside Redis (not round trips), read from the scripts themselves
 SCRIPT_INNER = {
     name.lower()
-    for script in (contract.RESERVE_OR_ENQUEUE, contract.RELEASE, contract.RENEW, contract.LEAVE_QUEUE)
+    for script in (contract.RESERVE_OR_ENQUEUE, contract.RELEASE, contract.RENEW, contract.LEAVE_QUEUE,
+                   contract.HEARTBEAT, contract.DEREGISTER)
     for name in re.findall(r"redis\.p?call\(\s*['\"](\w+)['\"]", script)
 }
-# periodic, whatever the traffic: heartbeats (MULTI/HSET/PEXPIRE/ZADD/PUBLISH/EXEC) and pool refreshes
-BACKGROUND = {"multi", "exec", "hset", "zrange", "smembers", "zcount", "hget", "info", "ping"}
+# periodic, whatever the traffic: heartbeats (EVAL of contract.HEARTBEAT; the admission scripts go by EVALSHA)
+# and pool refreshes
+BACKGROUND = {"eval", "multi", "exec", "hset", "zrange", "smembers", "zcount", "hget", "info", "ping"}
 # once per new connection, not per request
 CONNECTION_SETUP = {"hello", "client|setinfo", "script|exists", "script|load", "select", "client|setname"}
 TARGET_ROUND_TRIPS = 2.0

@@ -6,9 +6,11 @@ protocol in one file.
 Keys (``{p}`` is the configurable prefix, default ``macpool:``):
 
 ``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the :class:`NodeDoc` JSON),
-                      ``capacity`` (int), ``state`` (str), ``models`` (newline-separated).
-                      Written by the agent every heartbeat; a dead Mac disappears when the TTL
-                      runs out.
+                      ``capacity`` (int), ``state`` (str), ``models`` (newline-separated),
+                      ``instance`` and ``started`` (which agent process holds the id, and when it
+                      started). Written by the agent every heartbeat (:data:`HEARTBEAT`); a dead Mac
+                      disappears when the TTL runs out. Of two agents under one id, the one started
+                      last holds it: the other's heartbeats and deregistration are refused.
 ``{p}nodes``          ZSET node id -> last heartbeat (ms). An index for routers; entries whose
                       ``node`` key expired are pruned by routers.
 ``{p}resv:{id}``      ZSET reservation id -> lease expiry (ms). One member per request a router
@@ -120,6 +122,7 @@ class NodeDoc(BaseModel):
     agent_version: str = ""
     started_at_ms: int = 0
     updated_at_ms: int = 0
+    instance: str = ""  # this agent process (random, per start): two agents under one id are told apart
 
     def encode(self) -> str:
         return self.model_dump_json()
@@ -534,6 +537,40 @@ return 1
 """
 
 
+HEARTBEAT = """
+-- ARGV: prefix, node_id, doc, capacity, state, models, ttl_ms, updated_ms, instance, started_ms
+-- 1: written. Refused (the holder's doc) when another agent process holds the id and started later (ties
+-- by instance): the old agent of a restart drains while the new one serves, and two Macs given one id
+-- settle on one instead of taking turns.
+local prefix, id, instance, started = ARGV[1], ARGV[2], ARGV[9], tonumber(ARGV[10])
+local key = prefix .. 'node:' .. id
+local held = redis.call('HMGET', key, 'instance', 'started', 'doc')
+if held[1] and held[1] ~= '' and held[1] ~= instance then
+  local since = tonumber(held[2]) or 0
+  if since > started or (since == started and held[1] > instance) then
+    return held[3] or ''
+  end
+end
+redis.call('HSET', key, 'doc', ARGV[3], 'capacity', ARGV[4], 'state', ARGV[5], 'models', ARGV[6],
+           'instance', instance, 'started', ARGV[10])
+redis.call('PEXPIRE', key, tonumber(ARGV[7]))
+redis.call('ZADD', prefix .. 'nodes', ARGV[8], id)
+redis.call('PUBLISH', prefix .. 'events', 'node ' .. ARGV[3])
+return 1
+"""
+
+DEREGISTER = """
+-- ARGV: prefix, node_id, instance. 0 (nothing removed) when another agent process holds the id.
+local prefix, id = ARGV[1], ARGV[2]
+local key = prefix .. 'node:' .. id
+local held = redis.call('HGET', key, 'instance')
+if held and held ~= '' and held ~= ARGV[3] then return 0 end
+redis.call('DEL', key)
+redis.call('ZREM', prefix .. 'nodes', id)
+redis.call('PUBLISH', prefix .. 'events', 'gone ' .. id)
+return 1
+"""
+
 def reserve_argv(
     keys: Keys,
     request_id: str,
@@ -577,26 +614,30 @@ def reserve_argv(
 
 # --- The heartbeat path and the pool read, shared by both sides -----------------------------------
 
-async def write_heartbeat(redis: Redis, keys: Keys, doc: NodeDoc, ttl_ms: int) -> None:
-    """Write one heartbeat in a single transaction and announce it on the events channel."""
-    raw = doc.encode()
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.node(doc.node_id), mapping={
-            "doc": raw, "capacity": doc.capacity, "state": doc.state, "models": "\n".join(doc.models),
-        })
-        pipe.pexpire(keys.node(doc.node_id), ttl_ms)
-        pipe.zadd(keys.nodes, {doc.node_id: doc.updated_at_ms or now_ms()})
-        pipe.publish(keys.events, f"node {raw}")
-        await pipe.execute()
+async def write_heartbeat(redis: Redis, keys: Keys, doc: NodeDoc, ttl_ms: int) -> str | None:
+    """Write one heartbeat atomically and announce it on the events channel.
+
+    Returns None when written, else the URL of the agent started later that holds this node id (this beat
+    was refused). Sent with EVAL, not EVALSHA: once a second per node, and the scale benchmark tells the
+    heartbeats (background) from the admission scripts (per request) by the command.
+    """
+    result = await redis.eval(
+        HEARTBEAT, 0, keys.prefix, doc.node_id, doc.encode(), doc.capacity, doc.state, "\n".join(doc.models),
+        ttl_ms, doc.updated_at_ms or now_ms(), doc.instance, doc.started_at_ms,
+    )
+    if result == 1:
+        return None
+    holder = NodeDoc.decode(result) if result else None
+    return holder.url if holder is not None else ""
 
 
-async def remove_node(redis: Redis, keys: Keys, node_id: str) -> None:
-    """Clean shutdown: the node leaves the pool at once instead of after its TTL."""
-    async with redis.pipeline(transaction=True) as pipe:
-        pipe.delete(keys.node(node_id))
-        pipe.zrem(keys.nodes, node_id)
-        pipe.publish(keys.events, f"gone {node_id}")
-        await pipe.execute()
+async def remove_node(redis: Redis, keys: Keys, node_id: str, instance: str = "") -> bool:
+    """Clean shutdown: the node leaves the pool at once instead of after its TTL.
+
+    False (nothing removed) when another agent process (``instance``) holds the id: one started later.
+    """
+    result = await redis.eval(DEREGISTER, 0, keys.prefix, node_id, instance)
+    return bool(result)
 
 
 class PoolSnapshot(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -152,6 +153,8 @@ class Heartbeat:
     kv_bytes_per_token: int | None
     supervisor_state: Callable[[], NodeState | None]  # "starting"/"unhealthy" while llama-server is not up
     started_at_ms: int = field(default_factory=now_ms)
+    instance: str = field(default_factory=lambda: secrets.token_hex(8))  # this process, in the node record
+    superseded_by: str | None = None  # the URL of the agent started later that holds our node id
     upstream: UpstreamView = field(default_factory=UpstreamView)
     pressure: capacity.PressureGuard = field(default_factory=capacity.PressureGuard)
     was_ready: bool = False
@@ -279,6 +282,7 @@ class Heartbeat:
             agent_version=__version__,
             started_at_ms=self.started_at_ms,
             updated_at_ms=now_ms(),
+            instance=self.instance,
         )
 
     def _warn_cap_over_slots(self, slots: int | None) -> None:
@@ -360,7 +364,7 @@ class Heartbeat:
         if time.monotonic() < self._redis_retry_at:
             return
         try:
-            await write_heartbeat(self.redis, self.keys, doc, self.ttl_ms)
+            holder = await write_heartbeat(self.redis, self.keys, doc, self.ttl_ms)
         except (RedisError, OSError) as exc:
             self.runtime.metrics.heartbeat_failures.inc()
             self._redis_backoff = min(max(self._redis_backoff * 2, 0.5), 10.0)
@@ -376,6 +380,23 @@ class Heartbeat:
         self.redis_ok = True
         self.runtime.details["redis_ok"] = True
         self._redis_backoff = 0.0
+        self._note_holder(doc, holder)
+
+    def _note_holder(self, doc: NodeDoc, holder: str | None) -> None:
+        """Say when an agent started later takes this node id (a restart's new agent while this one drains,
+        or another Mac given the same id), and when the id is this agent's again."""
+        if holder == self.superseded_by:
+            return
+        if holder is None:
+            log.info("node id %s is this agent's again (%s); back in the pool", doc.node_id, doc.url)
+        elif self.draining:
+            log.info("node id %s is now held by an agent started later (%s); this one drains out of the "
+                     "pool", doc.node_id, holder)
+        else:
+            log.error("node id %s is held by an agent started later (%s): routers send this agent (%s) "
+                      "nothing while it does. Give each Mac its own --node-id", doc.node_id, holder, doc.url)
+        self.superseded_by = holder
+        self.runtime.details["superseded_by"] = holder
 
     async def remove(self) -> None:
         try:
@@ -386,7 +407,7 @@ class Heartbeat:
     async def remove_node(self) -> None:
         from macpool.contract import remove_node
 
-        await remove_node(self.redis, self.keys, self.runtime.settings.node_id)
+        await remove_node(self.redis, self.keys, self.runtime.settings.node_id, self.instance)
 
 
 def _address(redis: Redis) -> str:
