@@ -35,6 +35,25 @@ def _redis_url(url: str) -> str:
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 
 
+def _origins(value: str) -> str:
+    """``*`` or comma-separated browser origins (scheme://host[:port]), which a browser sends exactly so."""
+    for origin in filter(None, (o.strip() for o in value.split(","))):
+        if origin == "*":
+            continue
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc or origin != f"{parts.scheme}://{parts.netloc}":
+            raise ValueError(f"{origin!r} is not an origin: scheme://host[:port], no path or trailing slash "
+                             "(https://chat.example.com), or *")
+    return value
+
+
+Origins = Annotated[str, AfterValidator(_origins)]
+
+
+def origin_list(value: str) -> list[str]:
+    return [o for o in (o.strip() for o in value.split(",")) if o]
+
+
 def load_layered(cls: type[S], flags: dict[str, Any], config_file: Path | None, section: str) -> S:
     """Build ``cls`` from the flags, the environment and the ``[section]`` of ``config_file``."""
     file_values = read_toml_section(config_file, section) if config_file else {}

@@ -20,13 +20,16 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp
 
 from macpool.asgi import DirectPosts
 from macpool.contract import Keys, Priority
 from macpool.errors import error_response
+from macpool.settings import origin_list
 from router.admission import ANONYMOUS, Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
@@ -39,7 +42,7 @@ from router.settings import Settings
 log = logging.getLogger("macpool.router")
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
-_EARLY_HEADERS = frozenset((b"authorization", b"x-macpool-priority", b"x-request-id"))
+_EARLY_HEADERS = frozenset((b"authorization", b"x-macpool-priority", b"x-request-id", b"origin"))
 
 
 class BadRequest(Exception):
@@ -197,6 +200,8 @@ class Router:
         for name, value in headers:
             if name in _EARLY_HEADERS and name not in wanted:
                 wanted[name] = value.decode("latin-1")
+        if b"origin" in wanted and self.settings.cors_origins:
+            return None  # a browser's: its answer needs the CORS headers, which the ASGI app adds
         key = self.api_keys.match(bearer_token(wanted.get(b"authorization")))
         if (self.api_keys.enabled and key is None) or len(body) > self.settings.max_body_bytes:
             return None
@@ -333,6 +338,20 @@ def create_app(settings: Settings) -> Starlette:
     )
     app.state.early_answers = router  # refusals below ASGI (router/cli.py, macpool/http_guard.py)
     return app
+
+
+# what a browser application may read of an answer besides the CORS-safelisted headers
+CORS_EXPOSED = ("Retry-After", "X-Macpool-Reason", "X-Macpool-Node", "X-Request-ID")
+
+
+def with_cors(app: ASGIApp, origins: str) -> ASGIApp:
+    """``app`` answering CORS for ``origins`` (settings.cors_origins): preflights, and the headers that let
+    a page on those origins read the answers. Without origins, ``app`` itself: nothing added per chunk."""
+    allowed = origin_list(origins)
+    if not allowed:
+        return app
+    return CORSMiddleware(app, allow_origins=allowed, allow_methods=["GET", "POST"], allow_headers=["*"],
+                          expose_headers=CORS_EXPOSED, max_age=600)
 
 
 def _model(name: str) -> dict[str, Any]:

@@ -29,6 +29,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "admin-key": (str, "bearer key for /admin/* (admin API disabled when unset)"),
     "agent-token": (str, "token sent to the agents in X-Macpool-Token"),
     "default-model": (str, "model used when a request names none (unset: any node)"),
+    "cors-origins": (str, "browser origins allowed to call the API, comma-separated "
+                          "(https://chat.example.com), or * for any (unset: no CORS)"),
     "affinity-abs-threshold": (int, "affinity yields to the least-loaded node when the preferred node has at "
                                     "least this many more requests in flight (and the relative one holds)"),
     "affinity-rel-threshold": (float, "affinity yields when the preferred node's utilisation is over this "
@@ -83,12 +85,12 @@ def build_settings(argv: list[str]) -> Settings:
 
 
 def serve(settings: Settings) -> None:
-    from router.app import create_app
+    from router.app import create_app, with_cors
 
     logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
     config = uvicorn.Config(
-        app,
+        with_cors(app, settings.cors_origins),
         host=settings.host,
         port=settings.port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",

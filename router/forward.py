@@ -31,8 +31,11 @@ log = logging.getLogger("macpool.router")
 _DROP_UPSTREAM = HOP_BY_HOP_RAW | {
     b"host", b"content-length", b"authorization", b"x-conversation-id", b"x-request-id",
 }
-# the router's own server/date headers are written by uvicorn
-_DROP_DOWNSTREAM = HOP_BY_HOP_RAW | {b"server", b"date", b"x-request-id"}
+# the router's own server/date headers are written by uvicorn; CORS is the router's policy (--cors-origins),
+# not llama-server's (which lets any origin read its answers)
+_CORS = {b"access-control-allow-origin", b"access-control-allow-credentials", b"access-control-allow-methods",
+         b"access-control-allow-headers", b"access-control-expose-headers", b"access-control-max-age"}
+_DROP_DOWNSTREAM = HOP_BY_HOP_RAW | _CORS | {b"server", b"date", b"x-request-id"}
 _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 _STREAMED, _TOKEN = (STREAM_HEADER.encode(), b"1"), TOKEN_HEADER.encode()
 # the code of the error event an agent ends a stream with when llama-server fails mid-stream, looked for in

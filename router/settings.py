@@ -12,7 +12,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from macpool.contract import DEFAULT_PREFIX
-from macpool.settings import ConfigError, RedisUrl, load_layered
+from macpool.settings import ConfigError, Origins, RedisUrl, load_layered
 
 __all__ = ["ConfigError", "Settings", "load_settings"]
 
@@ -70,6 +70,8 @@ class Settings(BaseSettings):
     # auth
     api_keys_file: Path | None = None
     admin_key: str = ""
+    # browser applications on these origins may call the API (CORS); "*" any, "" none (no CORS headers)
+    cors_origins: Origins = ""
 
     # scale hint (router/scale.py): POST it here when desired_nodes changes
     scale_webhook: str = ""
