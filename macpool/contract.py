@@ -41,7 +41,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Collection
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
@@ -610,6 +610,26 @@ def reserve_argv(
     for node_id, tokens_per_s in candidates:
         args += [node_id, tokens_per_s, random.random()]
     return args
+
+
+# --- What a request costs a node ------------------------------------------------------------------
+
+def generations(payload: dict[str, Any]) -> int:
+    """How many generations llama-server runs for one request: one per prompt of a list of prompts (a list of
+    token ids is one prompt), times ``n_cmpl`` (or its alias ``n``); each takes a slot, and its memory, while
+    it runs. A value llama-server would refuse counts 1 (its own 400 answers the request)."""
+    prompt = payload.get("prompt")
+    prompts = 1
+    if isinstance(prompt, list) and prompt and not all(type(token) is int for token in prompt):
+        prompts = len(prompt)
+    n = payload.get("n_cmpl", payload.get("n"))
+    return prompts * (n if type(n) is int and n > 1 else 1)
+
+
+def slots_needed(generations: int, total_slots: int) -> int:
+    """The slots a request of ``generations`` holds at once on a llama-server of ``total_slots`` (0: unknown):
+    past its slots, llama-server queues the rest of a request's generations."""
+    return min(generations, total_slots) if total_slots > 0 else generations
 
 
 # --- The heartbeat path and the pool read, shared by both sides -----------------------------------

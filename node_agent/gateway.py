@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import cast
+from typing import Any, cast
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from macpool.asgi import DirectPosts, Guard
+from macpool.contract import generations, slots_needed
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
 from macpool.transport import HTTP11Transport
@@ -88,12 +88,12 @@ class ProxyResponse(StreamingResponse):
     guard: Guard | None = None  # the request's own, when it has one already (``Gateway.generate``)
 
     def __init__(
-        self, upstream: httpx.Response, runtime: Runtime, started: float, endpoint: str, release: bool
+        self, upstream: httpx.Response, runtime: Runtime, started: float, endpoint: str, slots: int
     ) -> None:
         self._upstream = upstream
         self._runtime = runtime
         self._started = started
-        self._released = not release
+        self._slots = slots  # counted against the cap until the response ends (0: a read-only request)
         self._streamed = _is_event_stream(upstream)
         self._chunks = self._body()
         # what StreamingResponse.__init__ would set, with the headers taken over as bytes (no str round trip)
@@ -159,10 +159,10 @@ class ProxyResponse(StreamingResponse):
         # (client gone mid-stream): close it and the upstream response here too
         await self._chunks.aclose()
         await self._upstream.aclose()
-        if not self._released:
-            self._released = True
-            self._runtime.in_flight -= 1
+        if self._slots:
+            self._runtime.in_flight -= self._slots
             self._runtime.metrics.in_flight.set(self._runtime.in_flight)
+            self._slots = 0
 
 
 async def _end_with_error(send: Send, ended: bool, message: str) -> None:
@@ -188,14 +188,19 @@ class Gateway:
         given = request.headers.get(TOKEN_HEADER, "")
         return hmac.compare_digest(given.encode(), token.encode())
 
-    def _refusal(self) -> Response | None:
-        """Why a new request cannot be admitted now, or None."""
-        state = self.runtime.state
+    def _refusal(self, slots: int = 1) -> Response | None:
+        """Why a new request holding ``slots`` cannot be admitted now, or None."""
+        runtime = self.runtime
+        state = runtime.state
         if state == "draining":
             return self._unavailable("node_draining", "this node is draining")
         if state in ("starting", "unhealthy"):
             return self._unavailable("node_unavailable", f"this node is {state}")
-        if not self.runtime.admitting or self.runtime.in_flight >= self.runtime.capacity:
+        if slots > runtime.capacity > 0:
+            message = (f"this request runs {slots} generations at once (its prompts times n); this node "
+                       f"runs at most {runtime.capacity}")
+            return self._unavailable("node_full", message)
+        if not runtime.admitting or runtime.in_flight + slots > runtime.capacity:
             return self._unavailable("node_full", "this node is at capacity; retry on another node")
         return None
 
@@ -215,17 +220,22 @@ class Gateway:
             body = await request.body()
         except ClientDisconnect:
             return self._client_gone(request)
+        # a body the router found asking for one streamed generation (it parsed it) is passed on as it is
+        endpoint: str = request.scope["path"]
+        parsed = None if request.headers.get(STREAM_HEADER) == "1" else unstream.parse(endpoint, body)
+        # each of a request's generations (several prompts, n > 1) holds a slot of its own while it runs
+        slots = 1 if parsed is None else slots_needed(generations(parsed), self.runtime.total_slots)
         # asked again now that the body is in: a client that stalls its body must not hold a slot meanwhile
-        refusal = self._refusal()
+        refusal = self._refusal(slots)
         if refusal is not None:
             return refusal
-        self._take_slot()  # checked and taken with no await in between: atomic on one event loop
+        self._take_slots(slots)  # checked and taken with no await in between: atomic on one event loop
         # llama-server sends its response head only with the first token, so the wait for it covers the
         # prefill (and, passed through, a whole non-streamed generation): the client is watched from here
         guard = Guard(request.receive)
         response: Response | None = None
         try:
-            response = await self._forward(request, body)
+            response = await self._forward(request, body, parsed, slots)
         except asyncio.CancelledError:
             guard.finish()
             if not guard.claim():
@@ -233,32 +243,29 @@ class Gateway:
             response = self._client_gone(request)  # cancelled, the upstream connection is closed
         finally:
             if isinstance(response, ProxyResponse):
-                response.guard = guard  # the same watch goes on; the response releases the slot when it ends
+                response.guard = guard  # the same watch goes on; the response releases the slots when it ends
             else:
                 guard.finish()  # on every other path (an error included: its answer must not be cancelled)
-                self._release_slot()
+                self._take_slots(-slots)
         return response
 
-    async def _forward(self, request: Request, body: bytes) -> Response:
+    async def _forward(
+        self, request: Request, body: bytes, parsed: dict[str, Any] | None, slots: int
+    ) -> Response:
         """The upstream's answer to the request: relayed, or assembled from a stream asked for instead."""
         started = time.perf_counter()  # TTFT counts from here: llama-server's head comes with the first token
         endpoint: str = request.scope["path"]
-        # a body the router found asking for a stream is passed through as it is, without parsing it again
-        marked = request.headers.get(STREAM_HEADER) == "1"
-        streamed = None if marked else unstream.streamed_body(endpoint, body)
+        streamed = unstream.streamed(endpoint, parsed)
         upstream = await self._send(request, streamed or body)
         if isinstance(upstream, Response):
             return upstream
         if streamed is not None and _is_stream(upstream):
-            return await self._assembled(upstream, endpoint, body, started)
-        return ProxyResponse(upstream, self.runtime, started, endpoint, release=True)
+            return await self._assembled(upstream, endpoint, parsed or {}, started)
+        return ProxyResponse(upstream, self.runtime, started, endpoint, slots=slots)
 
-    def _take_slot(self) -> None:
-        self.runtime.in_flight += 1
-        self.runtime.metrics.in_flight.set(self.runtime.in_flight)
-
-    def _release_slot(self) -> None:
-        self.runtime.in_flight -= 1
+    def _take_slots(self, slots: int) -> None:
+        """Count ``slots`` more (fewer, when negative) against the cap."""
+        self.runtime.in_flight += slots
         self.runtime.metrics.in_flight.set(self.runtime.in_flight)
 
     def _client_gone(self, request: Request) -> Response:
@@ -266,7 +273,7 @@ class Gateway:
         return Response(status_code=499)  # nobody reads this
 
     async def _assembled(
-        self, upstream: httpx.Response, endpoint: str, body: bytes, started: float
+        self, upstream: httpx.Response, endpoint: str, original: dict[str, Any], started: float
     ) -> Response:
         """Collect a stream asked for on the client's behalf into one JSON reply (see unstream.py).
 
@@ -288,10 +295,6 @@ class Gateway:
             code = assembler.error.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
             return JSONResponse({"error": assembler.error}, status_code=status)
-        try:
-            original = json.loads(body)
-        except ValueError:
-            original = {}
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in _response_headers(upstream) if name not in _RECOMPUTED}
         self.runtime.metrics.requests.labels(endpoint, "200").inc()
@@ -308,7 +311,7 @@ class Gateway:
         if isinstance(upstream, Response):
             return upstream
         started, endpoint = time.perf_counter(), request.scope["path"]
-        return ProxyResponse(upstream, self.runtime, started, endpoint, release=False)
+        return ProxyResponse(upstream, self.runtime, started, endpoint, slots=0)
 
     async def _send(self, request: Request, body: bytes) -> httpx.Response | Response:
         runtime = self.runtime

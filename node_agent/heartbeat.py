@@ -259,6 +259,7 @@ class Heartbeat:
         )
         state, reason = self._state(decision)
         runtime.capacity = decision.capacity
+        runtime.total_slots = view.total_slots
         runtime.admitting = state == "ready"
         runtime.set_state(state)
         runtime.metrics.capacity.set(decision.capacity)

@@ -72,6 +72,7 @@ class Runtime:
     upstream_url: str = ""
     state: NodeState = "starting"
     capacity: int = 0
+    total_slots: int = 0  # llama-server's slots (/props), 0 until known
     admitting: bool = False  # false while starting, unhealthy, draining or under memory pressure
     in_flight: int = 0
     doc: NodeDoc | None = None

@@ -12,41 +12,57 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from macpool.contract import generations
+
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/completion"})
 # fields whose streamed form does not fold back into the non-streamed one faithfully: passed through as is
 _UNSUPPORTED = ("logprobs", "top_logprobs", "n_probs", "post_sampling_probs")
 
 
-def streamed_body(endpoint: str, body: bytes) -> bytes | None:
-    """The request body asking for a stream, or None when the request should be passed through as is."""
+def parse(endpoint: str, body: bytes) -> dict[str, Any] | None:
+    """A generation request's JSON object; None for another endpoint or a body that is not one (llama-server
+    answers malformed JSON with its own 400)."""
     if endpoint not in ENDPOINTS:
         return None
     try:
         request = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: nested too deeply for Python's parser
-        return None  # llama-server answers malformed JSON with its own 400
-    if not isinstance(request, dict) or request.get("stream") or not _one_choice(request.get("n")):
         return None
-    if any(request.get(name) for name in _UNSUPPORTED) or _several_prompts(request.get("prompt")):
+    return request if isinstance(request, dict) else None
+
+
+def streamed_body(endpoint: str, body: bytes) -> bytes | None:
+    """The request body asking for a stream, or None when the request should be passed through as is."""
+    return streamed(endpoint, parse(endpoint, body))
+
+
+def streamed(endpoint: str, request: dict[str, Any] | None) -> bytes | None:
+    """``request`` (parsed) asking for a stream, or None when it should be passed through as is.
+
+    Passed through: one already streamed, one asking for probabilities, and one running several generations
+    (several prompts, ``n``/``n_cmpl`` > 1): llama-server answers each as its own task - ``choices[i]``, or a
+    JSON array from ``/completion`` - and the stream interleaves their events.
+    """
+    if request is None or request.get("stream") or generations(request) != 1:
         return None
-    request["stream"] = True
+    if any(request.get(name) for name in _UNSUPPORTED) or _bad_count(request) or _prompt_list(request):
+        return None
+    request = {**request, "stream": True}
     if endpoint != "/completion":
         request["stream_options"] = {"include_usage": True}
     return json.dumps(request).encode()
 
 
-def _several_prompts(prompt: object) -> bool:
-    """A list of prompts (strings, token lists, multimodal objects), not one prompt's token list.
-
-    llama-server answers each prompt of a list as its own task - ``choices[i]``, or a JSON array from
-    ``/completion`` - and the stream interleaves their events: passed through as is.
-    """
-    return isinstance(prompt, list) and not all(type(token) is int for token in prompt)
-
-
-def _one_choice(n: object) -> bool:
+def _bad_count(request: dict[str, Any]) -> bool:
     # anything but a plain 1 (absent meaning 1) is llama-server's to answer, a bad value with its own 400
-    return n is None or (type(n) is int and n == 1)
+    counts = (request.get("n"), request.get("n_cmpl"))
+    return any(n is not None and not (type(n) is int and n == 1) for n in counts)
+
+
+def _prompt_list(request: dict[str, Any]) -> bool:
+    """A list of prompts, even of one (its answer's shape is llama-server's), not one prompt's token ids."""
+    prompt = request.get("prompt")
+    return isinstance(prompt, list) and not all(type(token) is int for token in prompt)
 
 
 class Assembler:

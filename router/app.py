@@ -27,7 +27,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
 from macpool.asgi import DirectPosts
-from macpool.contract import Keys, Priority
+from macpool.contract import Keys, Priority, generations
 from macpool.errors import error_response
 from macpool.settings import origin_list
 from router.admission import ANONYMOUS, Admission, Ticket
@@ -167,6 +167,7 @@ class Router:
             request_id=_usable_request_id(request_id) or uuid.uuid4().hex,
             arrived=arrived,
             ticket=ticket,
+            generations=generations(payload),
         )
 
     def shutdown_answer(self, request: Request) -> Response:

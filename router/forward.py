@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from macpool.asgi import Guard
+from macpool.contract import NodeDoc, slots_needed
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER
 from macpool.transport import HTTP11Transport
@@ -72,6 +73,12 @@ class Call:
     arrived: float
     ticket: Ticket = field(default_factory=Ticket)
     node: str = ""  # the node it is sent to, while it is
+    generations: int = 1  # run at once by llama-server, each in a slot: several prompts, n > 1 (contract)
+
+
+def fits(call: Call, node: NodeDoc) -> bool:
+    """Whether ``node`` could run all of the request's generations at once, were it idle."""
+    return call.generations == 1 or slots_needed(call.generations, node.total_slots) <= node.capacity
 
 
 class _Retry(Exception):
@@ -145,6 +152,10 @@ class Forwarder:
 
     async def _handle(self, call: Call) -> Response:
         self.pool.requests.mark()
+        if call.generations > 1:
+            too_large = self._too_large(call)
+            if too_large is not None:
+                return too_large
         tried: set[str] = set()
         failures: set[str] = set()  # what each node tried answered
         for _ in range(self.settings.max_attempts):
@@ -153,7 +164,8 @@ class Forwarder:
                 if tried and not [d for d in docs if d.node_id not in tried]:
                     break
                 lease = await self.admission.acquire(
-                    lambda: [d for d in self.pool.candidates(call.model) if d.node_id not in tried],
+                    lambda: [d for d in self.pool.candidates(call.model)
+                             if d.node_id not in tried and fits(call, d)],
                     call.ticket,
                     tried,
                 )
@@ -189,6 +201,19 @@ class Forwarder:
             return self.rejection(self.admission.reject("no_nodes", message), call)
         self.metrics.requests.labels(model=call.model, node="", status="502").inc()
         return error_response(502, "no node could be reached", "upstream_unavailable")
+
+    def _too_large(self, call: Call) -> Response | None:
+        """400 for a request running more generations at once than any node in the pool runs, else None."""
+        try:
+            docs = self.pool.candidates(call.model)
+        except (NoNodes, ModelNotFound):
+            return None  # answered by _handle
+        if any(fits(call, doc) for doc in docs):
+            return None
+        self.metrics.requests.labels(model=call.model, node="", status="400").inc()
+        message = (f"this request runs {call.generations} generations at once (its prompts times n); no node "
+                   f"in the pool runs more than {max(doc.capacity for doc in docs)}")
+        return error_response(400, message, "too_many_generations")
 
     def rejection(self, rejected: Rejected, call: Call) -> Response:
         self.pool.rejections.mark()
@@ -289,7 +314,7 @@ class Forwarder:
         drop = _DROP_UPSTREAM | _connection_listed(call.headers)
         headers = [(k, v) for k, v in call.headers if k not in drop and not k.startswith(b"x-macpool-")]
         headers.append((b"x-request-id", call.request_id.encode()))
-        if call.stream:
+        if call.stream and call.generations == 1:  # else the agent parses the body to count them
             headers.append(_STREAMED)
         if self.settings.agent_token:
             headers.append((_TOKEN, self.settings.agent_token.encode()))

@@ -66,6 +66,23 @@ def test_non_streaming_reply_and_abandonment(spawn: SpawnFactory, redis_url: str
             texts = {choice["index"]: choice["text"] for choice in through["choices"]}
             assert texts == {choice["index"]: choice["text"] for choice in direct["choices"]}
 
+    # n: llama-server runs n generations, each in a slot, and answers n choices; the agent counts n slots
+    pair = httpx.post(agent.url + "/v1/chat/completions", json={**body, "n": 2}, timeout=60)
+    assert pair.status_code == 200, pair.text
+    assert sorted(choice["index"] for choice in pair.json()["choices"]) == [0, 1]
+    # past llama-server's 2 slots n is llama-server's own 400 (its limit), not a refusal of ours
+    three = httpx.post(agent.url + "/v1/chat/completions", json={**body, "n": 3}, timeout=60)
+    assert three.status_code == 400
+    long = {**body, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", agent.url + "/v1/chat/completions", json=long, timeout=60) as held:
+        chunks = held.iter_raw()  # keep the generator: dropping it closes the stream
+        next(chunks)
+        # one slot of two is busy: two prompts need two (uncounted, one would wait inside llama-server)
+        refused = httpx.post(agent.url + "/v1/completions", json={**several, "max_tokens": 4}, timeout=60)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_full"
+        assert _busy_slots(llama_url) == 1
+    wait_until(lambda: _busy_slots(llama_url) == 0, 10, "the held stream's slot to be free")
+
     long = {**body, "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(agent.url + "/v1/chat/completions", json=long, timeout=httpx.Timeout(60, read=1.0))

@@ -437,3 +437,33 @@ def test_a_dead_llama_server_is_refused_as_unavailable_and_published_at_once(
     sim("--parallel", "2", "--speed", "20", port=port)
     wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", timeout=15, what="back")
     assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5), timeout=10).status_code == 200
+
+
+def test_each_generation_of_a_request_holds_a_slot(sim: SimFactory, agent: AgentFactory) -> None:
+    # several prompts or n > 1: llama-server runs each generation in a slot of its own, with its memory
+    upstream = sim("--parallel", "8", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url, "--cap", "3")
+    wait_until(lambda: status(gateway.url)["state"] == "ready" and status(gateway.url)["capacity"] == 3,
+               what="ready")
+    with httpx.stream("POST", gateway.url + CHAT, json=chat(6000), timeout=30) as held:
+        chunks = held.iter_raw()  # keep the generator: dropping it closes the stream
+        next(chunks)
+        completions = {"model": "model-14b-q4.gguf", "prompt": ["a", "b", "c"], "max_tokens": 5}
+        for path, body in ((CHAT, {**chat(5, stream=False), "n": 3}), ("/v1/completions", completions),
+                           (CHAT, {**chat(5), "n_cmpl": 3})):
+            refused = httpx.post(gateway.url + path, json=body, timeout=10)
+            assert refused.status_code == 503, (path, body)
+            assert refused.json()["error"]["code"] == "node_full"
+        too_many = httpx.post(gateway.url + CHAT, json={**chat(5), "n": 4}, timeout=10)
+        assert too_many.status_code == 503
+        assert too_many.json()["error"]["message"].endswith("this node runs at most 3")
+        assert sim_stats(upstream.url)["processing"] == 1  # none of them reached llama-server
+        # two generations fit beside the held stream: counted as two while they run
+        with httpx.stream("POST", gateway.url + CHAT, json={**chat(2000), "n": 2}, timeout=30) as pair:
+            assert pair.status_code == 200
+            pair_chunks = pair.iter_raw()
+            next(pair_chunks)
+            assert status(gateway.url)["in_flight"] == 3
+            assert httpx.post(gateway.url + CHAT, json=chat(5), timeout=10).status_code == 503
+        wait_until(lambda: status(gateway.url)["in_flight"] == 1, timeout=2, what="both slots given back")
+    wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=2, what="all slots given back")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from macpool.contract import generations, slots_needed
 from node_agent import unstream
 
 # recorded from a real llama-server (copied from shared/reference/llama-server)
@@ -82,6 +83,8 @@ def test_tool_calls_and_errors_fold() -> None:
         ("/v1/chat/completions", b'{"messages": [], "n": 1e400}', False),
         ("/v1/chat/completions", b'{"messages": [], "n": true}', False),
         ("/v1/chat/completions", b'{"messages": [], "n": 1.0}', False),
+        ("/v1/chat/completions", b'{"messages": [], "n_cmpl": 2}', False),  # llama-server's name for n
+        ("/v1/chat/completions", b'{"messages": [], "n_cmpl": 1}', True),
         ("/v1/embeddings", b'{"input": "x"}', False),
         ("/completion", b'{"prompt": "x"}', True),
         ("/completion", b'{"prompt": [15, 16, 17]}', True),  # one prompt's tokens
@@ -101,3 +104,28 @@ def test_which_requests_are_streamed_upstream(endpoint: str, body: bytes, stream
         request = json.loads(streamed)
         assert request["stream"] is True
         assert ("stream_options" in request) == (endpoint != "/completion")
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ({"messages": []}, 1),
+        ({"messages": [], "n": 3}, 3),
+        ({"messages": [], "n_cmpl": 2, "n": 5}, 2),  # n is llama-server's fallback for n_cmpl
+        ({"messages": [], "n": "3"}, 1),  # llama-server's 400, not a slot count
+        ({"messages": [], "n": True}, 1),
+        ({"messages": [], "n": 0}, 1),
+        ({"prompt": "x"}, 1),
+        ({"prompt": [15, 16, 17]}, 1),  # one prompt's token ids
+        ({"prompt": []}, 1),
+        ({"prompt": ["a", "b", [1, 2]]}, 3),
+        ({"prompt": ["a", "b"], "n": 2}, 4),  # each prompt n times
+    ],
+)
+def test_generations_counts_prompts_times_n(payload: dict[str, object], expected: int) -> None:
+    assert generations(payload) == expected
+
+
+def test_slots_needed_stops_at_llama_servers_slots() -> None:
+    # past its slots llama-server queues a request's other generations: they hold no slot yet
+    assert (slots_needed(4, 8), slots_needed(12, 8), slots_needed(3, 0)) == (4, 8, 3)
