@@ -22,7 +22,9 @@ class AgentMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.in_flight = Gauge(
-            "macpool_agent_in_flight_requests", "Requests in flight through the gateway", registry=r
+            "macpool_agent_in_flight_requests",
+            "Requests in flight through the gateway, each generation counted (several prompts, n > 1)",
+            registry=r,
         )
         self.capacity = Gauge("macpool_agent_capacity_requests", "Capacity the gateway enforces", registry=r)
         self.requests = Counter(
