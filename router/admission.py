@@ -87,6 +87,9 @@ class Ticket:
     key_limit: int = 0  # requests in flight + queued for this tenant (0: no limit)
     model: str = ""
     prefixes: tuple[str, ...] = ()  # prompt-prefix hashes, longest first (router/affinity.py)
+    # run at once by llama-server, each in a slot (several prompts, n > 1: macpool/contract.py generations);
+    # such a request's candidates are the nodes large enough, so its "full" says nothing of the others
+    generations: int = 1
 
 
 @dataclass(eq=False)
@@ -205,7 +208,7 @@ class Admission:
         finally:
             if asking:
                 self._asking.discard(ticket.model)
-        if attempt.status == "full" and ticket.priority == "interactive":
+        if attempt.status == "full" and ticket.priority == "interactive" and ticket.generations == 1:
             # (a batch request's "full" may leave room for an interactive one, which displaces queued batch)
             self._full[ticket.model] = (self.pool.version, time.monotonic())
         elif asking:

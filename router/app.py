@@ -157,6 +157,7 @@ class Router:
             key_limit=limit,
             model=model,
             prefixes=prefix_hashes(path, payload, model) if hashed else (),
+            generations=generations(payload),
         )
         return Call(
             path=path,
@@ -167,7 +168,6 @@ class Router:
             request_id=_usable_request_id(request_id) or uuid.uuid4().hex,
             arrived=arrived,
             ticket=ticket,
-            generations=generations(payload),
         )
 
     def shutdown_answer(self, request: Request) -> Response:

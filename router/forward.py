@@ -73,7 +73,10 @@ class Call:
     arrived: float
     ticket: Ticket = field(default_factory=Ticket)
     node: str = ""  # the node it is sent to, while it is
-    generations: int = 1  # run at once by llama-server, each in a slot: several prompts, n > 1 (contract)
+
+    @property
+    def generations(self) -> int:
+        return self.ticket.generations
 
 
 def fits(call: Call, node: NodeDoc) -> bool:

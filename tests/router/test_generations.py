@@ -3,6 +3,8 @@ a 400 when no node could ever run them all at once, else sent so that its agent 
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 
 from tests.conftest import chat, metric, wait_until
@@ -30,3 +32,33 @@ def test_more_generations_than_any_node_runs_are_a_400_and_the_others_count_each
         next(chunks)
         assert node.status()["in_flight"] == 2
     wait_until(lambda: node.status()["in_flight"] == 0, timeout=2)
+
+
+
+def test_a_full_answer_for_several_generations_does_not_refuse_the_others(pool: Pool) -> None:
+    # only the big node can run three generations at once: Redis calling it full says nothing of the small
+    # one, so the router must not refuse the model's other requests from its memory of that "full"
+    big = pool.node("big", cap=3, parallel=8, speed=1.0)
+    pool.node("small", cap=1, parallel=8, speed=20.0)
+    router = pool.router("--queue-size", "0", "--admin-key", "adm")
+    pool.wait_ready(router, 2)
+    admin = {"Authorization": "Bearer adm"}
+    url = router.url + "/v1/chat/completions"
+    with httpx.Client(timeout=30) as client, contextlib.ExitStack() as held:
+        assert client.post(router.url + "/admin/nodes/small/drain", headers=admin).status_code == 200
+        for i in range(3):  # the big node full
+            body = chat(max_tokens=4000, content=f"{i}")
+            response = held.enter_context(client.stream("POST", url, json=body))
+            assert response.headers["x-macpool-node"] == "big"
+            chunks = response.iter_raw()
+            next(chunks)
+            held.callback(chunks.close)  # also keeps the generator: dropping it would close the stream
+        assert client.post(router.url + "/admin/nodes/small/undrain", headers=admin).status_code == 200
+        wait_until(lambda: any(n["node_id"] == "small" and not n["drained"]
+                               for n in client.get(router.url + "/api/pool").json()["nodes"]), timeout=5)
+        for _ in range(3):
+            refused = client.post(url, json={**chat(stream=False), "n": 3})
+            assert refused.status_code == 503 and refused.headers["x-macpool-reason"] == "pool_full"
+            single = client.post(url, json=chat(stream=False))  # within the 50 ms the memo would last
+            assert single.status_code == 200 and single.headers["x-macpool-node"] == "small"
+        assert big.status()["in_flight"] == 3
