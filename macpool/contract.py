@@ -38,6 +38,7 @@ the first queued request that node can serve (:data:`RELEASE`).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Collection
@@ -623,6 +624,8 @@ def generations(payload: dict[str, Any]) -> int:
     if isinstance(prompt, list) and prompt and not all(type(token) is int for token in prompt):
         prompts = len(prompt)
     n = payload.get("n_cmpl", payload.get("n"))
+    if type(n) is float and math.isfinite(n):
+        n = int(n)  # llama-server reads a JSON number as an integer: 2.5 runs 2
     return prompts * (n if type(n) is int and n > 1 else 1)
 
 

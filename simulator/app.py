@@ -8,7 +8,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -144,11 +144,15 @@ class TaskResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+NULL_EVENT, DONE = b"data: null\n\n", b"data: [DONE]\n\n"
+Render = Callable[[int, Task, int, int], list[bytes]]  # (index, task, first, last token) -> the events
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + shapes.dumps(obj) + b"\n\n"
 
 
-async def progress(task: Task, runner: Runner | None = None) -> AsyncIterator[tuple[int, int]]:
+async def progress(task: Task, runner: Runner | None = None) -> AsyncGenerator[tuple[int, int], None]:
     """Yields ``(first, last)`` token ranges as the engine produces them, until the task ends.
 
     With ``runner`` (streaming), each range is reported as sent once the consumer has written it.
@@ -393,6 +397,7 @@ class SimServer:
         return data
 
     def new_task(self, body: dict[str, Any], prompt: str) -> Task:
+        """One generation's task, checked (BadRequest) but not submitted."""
         n_prompt = tokens.count(prompt)
         n_ctx = self.resolved.n_ctx_slot
         if n_prompt > n_ctx:
@@ -415,13 +420,26 @@ class SimServer:
         if limit == 0:
             limit = 1  # llama-server still evaluates one token
         if limit > 0:
-            task = Task(prompt=prompt, n_prompt=n_prompt, n_predict=limit)
-        elif body.get("ignore_eos") is True:
-            task = Task(prompt=prompt, n_prompt=n_prompt, n_predict=n_ctx)  # until the context is full
-        else:
-            task = Task(prompt, n_prompt, self.machine.default_n_predict, finish_on_limit="stop")
-        self.runner.submit(task)
-        return task
+            return Task(prompt=prompt, n_prompt=n_prompt, n_predict=limit)
+        if body.get("ignore_eos") is True:
+            return Task(prompt=prompt, n_prompt=n_prompt, n_predict=n_ctx)  # until the context is full
+        return Task(prompt, n_prompt, self.machine.default_n_predict, finish_on_limit="stop")
+
+    def new_tasks(self, body: dict[str, Any], prompts: list[str]) -> list[Task]:
+        """Every generation of a request, submitted: each prompt ``n`` times (llama-server's ``n_cmpl``, or
+        its alias ``n``), in the order of their ``index``; each takes a slot of its own."""
+        name = "n_cmpl" if "n_cmpl" in body else "n"
+        n = body.get(name, 1)
+        if isinstance(n, bool) or not isinstance(n, int | float):
+            raise invalid(f"Field '{name}': type must be number, but is {type(n).__name__}")
+        slots = self.resolved.n_slots
+        if not 1 <= n <= slots:  # llama-server's limit: the children of a task run in slots of their own
+            got = int(n) if math.isfinite(n) else n
+            raise invalid(f"Field '{name}': Value must be between 1 <= value <= {slots}, but got {got}")
+        tasks = [self.new_task(body, prompt) for prompt in prompts for _ in range(int(n))]
+        for task in tasks:
+            self.runner.submit(task)
+        return tasks
 
     def model_field(self, body: dict[str, Any]) -> str:
         model = body.get("model")
@@ -433,84 +451,133 @@ class SimServer:
         include = isinstance(options, dict) and options.get("include_usage") is True
         return body.get("stream") is True, include
 
-    def respond(self, task: Task, parts: AsyncIterator[bytes], stream: bool) -> Response:
-        return TaskResponse(parts, stream, on_close=lambda: self.runner.cancel(task))
+    def respond(self, tasks: list[Task], parts: AsyncIterator[bytes], stream: bool) -> Response:
+        def close() -> None:
+            for task in tasks:
+                self.runner.cancel(task)
+
+        return TaskResponse(parts, stream, on_close=close)
+
+    def streamed(
+        self, tasks: list[Task], render: Render, head: bytes = b"", tail: bytes = b""
+    ) -> AsyncIterator[bytes]:
+        """One stream of every generation's events (``render(index, task, first, last)``), as each has new
+        tokens: interleaved, as llama-server sends them; ``tail`` after the last."""
+        if len(tasks) == 1:
+            return self._one_stream(tasks[0], render, tail)
+        return self._merged_stream(tasks, render, head, tail)
+
+    async def _one_stream(self, task: Task, render: Render, tail: bytes) -> AsyncIterator[bytes]:
+        async for lo, hi in progress(task, self.runner):
+            yield b"".join(render(0, task, lo, hi)) + (tail if task.finished else b"")
+
+    async def _merged_stream(
+        self, tasks: list[Task], render: Render, head: bytes, tail: bytes
+    ) -> AsyncIterator[bytes]:
+        if head:
+            yield head
+        streams = [progress(task, self.runner) for task in tasks]
+        waiting = {asyncio.ensure_future(anext(stream)): index for index, stream in enumerate(streams)}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    index = waiting.pop(future)
+                    try:
+                        lo, hi = future.result()
+                    except StopAsyncIteration:
+                        continue
+                    yield b"".join(render(index, tasks[index], lo, hi))
+                    waiting[asyncio.ensure_future(anext(streams[index]))] = index
+            yield tail
+        finally:
+            for future in waiting:
+                future.cancel()
+            for stream in streams:
+                with contextlib.suppress(RuntimeError):  # one still running its cancelled step
+                    await stream.aclose()
+
+    @staticmethod
+    async def finished(tasks: list[Task]) -> None:
+        for task in tasks:
+            async for _ in progress(task):
+                pass
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request)
         prompt = tokens.render_chat(body.get("messages"))
         stream, include_usage = self.stream_flags(body)
         shaper = shapes.Shaper(self.model_field(body), self.fingerprint, include_usage)
-        task = self.new_task(body, prompt)
+        tasks = self.new_tasks(body, [prompt])
 
-        async def streamed() -> AsyncIterator[bytes]:
-            first = True
-            async for lo, hi in progress(task, self.runner):
-                out = [sse(shaper.chat_role_chunk())] if first and include_usage else []
-                first = False
-                out += [sse(shaper.chat_content_chunk(tokens.piece(k))) for k in range(lo, hi)]
-                if task.finished:
-                    out += [sse(chunk) for chunk in shaper.chat_final_chunks(task)]
-                    out.append(b"data: [DONE]\n\n")
-                yield b"".join(out)
+        def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
+            out = [sse(shaper.chat_role_chunk(index))] if lo == 0 and include_usage else []
+            out += [sse(shaper.chat_content_chunk(tokens.piece(k), index)) for k in range(lo, hi)]
+            if task.finished:
+                out += [sse(chunk) for chunk in shaper.chat_final_chunks(task, index)]
+            return out
 
         async def whole() -> AsyncIterator[bytes]:
-            async for _ in progress(task):
-                pass
-            yield shapes.dumps(shaper.chat_response(task, tokens.filler(task.n_decoded)))
+            await self.finished(tasks)
+            answers = [(task, tokens.filler(task.n_decoded)) for task in tasks]
+            yield shapes.dumps(shaper.chat_response(*answers[0], more=answers[1:]))
 
-        return self.respond(task, streamed() if stream else whole(), stream)
+        return self.respond(tasks, self.streamed(tasks, render, tail=DONE) if stream else whole(), stream)
 
     async def completions(self, request: Request) -> Response:
         body = await self.body(request)
-        prompt = tokens.prompt_text(body.get("prompt"))
+        prompts = tokens.prompt_texts(body.get("prompt"))
         stream, _ = self.stream_flags(body)
         shaper = shapes.Shaper(self.model_field(body), self.fingerprint)
-        task = self.new_task(body, prompt)
+        tasks = self.new_tasks(body, prompts)
 
-        async def streamed() -> AsyncIterator[bytes]:
-            async for lo, hi in progress(task, self.runner):
-                out = [sse(shaper.text_chunk(tokens.piece(k))) for k in range(lo, hi)]
-                if task.finished:
-                    out += [sse(shaper.text_final_chunk(task)), b"data: [DONE]\n\n"]
-                yield b"".join(out)
+        def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
+            out = [sse(shaper.text_chunk(tokens.piece(k), index)) for k in range(lo, hi)]
+            if task.finished:
+                out.append(sse(shaper.text_final_chunk(task, index)))
+            return out
 
         async def whole() -> AsyncIterator[bytes]:
-            async for _ in progress(task):
-                pass
-            yield shapes.dumps(shaper.text_response(task, tokens.filler(task.n_decoded)))
+            await self.finished(tasks)
+            answers = [(task, tokens.filler(task.n_decoded)) for task in tasks]
+            yield shapes.dumps(shaper.text_response(*answers[0], more=answers[1:]))
 
-        return self.respond(task, streamed() if stream else whole(), stream)
+        # several prompts: llama-server's stream opens with "data: null"
+        head = NULL_EVENT if len(prompts) > 1 else b""
+        return self.respond(tasks, self.streamed(tasks, render, head, DONE) if stream else whole(), stream)
 
     async def native(self, request: Request) -> Response:
         body = await self.body(request)
-        prompt = tokens.prompt_text(body.get("prompt"))
+        prompts = tokens.prompt_texts(body.get("prompt"))
         stream, _ = self.stream_flags(body)
         ignore_eos = body.get("ignore_eos") is True
         shaper = shapes.Shaper(self.model_field(body), self.fingerprint)
-        task = self.new_task(body, prompt)
-        limit = task.n_predict if task.finish_on_limit == "length" else -1
+        tasks = self.new_tasks(body, prompts)
+        n = len(tasks) // len(prompts)
 
-        def final(text: str) -> dict[str, Any]:
-            return shaper.native_final(task, text, prompt, limit, ignore_eos, stream)
+        def final(index: int, text: str) -> dict[str, Any]:
+            task = tasks[index]
+            limit = task.n_predict if task.finish_on_limit == "length" else -1
+            return shaper.native_final(task, text, prompts[index // n], limit, ignore_eos, stream, index)
 
-        async def streamed() -> AsyncIterator[bytes]:
-            async for lo, hi in progress(task, self.runner):
-                out = []
-                for k in range(lo, hi):
-                    chunk = shaper.native_chunk(tokens.piece(k), tokens.token_id(k), task)
-                    chunk["tokens_predicted"] = k + 1
-                    out.append(sse(chunk))
-                if task.finished:
-                    out.append(sse(final("")))
-                yield b"".join(out)
+        def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
+            out = []
+            for k in range(lo, hi):
+                chunk = shaper.native_chunk(tokens.piece(k), tokens.token_id(k), task, index)
+                chunk["tokens_predicted"] = k + 1
+                out.append(sse(chunk))
+            if task.finished:
+                out.append(sse(final(index, "")))
+            return out
 
         async def whole() -> AsyncIterator[bytes]:
-            async for _ in progress(task):
-                pass
-            yield shapes.dumps(final(tokens.filler(task.n_decoded)))
+            await self.finished(tasks)
+            answers = [final(index, tokens.filler(task.n_decoded)) for index, task in enumerate(tasks)]
+            # several generations: a JSON array of the answers, in index order
+            yield shapes.dumps(answers[0] if len(answers) == 1 else answers)
 
-        return self.respond(task, streamed() if stream else whole(), stream)
+        head = NULL_EVENT if len(prompts) > 1 else b""
+        return self.respond(tasks, self.streamed(tasks, render, head) if stream else whole(), stream)
 
     async def embeddings(self, request: Request) -> Response:
         body = await self.body(request)

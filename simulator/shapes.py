@@ -6,6 +6,7 @@ import json
 import secrets
 import string
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from simulator.engine import Task
@@ -102,15 +103,15 @@ class Shaper:
             "system_fingerprint": self.fingerprint, "object": "chat.completion.chunk", **extra,
         }
 
-    def chat_role_chunk(self) -> dict[str, Any]:
+    def chat_role_chunk(self, index: int = 0) -> dict[str, Any]:
         delta = {"role": "assistant", "content": None}
-        return self._chat_chunk([{"finish_reason": None, "index": 0, "delta": delta}])
+        return self._chat_chunk([{"finish_reason": None, "index": index, "delta": delta}])
 
-    def chat_content_chunk(self, text: str) -> dict[str, Any]:
-        return self._chat_chunk([{"finish_reason": None, "index": 0, "delta": {"content": text}}])
+    def chat_content_chunk(self, text: str, index: int = 0) -> dict[str, Any]:
+        return self._chat_chunk([{"finish_reason": None, "index": index, "delta": {"content": text}}])
 
-    def chat_final_chunks(self, task: Task) -> list[dict[str, Any]]:
-        final = [{"finish_reason": task.finish_reason, "index": 0, "delta": {}}]
+    def chat_final_chunks(self, task: Task, index: int = 0) -> list[dict[str, Any]]:
+        final = [{"finish_reason": task.finish_reason, "index": index, "delta": {}}]
         if not self.include_usage:
             return [self._chat_chunk(final, timings=task.timings())]
         return [
@@ -118,46 +119,58 @@ class Shaper:
             self._chat_chunk([], usage=usage(task), timings=task.timings()),
         ]
 
-    def chat_response(self, task: Task, text: str) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text}
+    def chat_response(self, task: Task, text: str, more: Sequence[tuple[Task, str]] = ()) -> dict[str, Any]:
+        """The answer; ``more``: the other generations' (n > 1), choices 1.. (usage, timings: the first's)."""
+        choices = [
+            {"finish_reason": t.finish_reason, "index": i, "message": {"role": "assistant", "content": x}}
+            for i, (t, x) in enumerate([(task, text), *more])
+        ]
         return {
-            "choices": [{"finish_reason": task.finish_reason, "index": 0, "message": message}],
+            "choices": choices,
             "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint,
             "object": "chat.completion", "usage": usage(task), "id": self.id, "timings": task.timings(),
         }
 
     # --- /v1/completions ----------------------------------------------------------------------------------
-    def _text_chunk(self, text: str, finish: str | None, **extra: Any) -> dict[str, Any]:
+    def _text_chunk(self, text: str, finish: str | None, index: int = 0, **extra: Any) -> dict[str, Any]:
         return {
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish}],
             "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint,
             "object": "text_completion", **extra,
         }
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return {**self._text_chunk(text, None), "id": self.id}
+    def text_chunk(self, text: str, index: int = 0) -> dict[str, Any]:
+        return {**self._text_chunk(text, None, index), "id": self.id}
 
-    def text_final_chunk(self, task: Task) -> dict[str, Any]:
-        return self._text_chunk("", task.finish_reason, usage=usage(task), id=self.id, timings=task.timings())
+    def text_final_chunk(self, task: Task, index: int = 0) -> dict[str, Any]:
+        return self._text_chunk("", task.finish_reason, index, usage=usage(task), id=self.id,
+                                timings=task.timings())
 
-    def text_response(self, task: Task, text: str) -> dict[str, Any]:
+    def text_response(self, task: Task, text: str, more: Sequence[tuple[Task, str]] = ()) -> dict[str, Any]:
+        """The answer; ``more`` are the other generations' (several prompts, n > 1): choices 1.., usage and
+        timings of the first."""
         timings = task.timings()
-        return self._text_chunk(text, task.finish_reason, usage=usage(task), id=self.id, timings=timings)
+        answer = self._text_chunk(text, task.finish_reason, usage=usage(task), id=self.id, timings=timings)
+        answer["choices"] += [self._text_chunk(x, t.finish_reason, i)["choices"][0]
+                              for i, (t, x) in enumerate(more, 1)]
+        return answer
 
     # --- /completion (llama.cpp native) -------------------------------------------------------------------
     @staticmethod
-    def native_chunk(text: str, token: int, task: Task) -> dict[str, Any]:
+    def native_chunk(text: str, token: int, task: Task, index: int = 0) -> dict[str, Any]:
         return {
-            "index": 0, "content": text, "tokens": [token], "stop": False, "id_slot": -1,
+            "index": index, "content": text, "tokens": [token], "stop": False, "id_slot": -1,
             "tokens_predicted": task.n_decoded, "tokens_evaluated": task.n_prompt,
         }
 
     def native_final(
-        self, task: Task, text: str, prompt: str, n_predict: int, ignore_eos: bool, stream: bool
+        self, task: Task, text: str, prompt: str, n_predict: int, ignore_eos: bool, stream: bool,
+        index: int = 0,
     ) -> dict[str, Any]:
         slot_id = task.slot.id if task.slot is not None else 0
         return {
-            "index": 0, "content": text, "tokens": [], "id_slot": slot_id, "stop": True, "model": self.model,
+            "index": index, "content": text, "tokens": [], "id_slot": slot_id, "stop": True,
+            "model": self.model,
             "tokens_predicted": task.n_decoded, "tokens_evaluated": task.n_prompt,
             "generation_settings": generation_settings(n_predict, ignore_eos, stream),
             "prompt": prompt, "has_new_line": False, "truncated": False,

@@ -93,16 +93,24 @@ def render_chat(messages: Any) -> str:
     return "".join(out)
 
 
-def prompt_text(prompt: Any) -> str:
-    """A /completion or /v1/completions prompt: a string, a list of token ids, or a one-element list."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return prompt[0]
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return "".join(f"{t % 65536:04x}" for t in prompt)
-    raise PromptError("'prompt' must be a string or an array of token ids")
+def prompt_texts(prompt: Any) -> list[str]:
+    """A /completion or /v1/completions prompt: a string or a list of token ids (one prompt), or a list of
+    those (several prompts: llama-server runs each as its own task)."""
+    if _one_prompt(prompt):
+        return [_prompt_text(prompt)]
+    if isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
+        return [_prompt_text(p) for p in prompt]
+    raise PromptError("'prompt' must be a string, an array of token ids, or an array of those")
+
+
+def _one_prompt(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    )
+
+
+def _prompt_text(prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else "".join(f"{t % 65536:04x}" for t in prompt)
 
 
 def make_prompt(n_tokens: int, salt: str = "") -> str:

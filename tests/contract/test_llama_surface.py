@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -174,3 +175,48 @@ def test_unknown_path(target: Target) -> None:
     assert response.status_code == 404
     assert response.json() == {"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}
 
+
+
+def test_several_generations_answer_one_choice_each(target: Target) -> None:
+    # n (llama-server's n_cmpl) and several prompts: one task per generation, answered by index
+    chat = httpx.post(target.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3, "ignore_eos": True,
+                                                                  "n": 2}, timeout=60).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    for choice in chat["choices"]:
+        assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert chat["usage"]["completion_tokens"] == 3  # one generation's figures, not their sum
+    prompts = {"prompt": ["Say hello.", "Say goodbye."], "ignore_eos": True}
+    texts = httpx.post(target.url + "/v1/completions", json={**prompts, "max_tokens": 2, "n": 2},
+                       timeout=60).json()
+    assert [c["index"] for c in texts["choices"]] == [0, 1, 2, 3]  # each prompt n times
+    native = httpx.post(target.url + "/completion", json={**prompts, "n_predict": 2}, timeout=60).json()
+    assert isinstance(native, list) and [a["index"] for a in native] == [0, 1]
+    assert all(a["stop"] is True and a["tokens_predicted"] == 2 for a in native)
+    # streamed: the generations' events interleave, each ending on its own; several prompts open with null
+    streamed = httpx.post(target.url + "/v1/completions", json={**prompts, "max_tokens": 2, "stream": True},
+                          timeout=60)
+    events = sse_events(streamed)
+    assert events[0] == "null" and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[1:-1]]
+    ends = sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"] == "length")
+    assert ends == [0, 1]
+    too_many = httpx.post(target.url + "/v1/chat/completions", json={**CHAT, "n": target.parallel + 1},
+                          timeout=60)
+    assert too_many.status_code == 400
+    message = too_many.json()["error"]["message"]
+    assert message.startswith(f"Field 'n': Value must be between 1 <= value <= {target.parallel}")
+
+
+def test_each_generation_takes_a_slot(target: Target) -> None:
+    # why the agent counts generations, not requests, against its cap
+    body = {**CHAT, "stream": True, "n": 2, **target.slow_request}
+    with httpx.stream("POST", target.url + "/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        chunks = response.iter_raw()  # keep the generator: dropping it closes the stream
+        next(chunks)
+        slots = get(target, "/slots").json()
+        assert sum(1 for slot in slots if slot["is_processing"]) == 2
+    start = time.monotonic()
+    while any(slot["is_processing"] for slot in get(target, "/slots").json()):
+        assert time.monotonic() - start < 30, "the slots were not freed when the client left"
+        time.sleep(0.05)

@@ -115,6 +115,8 @@ def test_which_requests_are_streamed_upstream(endpoint: str, body: bytes, stream
         ({"messages": [], "n": "3"}, 1),  # llama-server's 400, not a slot count
         ({"messages": [], "n": True}, 1),
         ({"messages": [], "n": 0}, 1),
+        ({"messages": [], "n": 2.5}, 2),  # llama-server truncates a number to an integer
+        ({"messages": [], "n": float("inf")}, 1),
         ({"prompt": "x"}, 1),
         ({"prompt": [15, 16, 17]}, 1),  # one prompt's token ids
         ({"prompt": []}, 1),
