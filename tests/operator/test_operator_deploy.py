@@ -185,3 +185,50 @@ def test_ci_runs_the_readmes_test_command_verbatim() -> None:
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
     assert ci == [commands[1]]
+
+
+def haproxy_sections() -> dict[str, list[str]]:
+    """haproxy.cfg as {"defaults": [directive, ...], "backend routers": [...], ...}, comments dropped."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for raw in (DEPLOY / "haproxy" / "haproxy.cfg").read_text().splitlines():
+        line = raw.split("#", 1)[0].rstrip()
+        if not line:
+            continue
+        if not line[0].isspace():
+            current = sections.setdefault(" ".join(line.split()), [])
+        else:
+            current.append(" ".join(line.split()))
+    return sections
+
+
+def haproxy_seconds(value: str) -> float:
+    match = re.fullmatch(r"(\d+)(us|ms|s|m|h|d)?", value)
+    assert match is not None, f"not an HAProxy time: {value}"
+    units = {"us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1e-3}  # bare: ms
+    return int(match.group(1)) * units[match.group(2)]
+
+
+def test_haproxy_relays_streams_and_refusals_as_the_router_gives_them() -> None:
+    """Checked against a real HAProxy 2.6 in front of a real pool: without http-no-delay a stream reached the
+    client in bursts ~200 ms apart; without abortonclose an abandoned non-streamed request kept its slot on
+    the Mac until the generation ended."""
+    sections = haproxy_sections()
+    backend = sections["backend routers"]
+    directives = sections["defaults"] + backend
+    assert "option http-no-delay" in directives
+    assert "option abortonclose" in directives
+    assert not any(d.startswith(("compression", "option http-buffer-request")) for d in directives)
+    timeouts = {d.split()[1]: haproxy_seconds(d.split()[2]) for d in directives if d.startswith("timeout ")}
+    defaults = RouterSettings.model_fields
+    longest_wait = max(float(defaults[name].default) for name in
+                       ("response_timeout", "first_byte_timeout", "idle_timeout"))
+    assert timeouts["client"] > longest_wait and timeouts["server"] > longest_wait
+    # 503 + Retry-After is the answer for the client: only a connection the router never took is retried
+    for directive in directives:
+        if directive.startswith("retry-on"):
+            assert directive.split()[1:] == ["conn-failure"], directive
+    assert "http-check send meth GET uri /health" in backend, "health-check /health (/ready is not one)"
+    assert "http-check expect status 200" in backend
+    servers = [d for d in backend if d.startswith("server ")]
+    assert len(servers) >= 2 and all(" check" in s for s in servers)
