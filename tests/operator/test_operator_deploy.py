@@ -16,14 +16,19 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 import yaml
+from prometheus_client.metrics import MetricWrapperBase
 
 from macpool.procs import macpool_argv
+from node_agent.runtime import AgentMetrics
 from node_agent.settings import AgentSettings
+from router.metrics import RouterMetrics
 from router.settings import Settings as RouterSettings
 from simulator.machine import preset_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+# `sum by (x, y) (rate(macpool_thing[5m]))`: the labels kept, and the metric they come from
+GROUPED = re.compile(r"\bby\s*\(([^)]*)\)\s*\((?:\s*\w+\s*\()*\s*(macpool_[a-z0-9_]+)")
 METRIC = re.compile(r"\bmacpool_[a-z0-9_]+")
 FLAG = re.compile(r"^--[a-z][a-z0-9-]*")
 
@@ -115,33 +120,109 @@ def test_compose_ports_env_and_urls_agree() -> None:
 
 @pytest.fixture
 def exported_metrics(redis_url: str, spawn: Callable[..., Any]) -> set[str]:
-    """Every sample name a real router's /metrics can carry (from its # TYPE lines)."""
+    """Every sample name a real router's or agent's /metrics can carry (from their # TYPE lines)."""
     router = spawn("router", "--redis-url", redis_url, name="router")
-    text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    sim = spawn("sim", "--preset", sorted(preset_names())[0], "--metrics", name="sim", timeout=60)
+    agent = spawn("agent", "run", "--upstream", sim.url, "--redis-url", redis_url, name="agent", timeout=60)
     names: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            names.add(name)
-            if kind == "histogram":
-                names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
-            if kind == "counter" and not name.endswith("_total"):
-                names.add(f"{name}_total")
-    assert "macpool_pool_saturation" in names
+    for server in (router, agent):
+        for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("# TYPE "):
+                _, _, name, kind = line.split()
+                names.add(name)
+                if kind == "histogram":
+                    names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+                if kind == "counter" and not name.endswith("_total"):
+                    names.add(f"{name}_total")
+    assert {"macpool_pool_saturation", "macpool_agent_state_info"} <= names
     return names
 
 
-def test_prometheus_rules_and_grafana_name_only_exported_metrics(exported_metrics: set[str]) -> None:
+SAMPLE_SUFFIXES = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
+
+
+def declared_labels() -> dict[str, set[str]]:
+    """Sample name -> the label names the code gives it (router/metrics.py, node_agent/runtime.py)."""
+    labels: dict[str, set[str]] = {}
+    for metrics in (RouterMetrics(), AgentMetrics()):
+        for collector in vars(metrics).values():
+            if not isinstance(collector, MetricWrapperBase):
+                continue
+            names = set(collector._labelnames)
+            for family in collector.describe():
+                for suffix in SAMPLE_SUFFIXES.get(family.type, [""]):
+                    labels[family.name + suffix] = names | ({"le"} if suffix == "_bucket" else set())
+    return labels
+
+
+def deploy_exprs() -> list[tuple[str, str]]:
+    """(where, PromQL) for every query a deploy file makes: alert rules, Grafana panels, KEDA, the HPA."""
     rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
-    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
-    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
-    assert {"MacpoolPoolSaturated", "MacpoolNodePaging", "MacpoolNodeGone", "MacpoolRejecting"} <= alerts
+    exprs = [(f"alert {rule['alert']}", rule["expr"]) for group in rules["groups"] for rule in group["rules"]]
     grafana = json.loads((DEPLOY / "grafana" / "macpool-dashboard.json").read_text())
-    exprs += [t["expr"] for panel in grafana["panels"] for t in panel.get("targets", [])]
-    assert len(exprs) > 10
-    for expr in exprs:
+    exprs += [(f"panel {panel['title']}", target["expr"])
+              for panel in grafana["panels"] for target in panel.get("targets", [])]
+    for doc in yaml.safe_load_all((DEPLOY / "k8s" / "keda-scaledobject.yaml").read_text()):
+        for trigger in doc["spec"].get("triggers", []):
+            if trigger["type"] == "prometheus":
+                exprs.append((f"KEDA {doc['metadata']['name']}", trigger["metadata"]["query"]))
+        for metric in doc["spec"].get("metrics", []):
+            if metric["type"] == "External":
+                exprs.append((f"HPA {doc['metadata']['name']}", metric["external"]["metric"]["name"]))
+    return exprs
+
+
+PACKAGES = ("macpool", "router", "node_agent")
+PACKAGE_SOURCE = "\n".join(path.read_text() for package in PACKAGES for path in (ROOT / package).glob("*.py"))
+
+
+def set_in_code(value: str) -> bool:
+    """A label value appears as a string literal in the router's, agent's or contract's code."""
+    return f'"{value}"' in PACKAGE_SOURCE
+
+
+def test_deploy_queries_name_only_exported_metrics_and_labels(exported_metrics: set[str]) -> None:
+    exprs = deploy_exprs()
+    where = {w.split()[0] for w, _ in exprs}
+    assert {"alert", "panel", "KEDA", "HPA"} <= where and len(exprs) > 10
+    alerts = {w.removeprefix("alert ") for w, _ in exprs if w.startswith("alert ")}
+    assert {"MacpoolPoolSaturated", "MacpoolNodePaging", "MacpoolNodeGone", "MacpoolRejecting"} <= alerts
+    labels = declared_labels()
+    target_labels = {"instance", "job"}  # added by Prometheus to every scraped series
+    for place, expr in exprs:
         for name in METRIC.findall(expr):
-            assert name in exported_metrics, f"{name} (in {expr!r}) is not exported by the router"
+            assert name in exported_metrics, f"{place}: {name} (in {expr!r}) is not exported"
+        for name, matchers in re.findall(r"\b(macpool_[a-z0-9_]+)\{([^}]*)\}", expr):
+            for label, op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', matchers):
+                assert label in labels[name] | target_labels, f"{place}: {name} has no label {label}"
+                if op == "=" and label != "job":  # a label value the code really sets
+                    assert set_in_code(value), f"{place}: {name}{{{label}={value!r}}} never set"
+        for grouping, name in GROUPED.findall(expr):
+            for label in filter(None, (g.strip() for g in grouping.split(","))):
+                assert label in labels[name] | target_labels, f"{place}: {name} has no label {label}"
+
+
+def test_grafana_legends_and_docs_tables_match_the_queries() -> None:
+    grafana = json.loads((DEPLOY / "grafana" / "macpool-dashboard.json").read_text())
+    for panel in grafana["panels"]:
+        assert panel["datasource"]["uid"] == "prometheus", panel["title"]
+        for target in panel.get("targets", []):
+            grouping = re.findall(r"\bby\s*\(([^)]*)\)", target["expr"])
+            grouped = {g.strip() for by in grouping for g in by.split(",")}
+            for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
+                assert label in grouped, f"panel {panel['title']}: legend label {label} not kept by the query"
+    provisioning = DEPLOY / "grafana" / "provisioning"
+    datasources = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())
+    assert [d["uid"] for d in datasources["datasources"]] == ["prometheus"]
+    documented = re.findall(r"^\| `(Macpool\w+)` \|", (ROOT / "docs" / "operations.md").read_text(), re.M)
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    assert documented == [rule["alert"] for group in rules["groups"] for rule in group["rules"]]
+    jobs = {job["job_name"] for name in ("prometheus.yml", "prometheus.compose.yml")
+            for job in yaml.safe_load((DEPLOY / "prometheus" / name).read_text())["scrape_configs"]}
+    assert jobs == {"macpool-router", "macpool-agent"}
+    for doc in ("metrics.md", "operations.md"):
+        for job in re.findall(r'job="([^"]+)"', (ROOT / "docs" / doc).read_text()):
+            assert job in jobs, f"docs/{doc} names the scrape job {job!r}, which prometheus.yml does not have"
 
 
 def test_other_deploy_files_parse() -> None:
