@@ -4,9 +4,11 @@ Prometheus rules and Grafana panels over metrics the router really exports."""
 from __future__ import annotations
 
 import json
+import plistlib
 import re
 import shutil
 import subprocess
+import tomllib
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -313,3 +315,58 @@ def test_haproxy_relays_streams_and_refusals_as_the_router_gives_them() -> None:
     assert "http-check expect status 200" in backend
     servers = [d for d in backend if d.startswith("server ")]
     assert len(servers) >= 2 and all(" check" in s for s in servers)
+
+
+def seconds(value: str | int) -> float:
+    """A Compose/systemd duration: 30, "30s", "1m30s"."""
+    text = str(value).strip()
+    if text.isdigit():
+        return float(text)
+    parts = re.fullmatch(r"(?:(\d+)m(?:in)?)?\s*(?:(\d+)s)?", text)
+    assert parts is not None and text, f"not a duration: {value!r}"
+    return 60.0 * int(parts.group(1) or 0) + int(parts.group(2) or 0)
+
+
+def configured(settings_cls: type[Any], name: str, args: list[str], env: dict[str, str]) -> float:
+    """A setting as the process would see it: its flag, else its MACPOOL_* variable, else the default."""
+    flag = "--" + name.replace("_", "-")
+    if flag in args:
+        return float(flag_value(args, flag))
+    return float(env.get(f"MACPOOL_{name.upper()}", settings_cls.model_fields[name].default))
+
+
+# after its drain, an agent gives its gateway 1 s and a supervised llama-server 5 s before SIGKILL
+AGENT_EXIT_MARGIN = 6.0
+
+
+def test_every_supervisor_waits_out_the_graceful_shutdown() -> None:
+    """Docker, Kubernetes, systemd and launchd kill a process some time after SIGTERM: never before the
+    router's --shutdown-timeout or the agent's drain has run out, or requests in flight are cut off."""
+    for name, svc in macpool_services().items():
+        subcommand, args = split_command(svc["command"])
+        env = svc.get("environment", {})
+        grace = seconds(svc.get("stop_grace_period", 10))  # Docker's default
+        if subcommand == ("router",):
+            assert grace > configured(RouterSettings, "shutdown_timeout", args, env), name
+        elif subcommand == ("agent", "run"):
+            assert grace > configured(AgentSettings, "drain_timeout", args, env) + AGENT_EXIT_MARGIN, name
+    deployment = next(doc for doc in yaml.safe_load_all((DEPLOY / "k8s" / "router.yaml").read_text())
+                      if doc["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {var["name"]: var["value"] for var in container.get("env", [])}
+    _, args = split_command(container["args"])
+    pause = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep", "a pause before SIGTERM while the Service drops the pod from its endpoints"
+    shutdown = configured(RouterSettings, "shutdown_timeout", args, env)
+    assert pod.get("terminationGracePeriodSeconds", 30) > float(pause[1]) + shutdown
+    unit_text = (DEPLOY / "linux" / "macpool-router.service").read_text()
+    unit = dict(re.findall(r"^(\w+)=(.*)$", unit_text, flags=re.M))
+    _, args = split_command(unit["ExecStart"].split()[1:])
+    env_text = (DEPLOY / "linux" / "router.env.example").read_text()
+    env_file = dict(re.findall(r"^(MACPOOL_[A-Z_]+)=(.*)$", env_text, flags=re.M))
+    assert seconds(unit["TimeoutStopSec"]) > configured(RouterSettings, "shutdown_timeout", args, env_file)
+    plist = plistlib.loads((DEPLOY / "macos" / "com.macpool.agent.plist").read_bytes())
+    agent_toml = tomllib.loads((DEPLOY / "macos" / "agent.toml").read_text())
+    drain = float(agent_toml.get("drain_timeout", AgentSettings.model_fields["drain_timeout"].default))
+    assert plist["ExitTimeOut"] > drain + AGENT_EXIT_MARGIN
