@@ -21,6 +21,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from macpool.procs import macpool_argv
+from macpool.settings import load_layered
 from node_agent.runtime import AgentMetrics
 from node_agent.settings import AgentSettings
 from router.metrics import RouterMetrics
@@ -370,3 +371,28 @@ def test_every_supervisor_waits_out_the_graceful_shutdown() -> None:
     agent_toml = tomllib.loads((DEPLOY / "macos" / "agent.toml").read_text())
     drain = float(agent_toml.get("drain_timeout", AgentSettings.model_fields["drain_timeout"].default))
     assert plist["ExitTimeOut"] > drain + AGENT_EXIT_MARGIN
+
+
+def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> None:
+    macos = DEPLOY / "macos"
+    plist = plistlib.loads((macos / "com.macpool.agent.plist").read_bytes())
+    program, *argv = plist["ProgramArguments"]
+    assert program.endswith("/bin/macpool") and argv[:2] == ["agent", "run"]
+    text = help_text("agent", "run")
+    for arg in argv[2:]:
+        if FLAG.match(arg):
+            assert re.search(rf"(^|\s|,){re.escape(arg)}\b", text), f"{arg} is no flag of macpool agent run"
+    config = Path(flag_value(argv, "--config"))
+    guide = (macos / "README.md").read_text()
+    copied = re.search(r"cp deploy/macos/agent\.toml (\S+)", guide)
+    assert copied is not None and config.parts[3:] == Path(copied.group(1)).parts[1:], "the guide's copy"
+    assert config.parts[:3] == ("/", "Users", "USER") and program.startswith("/Users/USER/macpool/")
+    for name in plist["EnvironmentVariables"]:
+        assert name == "PATH" or name in env_names(AgentSettings), f"{name} is no setting of macpool agent"
+    settings = load_layered(AgentSettings, {}, macos / "agent.toml", "agent")  # a misspelled key fails here
+    keys = tomllib.loads((macos / "agent.toml").read_text())
+    assert "node_id" in keys, "each Mac needs its own node id: the default (host name) is shared by clones"
+    assert urlparse(settings.advertise_url).port == settings.port
+    assert settings.host == "0.0.0.0", "routers on other hosts must reach the agent"
+    assert settings.llama_server and settings.model, "the plist's agent supervises llama-server"
+    assert f"macpool:node:{settings.node_id} doc" in guide, "the guide looks the node up under its node_id"
