@@ -396,3 +396,36 @@ def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> Non
     assert settings.host == "0.0.0.0", "routers on other hosts must reach the agent"
     assert settings.llama_server and settings.model, "the plist's agent supervises llama-server"
     assert f"macpool:node:{settings.node_id} doc" in guide, "the guide looks the node up under its node_id"
+
+
+SUBCOMMANDS = {"router": 1, "agent": 2, "sim": 1, "demo": 1, "top": 1}  # words naming the command
+
+
+def documented_commands(path: Path) -> list[list[str]]:
+    """Every `macpool ...` command line in a guide's code blocks and inline code, as words."""
+    text = path.read_text()
+    lines = [line for block in re.findall(r"```\w*\n(.*?)```", text, re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    lines += re.findall(r"`([^`\n]*macpool [a-z][^`\n]*)`", text)
+    commands = []
+    for line in lines:
+        found = re.search(r"(?:^|[\s/])macpool\s+([a-z].*)", line.split(" # ")[0])
+        if found and found.group(1).split()[0] in SUBCOMMANDS:
+            commands.append(found.group(1).split())
+    return commands
+
+
+@pytest.mark.parametrize("guide", ["docs/operations.md", "deploy/macos/README.md", "README.md"])
+def test_guides_run_real_subcommands_with_real_flags(guide: str) -> None:
+    commands = documented_commands(ROOT / guide)
+    assert commands
+    for words in commands:
+        subcommand = tuple(words[: SUBCOMMANDS[words[0]]])
+        args = words[len(subcommand):]
+        args = args[: args.index("--")] if "--" in args else args  # the rest goes to llama-server
+        text = help_text(*subcommand)
+        for arg in args:
+            match = FLAG.match(arg.lstrip("[("))  # README's synopses: [--port 8080], (--upstream URL | ...)
+            if match:
+                flag = match.group()
+                assert re.search(rf"(^|\s|,){re.escape(flag)}\b", text), f"{guide}: macpool {' '.join(words)}"
