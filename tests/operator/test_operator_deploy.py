@@ -429,3 +429,27 @@ def test_guides_run_real_subcommands_with_real_flags(guide: str) -> None:
             if match:
                 flag = match.group()
                 assert re.search(rf"(^|\s|,){re.escape(flag)}\b", text), f"{guide}: macpool {' '.join(words)}"
+
+
+def test_systemd_unit_runs_what_the_install_steps_put_in_place() -> None:
+    unit_text = (DEPLOY / "linux" / "macpool-router.service").read_text()
+    unit = dict(re.findall(r"^(\w+)=(.*)$", unit_text, flags=re.M))
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    for steps in (unit_text, guide):
+        venv = re.search(r"python3 -m venv (\S+) && sudo (\S+)/bin/pip install \.", steps)
+        assert venv is not None and venv.group(1) == venv.group(2)
+        assert unit["ExecStart"].split()[0] == f"{venv.group(1)}/bin/macpool"
+        env_file = re.search(r"-g (\w+) (?:deploy/linux/)?router\.env\.example (\S+)", steps)
+        assert env_file is not None and env_file.group(2) == unit["EnvironmentFile"]
+        assert env_file.group(1) == unit["Group"]
+        assert f"useradd --system --no-create-home {unit['User']}" in steps
+        assert "install -m 0644 " in steps and "/etc/systemd/system/" in steps
+
+
+def test_guides_and_deploy_files_name_only_real_environment_variables() -> None:
+    known = env_names(RouterSettings) | env_names(AgentSettings) | {"MACPOOL_ROUTER_URL"}  # macpool top
+    files = [ROOT / "docs" / "operations.md", ROOT / "docker-compose.yml", ROOT / "Dockerfile"]
+    files += [path for path in DEPLOY.rglob("*") if path.is_file()]
+    for path in files:
+        for name in re.findall(r"\bMACPOOL_[A-Z][A-Z_]*[A-Z]\b", path.read_text()):
+            assert name in known, f"{path.relative_to(ROOT)}: {name} is no setting of a macpool process"
