@@ -257,6 +257,21 @@ def test_other_deploy_files_parse() -> None:
         check = subprocess.run(["haproxy", "-c", "-f", str(DEPLOY / "haproxy" / "haproxy.cfg")],
                                capture_output=True, text=True, timeout=60)
         assert check.returncode == 0, check.stdout + check.stderr
+    if shutil.which("docker-compose"):  # validates against the Compose schema without a Docker engine
+        check = subprocess.run(["docker-compose", "--profile", "metrics", "config", "-q"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit = (DEPLOY / "linux" / "macpool-router.service").read_text()
+    # verify wants the program to exist; everything else (keys, values, sections) is checked as written
+    (tmp_path / "macpool-router.service").write_text(unit.replace("/opt/macpool/bin/macpool", "/bin/true"))
+    check = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "macpool-router.service")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and not check.stderr.strip(), check.stderr  # unknown keys: stderr only
 
 
 def test_ci_runs_the_readmes_test_command_verbatim() -> None:
