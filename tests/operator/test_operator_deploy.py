@@ -468,3 +468,13 @@ def test_guides_and_deploy_files_name_only_real_environment_variables() -> None:
     for path in files:
         for name in re.findall(r"\bMACPOOL_[A-Z][A-Z_]*[A-Z]\b", path.read_text()):
             assert name in known, f"{path.relative_to(ROOT)}: {name} is no setting of a macpool process"
+
+
+def test_the_log_lines_worth_alerting_on_are_ones_the_code_writes() -> None:
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    sentence = re.search(r"Worth alerting on:(.*?)\(agent\)\.", guide, re.S)
+    assert sentence is not None
+    phrases = re.findall(r"`([^`]+)`", sentence.group(1))
+    assert len(phrases) >= 6
+    for phrase in phrases:
+        assert phrase in PACKAGE_SOURCE, f"no log message says {phrase!r}: an alert on it would never fire"
