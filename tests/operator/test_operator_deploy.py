@@ -153,6 +153,8 @@ def declared_labels() -> dict[str, set[str]]:
                 continue
             names = set(collector._labelnames)
             for family in collector.describe():
+                if family.type == "histogram":  # named as a whole too, as `macpool_ttft_seconds`
+                    labels[family.name] = names
                 for suffix in SAMPLE_SUFFIXES.get(family.type, [""]):
                     labels[family.name + suffix] = names | ({"le"} if suffix == "_bucket" else set())
     return labels
@@ -478,3 +480,17 @@ def test_the_log_lines_worth_alerting_on_are_ones_the_code_writes() -> None:
     assert len(phrases) >= 6
     for phrase in phrases:
         assert phrase in PACKAGE_SOURCE, f"no log message says {phrase!r}: an alert on it would never fire"
+
+
+def test_the_docs_name_metrics_with_their_real_labels() -> None:
+    """`macpool_x{label}` and `macpool_x{label="value"}` in the guides: a metric and labels the code has."""
+    labels = declared_labels()
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    seen = 0
+    for doc in docs:
+        for name, inside in re.findall(r"\b(macpool_[a-z0-9_]+)\{([^}]*)\}", doc.read_text()):
+            seen += 1
+            assert name in labels, f"{doc.name}: {name} is no metric of the router or the agent"
+            for label in re.findall(r"(\w+)\s*(?:=|,|$)", inside):
+                assert label in labels[name], f"{doc.name}: {name} has no label {label}"
+    assert seen >= 5
