@@ -1,5 +1,6 @@
-"""The deploy files say only true things: real subcommands and flags, consistent ports and env,
-Prometheus rules and Grafana panels over metrics the router really exports."""
+"""The deploy files and the guides say only true things: real subcommands, flags and MACPOOL_* settings,
+consistent ports, paths and grace periods, queries (alerts, Grafana, KEDA, HPA) over metrics and labels the
+router and the agent really export, a balancer configured for streams and 503s."""
 
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ def help_text(*subcommand: str) -> str:
     return result.stdout
 
 
+def unknown_flags(subcommand: tuple[str, ...], args: list[str]) -> list[str]:
+    """The flags among ``args`` that ``macpool <subcommand> --help`` does not list."""
+    text = help_text(*subcommand)
+    flags = [m.group() for m in map(FLAG.match, (arg.lstrip("[(") for arg in args)) if m]  # "[--port 8080]"
+    return [flag for flag in flags if not re.search(rf"(^|\s|,){re.escape(flag)}\b", text)]
+
+
 def split_command(command: list[str]) -> tuple[tuple[str, ...], list[str]]:
     words = 2 if command[:2] == ["agent", "run"] else 1
     return tuple(command[:words]), command[words:]
@@ -76,11 +84,7 @@ def test_every_compose_service_runs_a_real_subcommand_with_real_flags() -> None:
     for name, svc in services.items():
         subcommand, args = split_command(svc["command"])
         assert subcommand[0] in ("router", "agent", "sim"), name
-        text = help_text(*subcommand)
-        for arg in args:
-            match = FLAG.match(arg)
-            if match:
-                assert re.search(rf"(^|\s|,){re.escape(match.group())}\b", text), f"{name}: {arg} not a flag"
+        assert not unknown_flags(subcommand, args), name
 
 
 def test_compose_ports_env_and_urls_agree() -> None:
@@ -248,9 +252,7 @@ def test_other_deploy_files_parse() -> None:
     unit = (DEPLOY / "linux" / "macpool-router.service").read_text()
     exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     _, args = split_command(exec_start.split()[2:])
-    for arg in args:
-        if FLAG.match(arg):
-            assert arg in help_text("router")
+    assert not unknown_flags(("router",), args)
     if shutil.which("promtool"):
         check = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")],
                                capture_output=True, text=True, timeout=60)
@@ -395,10 +397,7 @@ def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> Non
     plist = plistlib.loads((macos / "com.macpool.agent.plist").read_bytes())
     program, *argv = plist["ProgramArguments"]
     assert program.endswith("/bin/macpool") and argv[:2] == ["agent", "run"]
-    text = help_text("agent", "run")
-    for arg in argv[2:]:
-        if FLAG.match(arg):
-            assert re.search(rf"(^|\s|,){re.escape(arg)}\b", text), f"{arg} is no flag of macpool agent run"
+    assert not unknown_flags(("agent", "run"), argv[2:])
     config = Path(flag_value(argv, "--config"))
     guide = (macos / "README.md").read_text()
     copied = re.search(r"cp deploy/macos/agent\.toml (\S+)", guide)
@@ -440,12 +439,7 @@ def test_guides_run_real_subcommands_with_real_flags(guide: str) -> None:
         subcommand = tuple(words[: SUBCOMMANDS[words[0]]])
         args = words[len(subcommand):]
         args = args[: args.index("--")] if "--" in args else args  # the rest goes to llama-server
-        text = help_text(*subcommand)
-        for arg in args:
-            match = FLAG.match(arg.lstrip("[("))  # README's synopses: [--port 8080], (--upstream URL | ...)
-            if match:
-                flag = match.group()
-                assert re.search(rf"(^|\s|,){re.escape(flag)}\b", text), f"{guide}: macpool {' '.join(words)}"
+        assert not unknown_flags(subcommand, args), f"{guide}: macpool {' '.join(words)}"
 
 
 def test_systemd_unit_runs_what_the_install_steps_put_in_place() -> None:
