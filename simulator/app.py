@@ -428,15 +428,18 @@ class SimServer:
     def new_tasks(self, body: dict[str, Any], prompts: list[str]) -> list[Task]:
         """Every generation of a request, submitted: each prompt ``n`` times (llama-server's ``n_cmpl``, or
         its alias ``n``), in the order of their ``index``; each takes a slot of its own."""
-        name = "n_cmpl" if "n_cmpl" in body else "n"
-        n = body.get(name, 1)
-        if isinstance(n, bool) or not isinstance(n, int | float):
-            raise invalid(f"Field '{name}': type must be number, but is {type(n).__name__}")
-        slots = self.resolved.n_slots
+        # as llama-server reads them: n_cmpl, else n (null: absent), a number taken as an integer (2.5 runs 2,
+        # true 1), checked once it is one
+        name = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+        value = body.get(name)
+        if value is None:
+            value = 1
+        if not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
+            raise invalid(f"Field '{name}': type must be number, but is {type(value).__name__}")
+        n, slots = int(value), self.resolved.n_slots
         if not 1 <= n <= slots:  # llama-server's limit: the children of a task run in slots of their own
-            got = int(n) if math.isfinite(n) else n
-            raise invalid(f"Field '{name}': Value must be between 1 <= value <= {slots}, but got {got}")
-        tasks = [self.new_task(body, prompt) for prompt in prompts for _ in range(int(n))]
+            raise invalid(f"Field '{name}': Value must be between 1 <= value <= {slots}, but got {n}")
+        tasks = [self.new_task(body, prompt) for prompt in prompts for _ in range(n)]
         for task in tasks:
             self.runner.submit(task)
         return tasks

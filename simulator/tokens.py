@@ -94,8 +94,9 @@ def render_chat(messages: Any) -> str:
 
 
 def prompt_texts(prompt: Any) -> list[str]:
-    """A /completion or /v1/completions prompt: a string or a list of token ids (one prompt), or a list of
-    those (several prompts: llama-server runs each as its own task)."""
+    """A /completion or /v1/completions prompt: a string, a list of token ids or a list mixing strings and
+    token ids (one prompt, as llama-server reads it), or a list of those (several prompts: llama-server runs
+    each as its own task)."""
     if _one_prompt(prompt):
         return [_prompt_text(prompt)]
     if isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
@@ -103,14 +104,24 @@ def prompt_texts(prompt: Any) -> list[str]:
     raise PromptError("'prompt' must be a string, an array of token ids, or an array of those")
 
 
+def _token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _one_prompt(prompt: Any) -> bool:
-    return isinstance(prompt, str) or (
-        isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    )
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not all(_token(t) or isinstance(t, str) for t in prompt):
+        return False
+    # token ids only, or strings and token ids mixed (llama-server tokenizes the strings in place); strings
+    # only are a list of prompts
+    return any(_token(t) for t in prompt) or not prompt
 
 
-def _prompt_text(prompt: str | list[int]) -> str:
-    return prompt if isinstance(prompt, str) else "".join(f"{t % 65536:04x}" for t in prompt)
+def _prompt_text(prompt: str | list[int | str]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(t if isinstance(t, str) else f"{t % 65536:04x}" for t in prompt)
 
 
 def make_prompt(n_tokens: int, salt: str = "") -> str:

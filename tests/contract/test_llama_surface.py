@@ -220,3 +220,19 @@ def test_each_generation_takes_a_slot(target: Target) -> None:
     while any(slot["is_processing"] for slot in get(target, "/slots").json()):
         assert time.monotonic() - start < 30, "the slots were not freed when the client left"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize(("fields", "choices"), [
+    ({"prompt": ["Say", 42, "hello."]}, 1),  # strings and token ids mixed: one prompt, tokenized in place
+    ({"prompt": [[42, "Say hello."], "Say goodbye."]}, 2),  # a list of prompts, one of them mixed
+    ({"n_cmpl": None, "n": 2}, 2),  # a null n_cmpl is absent: n counts
+    ({"n": None}, 1),
+    ({"n": 2.5}, 2),  # a number read as an integer, then checked: 2.5 runs 2 on 2 slots
+    ({"n": True}, 1),
+])
+def test_how_many_generations_a_request_runs(target: Target, fields: dict[str, object], choices: int) -> None:
+    # what macpool/contract.py generations() counts against a node's cap must be what llama-server runs
+    body = {"prompt": "Say hello.", "max_tokens": 1, **fields}
+    response = httpx.post(target.url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert [c["index"] for c in response.json()["choices"]] == list(range(choices))
