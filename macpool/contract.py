@@ -616,17 +616,23 @@ def reserve_argv(
 # --- What a request costs a node ------------------------------------------------------------------
 
 def generations(payload: dict[str, Any]) -> int:
-    """How many generations llama-server runs for one request: one per prompt of a list of prompts (a list of
-    token ids is one prompt), times ``n_cmpl`` (or its alias ``n``); each takes a slot, and its memory, while
-    it runs. A value llama-server would refuse counts 1 (its own 400 answers the request)."""
-    prompt = payload.get("prompt")
-    prompts = 1
-    if isinstance(prompt, list) and prompt and not all(type(token) is int for token in prompt):
-        prompts = len(prompt)
-    n = payload.get("n_cmpl", payload.get("n"))
+    """How many generations llama-server runs for one request: one per prompt of a list of prompts, times
+    ``n_cmpl`` (or its alias ``n``); each takes a slot, and its memory, while it runs. A value llama-server
+    would refuse counts 1 (its own 400 answers the request)."""
+    n = payload.get("n_cmpl")
+    if n is None:  # absent or null: llama-server reads n
+        n = payload.get("n")
     if type(n) is float and math.isfinite(n):
         n = int(n)  # llama-server reads a JSON number as an integer: 2.5 runs 2
-    return prompts * (n if type(n) is int and n > 1 else 1)
+    return _prompts(payload.get("prompt")) * (n if type(n) is int and n > 1 else 1)
+
+
+def _prompts(prompt: object) -> int:
+    """The prompts in a request's ``prompt``: a list of them, unless it is one prompt - token ids, or strings
+    and token ids mixed (llama-server tokenizes the strings in place)."""
+    if not isinstance(prompt, list) or any(type(token) is int for token in prompt):
+        return 1
+    return len(prompt) or 1
 
 
 def slots_needed(generations: int, total_slots: int) -> int:

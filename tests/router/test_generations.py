@@ -62,3 +62,17 @@ def test_a_full_answer_for_several_generations_does_not_refuse_the_others(pool: 
             single = client.post(url, json=chat(stream=False))  # within the 50 ms the memo would last
             assert single.status_code == 200 and single.headers["x-macpool-node"] == "small"
         assert big.status()["in_flight"] == 3
+
+
+def test_generations_are_counted_as_llama_server_runs_them(pool: Pool) -> None:
+    # a list mixing strings and token ids is one prompt; a null n_cmpl leaves n to count
+    pool.node("n1", cap=1, parallel=8, speed=20.0)
+    router = pool.router()
+    pool.wait_ready(router, 1)
+    url = router.url + "/v1/completions"
+    mixed = httpx.post(url, json={"prompt": ["Say", 42, "hello."], "max_tokens": 2}, timeout=10)
+    assert mixed.status_code == 200, mixed.text
+    assert len(mixed.json()["choices"]) == 1
+    two = httpx.post(url, json={"prompt": "Say hello.", "n_cmpl": None, "n": 2, "max_tokens": 2}, timeout=10)
+    assert two.status_code == 400
+    assert two.json()["error"]["code"] == "too_many_generations"
