@@ -79,9 +79,19 @@ class Call:
         return self.ticket.generations
 
 
-def fits(call: Call, node: NodeDoc) -> bool:
-    """Whether ``node`` could run all of the request's generations at once, were it idle."""
-    return call.generations == 1 or slots_needed(call.generations, node.total_slots) <= node.capacity
+def fits(call: Call, node: NodeDoc, capacity: int | None = None) -> bool:
+    """Whether ``node`` could run all of the request's generations at once, were it idle (with ``capacity``:
+    were that its capacity)."""
+    cap = node.capacity if capacity is None else capacity
+    return call.generations == 1 or slots_needed(call.generations, node.total_slots) <= cap
+
+
+def full_capacity(node: NodeDoc) -> int:
+    """What ``node`` runs when it is itself again: its capacity lowered by memory pressure, or not yet known
+    while it starts, is the smallest of its capacity's terms."""
+    b = node.capacity_breakdown
+    terms = [term for term in (b.configured, b.memory, b.calibrated) if term is not None]
+    return max(node.capacity, min(terms, default=0))
 
 
 class _Retry(Exception):
@@ -206,16 +216,22 @@ class Forwarder:
         return error_response(502, "no node could be reached", "upstream_unavailable")
 
     def _too_large(self, call: Call) -> Response | None:
-        """400 for a request running more generations at once than any node in the pool runs, else None."""
+        """400 for a request running more generations at once than any node in the pool runs, else None.
+
+        Every node serving the model counts, at its full capacity: one draining, drained, starting, paging or
+        behind an open circuit comes back, and a request that only it can run is a 503 meanwhile, to retry.
+        """
         try:
-            docs = self.pool.candidates(call.model)
+            self.pool.candidates(call.model)
         except (NoNodes, ModelNotFound):
             return None  # answered by _handle
-        if any(fits(call, doc) for doc in docs):
-            return None
+        docs = [doc for doc in self.pool.fresh_nodes() if not call.model or call.model in doc.models]
+        sizes = [full_capacity(doc) for doc in docs]
+        if any(size == 0 or fits(call, doc, size) for doc, size in zip(docs, sizes, strict=True)):
+            return None  # (0: a node starting, its size not known yet)
         self.metrics.requests.labels(model=call.model, node="", status="400").inc()
         message = (f"this request runs {call.generations} generations at once (its prompts times n); no node "
-                   f"in the pool runs more than {max(doc.capacity for doc in docs)}")
+                   f"in the pool runs more than {max(sizes)}")
         return error_response(400, message, "too_many_generations")
 
     def rejection(self, rejected: Rejected, call: Call) -> Response:

@@ -76,3 +76,24 @@ def test_generations_are_counted_as_llama_server_runs_them(pool: Pool) -> None:
     two = httpx.post(url, json={"prompt": "Say hello.", "n_cmpl": None, "n": 2, "max_tokens": 2}, timeout=10)
     assert two.status_code == 400
     assert two.json()["error"]["code"] == "too_many_generations"
+
+
+def test_a_request_only_a_node_away_for_now_could_run_is_a_503_not_a_400(pool: Pool) -> None:
+    # the big node drained (a restart, maintenance): the request is fine, the pool is short for now
+    pool.node("big", cap=3, parallel=8, speed=20.0)
+    pool.node("small", cap=1, parallel=8, speed=20.0)
+    router = pool.router("--queue-size", "0", "--admin-key", "adm")
+    pool.wait_ready(router, 2)
+    admin = {"Authorization": "Bearer adm"}
+    url = router.url + "/v1/chat/completions"
+    with httpx.Client(timeout=30) as client:
+        assert client.post(router.url + "/admin/nodes/big/drain", headers=admin).status_code == 200
+        wait_until(lambda: any(n["node_id"] == "big" and n["drained"]
+                               for n in client.get(router.url + "/api/pool").json()["nodes"]), timeout=5)
+        refused = client.post(url, json={**chat(stream=False), "n": 2})
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["x-macpool-reason"] == "pool_full" and "retry-after" in refused.headers
+        assert client.post(url, json={**chat(stream=False), "n": 4}).status_code == 400  # more than big runs
+        assert client.post(router.url + "/admin/nodes/big/undrain", headers=admin).status_code == 200
+        pair = {**chat(stream=False), "n": 2}
+        wait_until(lambda: client.post(url, json=pair).status_code == 200, timeout=5)
