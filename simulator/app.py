@@ -495,7 +495,10 @@ class SimServer:
             yield tail
         finally:
             for future in waiting:
-                future.cancel()
+                if not future.done():
+                    future.cancel()
+                elif not future.cancelled():
+                    future.exception()  # read (a finished generation's StopAsyncIteration): nothing to log
             for stream in streams:
                 with contextlib.suppress(RuntimeError):  # one still running its cancelled step
                     await stream.aclose()
