@@ -73,6 +73,7 @@ class Router:
         self.api_keys = KeyRing(load_api_keys(settings.api_keys_file) if settings.api_keys_file else [])
         self.admin_key = KeyRing([ApiKey(digest(settings.admin_key), "admin")] if settings.admin_key else [])
         self._services: Services | None = None
+        self.stopping = False  # set by the server's signal handler (router/cli.py): a shutdown has begun
         # the dashboard's history and the scale hint (and its webhook), sampled while the app runs
         self.scale = ScaleWatch(self.pool_json, ScaleConfig.from_settings(settings))
 
@@ -108,6 +109,10 @@ class Router:
             await pool.stop()
             await transport.aclose()
             await redis.aclose()
+
+    def begin_shutdown(self) -> None:
+        """The server got SIGTERM/SIGINT (called from its signal handler: only sets a flag)."""
+        self.stopping = True
 
     def pool_json(self) -> dict[str, Any]:
         """The /api/pool document (also what the dashboard streams)."""
@@ -338,6 +343,7 @@ def create_app(settings: Settings) -> Starlette:
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.early_answers = router  # refusals below ASGI (router/cli.py, macpool/http_guard.py)
+    app.state.begin_shutdown = router.begin_shutdown  # the server's signal handler calls it (router/cli.py)
     return app
 
 
@@ -367,7 +373,9 @@ def _dashboard_routes(router: Router) -> list[BaseRoute]:
         if exc.name != "router.dashboard":
             raise
         return []
-    routes: list[BaseRoute] = dashboard.routes(router.pool_json, router.settings, watch=router.scale)
+    routes: list[BaseRoute] = dashboard.routes(
+        router.pool_json, router.settings, watch=router.scale, stopping=lambda: router.stopping
+    )
     return routes
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -106,7 +108,20 @@ def serve(settings: Settings) -> None:
         timeout_keep_alive=75,
         backlog=4096,
     )
-    uvicorn.Server(config).run()
+    _Server(config, on_exit=app.state.begin_shutdown).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that also tells the application when a shutdown begins: uvicorn waits for every open
+    response, and the dashboard's streams only end when told to."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self.on_exit()
 
 
 def _http_protocol(settings: Settings, early: Any) -> Any:

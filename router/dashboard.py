@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,9 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 class Dashboard:
     """The endpoints, bound to one watch."""
 
-    def __init__(self, watch: ScaleWatch) -> None:
+    def __init__(self, watch: ScaleWatch, stopping: Callable[[], bool] = lambda: False) -> None:
         self.watch = watch
+        self.stopping = stopping  # true once the server is shutting down: streams end, pages reconnect
         self.viewers = 0  # open SSE streams
 
     async def page(self, request: Request) -> Response:
@@ -56,7 +57,9 @@ class Dashboard:
         try:
             yield b"retry: 2000\n\n"
             yield _event("history", {"points": list(self.watch.history)})
-            while not await request.is_disconnected():
+            # a stream never ends by itself: left open at shutdown it would hold the router up for its whole
+            # --shutdown-timeout, then be cancelled with a traceback
+            while not self.stopping() and not await request.is_disconnected():
                 yield await self._frame()
                 await asyncio.sleep(STREAM_INTERVAL_S)
         finally:
@@ -72,13 +75,17 @@ class Dashboard:
         return _event("pool", {"view": frame.view, "scale": frame.hint.as_dict(), "point": last})
 
 
-def routes(pool_json: PoolSource, settings: Any, watch: ScaleWatch | None = None) -> list[BaseRoute]:
+def routes(
+    pool_json: PoolSource, settings: Any, watch: ScaleWatch | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> list[BaseRoute]:
     """GET /dashboard, /static/..., /api/pool/stream (SSE) and /api/pool/scale.
 
     Pass ``watch`` when the router runs it in its lifespan (``async with watch.running():``) for the
     webhook and gap-free history; without it the watch samples only while someone is looking.
+    ``stopping`` says when the server has begun to shut down (the streams then end within an interval).
     """
-    dashboard = Dashboard(watch or ScaleWatch(pool_json, ScaleConfig.from_settings(settings)))
+    dashboard = Dashboard(watch or ScaleWatch(pool_json, ScaleConfig.from_settings(settings)), stopping)
     return [
         Route("/dashboard", dashboard.page, methods=["GET"]),
         Route("/api/pool/stream", dashboard.stream, methods=["GET"]),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -12,6 +15,8 @@ from starlette.applications import Starlette
 
 from macpool.redis_server import free_port
 from router.dashboard import Dashboard, routes
+
+SpawnFactory = Callable[..., Any]
 
 VIEW: dict[str, Any] = {
     "ts_ms": 1, "router_id": "r1", "redis_ok": True,
@@ -64,3 +69,29 @@ def test_stream_pushes_frames_and_stops_when_the_client_disconnects() -> None:
     assert len(events) == 6
     assert events[0]["view"]["nodes"][0]["node_id"] == "mac-1"
     assert set(events[0]["scale"]) >= {"current_nodes", "desired_nodes", "saturation", "reason"}
+
+
+def test_an_open_dashboard_does_not_hold_up_the_routers_shutdown(redis_url: str, spawn: SpawnFactory) -> None:
+    """SIGTERM ends the dashboard's streams at once: an idle router with a page open stops in well under its
+    --shutdown-timeout, and without uvicorn's "Exception in ASGI application" traceback."""
+    router = spawn("router", "--redis-url", redis_url, "--shutdown-timeout", "10", name="router")
+    stream_url = f"{router.url}/api/pool/stream"
+    with httpx.Client(timeout=10) as client, client.stream("GET", stream_url) as response:
+        lines = response.iter_lines()
+        assert any(line == "event: pool" for line in lines)
+        sent = time.monotonic()
+        router.child.signal(signal.SIGTERM)
+        cut = False
+        try:
+            for _ in lines:  # the stream ends (it went on until the router cut it off at 10 s)
+                pass
+        except httpx.RemoteProtocolError:
+            cut = True
+        ended = time.monotonic() - sent
+    assert not cut, f"the stream was cut off after {ended:.1f}s instead of ending"
+    assert router.child.process is not None
+    router.child.process.wait(10)
+    stopped = time.monotonic() - sent
+    assert ended < 3 and stopped < 5, f"stream ended after {ended:.1f}s, router stopped after {stopped:.1f}s"
+    log = router.child.log_path.read_text() if router.child.log_path else ""
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-2000:]
