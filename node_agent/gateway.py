@@ -281,19 +281,24 @@ class Gateway:
         upstream stream closed at once, which is what makes llama-server cancel the task and free the slot.
         """
         assembler = unstream.Assembler(endpoint)
+        metrics = self.runtime.metrics
         try:
             async for line in upstream.aiter_lines():
                 if assembler.events == 0 and line.startswith("data: "):
-                    self.runtime.ttft_samples.append(time.perf_counter() - started)
+                    elapsed = time.perf_counter() - started
+                    self.runtime.ttft_samples.append(elapsed)
+                    metrics.ttft.observe(elapsed)
                 assembler.feed_line(line)
         except httpx.HTTPError:
-            self.runtime.metrics.upstream_errors.labels("mid_response").inc()
+            metrics.upstream_errors.labels("mid_response").inc()
+            metrics.requests.labels(endpoint, "502").inc()
             return error_response(502, "llama-server failed mid-response", "upstream_midstream")
         finally:
             await upstream.aclose()
         if assembler.error is not None:
             code = assembler.error.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            metrics.requests.labels(endpoint, str(status)).inc()
             return JSONResponse({"error": assembler.error}, status_code=status)
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in _response_headers(upstream) if name not in _RECOMPUTED}

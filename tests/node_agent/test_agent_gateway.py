@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import string
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -467,3 +468,37 @@ def test_each_generation_of_a_request_holds_a_slot(sim: SimFactory, agent: Agent
             assert httpx.post(gateway.url + CHAT, json=chat(5), timeout=10).status_code == 503
         wait_until(lambda: status(gateway.url)["in_flight"] == 1, timeout=2, what="both slots given back")
     wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=2, what="all slots given back")
+
+
+def test_a_non_streamed_request_counts_in_the_ttft_histogram_as_in_the_heartbeats_p50(
+    sim: SimFactory, agent: AgentFactory
+) -> None:
+    # the agent asks llama-server for a stream and folds it: it sees the first token, as for a stream, and
+    # the histogram on /metrics must describe the same requests as the TTFT p50 on the dashboard
+    upstream = sim("--parallel", "4", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url)
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    for _ in range(2):
+        answer = httpx.post(gateway.url + CHAT, json=chat(5, stream=False), timeout=30)
+        assert answer.status_code == 200 and answer.json()["object"] == "chat.completion"
+    assert metric(gateway.url, "macpool_agent_ttft_seconds_count") == 2
+    assert metric(gateway.url, f'macpool_agent_requests_total{{endpoint="{CHAT}",status="200"}}') == 2
+    wait_until(lambda: status(gateway.url)["node"]["ttft_p50_ms"] is not None, what="TTFT p50 heartbeat")
+
+
+def test_a_folded_request_that_fails_is_counted_with_the_status_it_got(
+    spawn: Callable[..., Server], agent: AgentFactory
+) -> None:
+    port = free_port()
+    upstream = spawn(argv=[sys.executable, "-m", "tests.node_agent.failing_upstream", "--port", str(port)],
+                     port=port, name="failing-upstream")
+    gateway = agent("--upstream", upstream.url)
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    failed = httpx.post(gateway.url + CHAT, json=shared_chat(stream=False, content="error"), timeout=30)
+    assert failed.status_code == 500 and failed.json()["error"]["message"] == "boom"
+    cut = httpx.post(gateway.url + CHAT, json=shared_chat(stream=False), timeout=30)
+    assert cut.status_code == 502 and cut.json()["error"]["code"] == "upstream_midstream"
+    requests = f'macpool_agent_requests_total{{endpoint="{CHAT}",status="%s"}}'
+    assert metric(gateway.url, requests % "500") == 1
+    assert metric(gateway.url, requests % "502") == 1
+    assert metric(gateway.url, 'macpool_agent_upstream_errors_total{kind="mid_response"}') == 1
