@@ -55,6 +55,13 @@ def _bar(used: float, total: float, width: int = 10) -> str:
     return "█" * filled + "·" * (width - filled)
 
 
+def _reason(doc: dict[str, Any]) -> str:
+    reason = str(doc.get("reason") or "")
+    if doc.get("drained"):  # the agent does not know: its own reason would hide why the node takes nothing
+        return "drained through the admin API" + (f"; {reason}" if reason else "")
+    return reason
+
+
 def _num(value: Any, digits: int = 1) -> str:
     return "-" if value is None else f"{float(value):.{digits}f}"
 
@@ -123,10 +130,10 @@ class TopView:
                 Text(state, STATE_STYLE.get(state, "")),
                 f"{_bar(in_flight, max(capacity, 1), 8)} {in_flight:>2}/{capacity:<2}",
                 str(doc.get("reserved", "-")),
-                f"{_bar(pinned, limit, 8)} {pinned:5.1f}/{limit:.0f}",
+                f"{_bar(pinned, limit, 8)} {pinned:5.1f}/{limit:.0f}" if limit else "-",
                 _num(doc.get("tokens_per_s"), 0),
                 "-" if ttft is None else f"{float(ttft):.0f}ms",
-                "left the pool" if state == "gone" else str(doc.get("reason") or ""),
+                "left the pool" if state == "gone" else _reason(doc),
             ]
             table.add_row(*cells[: len(columns)], style="dim" if state == "gone" else "")
         if not table.rows:

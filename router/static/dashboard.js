@@ -74,16 +74,20 @@ function renderNode(card, poolCapacity) {
   limit.style.left = `calc(${100 * (mem.wired_limit_gb || 0) / total}% - 1px)`;
   q(".bar.memory").title = `weights ${fmt(weights)} GB, in-flight ${fmt(working)} GB, ` +
     `wired limit ${fmt(mem.wired_limit_gb)} GB of ${fmt(mem.total_gb)} GB, swap ${fmt(mem.swap_used_gb)} GB, pressure ${mem.pressure || "-"}`;
-  q(".mem-text").textContent = `${fmt(weights + working)} / ${fmt(mem.wired_limit_gb)} GB`;
+  // no memory sample (the probe failing, or the simulator's llama-server down): say so rather than "0.0 / 0.0"
+  q(".mem-text").textContent = mem.wired_limit_gb ? `${fmt(weights + working)} / ${fmt(mem.wired_limit_gb)} GB` : "- GB";
 
   q(".tps").textContent = fmt(doc.tokens_per_s, 0);
   q(".ttft").textContent = doc.ttft_p50_ms === null || doc.ttft_p50_ms === undefined ? "-" : fmt(doc.ttft_p50_ms, 0) + " ms";
-  const share = !card.goneSince && poolCapacity > 0 && nodeState(doc) !== "draining" ? cap / poolCapacity : 0;
+  // the pool's capacity counts ready, undrained nodes only: so must each node's share of it
+  const counted = !card.goneSince && doc.state === "ready" && !doc.drained && cap > 0;
+  const share = counted && poolCapacity > 0 ? cap / poolCapacity : 0;
   q(".share").textContent = fmt(100 * share, 0) + "%";
-  q(".share").title = "share of the pool's free slots this node takes, so of the queue it drains";
+  q(".share").title = "this node's share of the pool's capacity, so of the queue it drains";
   q(".reserved").textContent = doc.reserved ?? "-";
   q(".node > .reason, .reason").textContent = card.goneSince
     ? `left the pool ${Math.round((Date.now() - card.goneSince) / 1000)}s ago (heartbeat expired or agent stopped)`
+    : doc.drained ? "drained through the admin API: no new requests until undrained" + (doc.reason ? "; " + doc.reason : "")
     : (doc.reason || "");
   q(".drain").disabled = !!card.goneSince || !!doc.drained;
   q(".undrain").disabled = !!card.goneSince || !doc.drained;

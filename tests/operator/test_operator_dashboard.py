@@ -168,3 +168,32 @@ def test_dashboard_shows_affinity_and_queues_by_class_and_key(
         for t in loaders:
             t.join(timeout=70)
     assert not errors, errors
+
+
+def _cards(page: Any) -> dict[str, dict[str, str]]:
+    cards: dict[str, dict[str, str]] = page.evaluate(
+        "() => Object.fromEntries([...document.querySelectorAll('.node')].map(e => [e.dataset.nodeId, "
+        "{state: e.dataset.state, share: e.querySelector('.share').textContent, "
+        "mem: e.querySelector('.mem-text').textContent, reason: e.querySelector('.reason').textContent}]))"
+    )
+    return cards
+
+
+@pytest.mark.slow
+def test_a_node_out_of_the_pools_capacity_takes_no_share_of_it(pool: Callable[..., Pool], page: Any) -> None:
+    running = pool(nodes=3)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{running.router.url}/dashboard")
+    wait_until(lambda: set(_node_states(page)) == set(running.agents), 30, "every node on the page")
+    running.sims["mac-3"].child.kill()  # its llama-server is gone: the agent stays, unhealthy
+    wait_until(lambda: _cards(page)["mac-3"]["state"] == "unhealthy", 30, "mac-3 unhealthy")
+    httpx.post(f"{running.router.url}/admin/nodes/mac-2/drain",
+               headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5).raise_for_status()
+    wait_until(lambda: _cards(page)["mac-2"]["state"] == "draining", 30, "mac-2 drained")
+    cards = _cards(page)
+    # the pool's capacity is mac-1's alone now: the shares must not add up to more than the whole
+    assert (cards["mac-1"]["share"], cards["mac-2"]["share"], cards["mac-3"]["share"]) == ("100%", "0%", "0%")
+    assert cards["mac-2"]["reason"].startswith("drained through the admin API"), cards["mac-2"]
+    assert cards["mac-3"]["mem"] == "- GB", cards["mac-3"]  # its memory figures went with its llama-server
+    assert not errors, errors

@@ -64,3 +64,22 @@ def test_top_shows_the_affinity_hit_rate_and_each_keys_queue() -> None:
     assert "affinity hits 75%" in text
     assert "app: 3 in flight, queued 2 interactive / 0 batch" in text
     assert "nightly: 1 in flight, queued 0 interactive / 5 batch" in text
+
+
+def test_top_says_a_node_is_drained_and_does_not_make_up_memory_figures() -> None:
+    from rich.console import Console
+
+    from router.top import TopView
+
+    nodes = [{"node_id": "mac-1", "state": "ready", "capacity": 8, "drained": True,
+              "reason": "capacity 8 set by llama-server's 8 slots",
+              "memory": {"pinned_gb": 20.0, "wired_limit_gb": 36.0}},
+             {"node_id": "mac-2", "state": "unhealthy", "capacity": 4,
+              "reason": "llama-server is not reachable", "memory": {"pinned_gb": 0.0, "wired_limit_gb": 0.0}}]
+    console = Console(width=200, record=True)
+    console.print(TopView().render({"pool": {}, "nodes": nodes}, "http://router", now=0, width=200))
+    lines = {line.split()[0]: line for line in console.export_text().splitlines() if line.startswith(" mac")
+             or line.startswith("mac")}
+    assert "drained through the admin API; capacity 8" in lines["mac-1"]
+    assert "20.0/36" in lines["mac-1"]
+    assert "0.0/0" not in lines["mac-2"]
