@@ -387,6 +387,7 @@ class Heartbeat:
         """Say when an agent started later takes this node id (a restart's new agent while this one drains,
         or another Mac given the same id), and when the id is this agent's again."""
         if holder == self.superseded_by:
+            self.runtime.details.setdefault("superseded_by", holder)  # in /status from the first beat on
             return
         if holder is None:
             log.info("node id %s is this agent's again (%s); back in the pool", doc.node_id, doc.url)
@@ -398,6 +399,7 @@ class Heartbeat:
                       "nothing while it does. Give each Mac its own --node-id", doc.node_id, holder, doc.url)
         self.superseded_by = holder
         self.runtime.details["superseded_by"] = holder
+        self.runtime.metrics.superseded.set(0 if holder is None else 1)
 
     async def remove(self) -> None:
         try:

@@ -61,6 +61,11 @@ class AgentMetrics:
         self.state = Gauge(
             "macpool_agent_state_info", "1 for the node's current state", ["state"], registry=r
         )
+        self.superseded = Gauge(
+            "macpool_agent_superseded",
+            "1 while an agent started later holds this node id (this one gets no traffic), else 0",
+            registry=r,
+        )
 
 
 @dataclass

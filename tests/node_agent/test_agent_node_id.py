@@ -11,7 +11,7 @@ from collections.abc import Callable
 from redis.asyncio import Redis
 
 from macpool.contract import Keys, NodeDoc, now_ms, remove_node, write_heartbeat
-from tests.conftest import Server
+from tests.conftest import Server, metric
 from tests.node_agent.helpers import AgentFactory, read_node, status, wait_until
 from tests.node_agent.test_agent_heartbeat import logged
 
@@ -72,10 +72,15 @@ def test_two_agents_given_one_id_settle_on_the_later_and_the_other_says_so(
     upstream = sim("--parallel", "2", "--speed", "20")
     first = agent("--upstream", upstream.url)
     wait_until(lambda: (d := read_node(redis_url, "n1")) is not None and d.url == first.url, what="first")
+    wait_until(lambda: "superseded_by" in status(first.url), what="superseded_by in /status from the start")
+    assert status(first.url)["superseded_by"] is None
+    assert metric(first.url, "macpool_agent_superseded") == 0
     time.sleep(0.05)  # a later start time, whatever the clock's resolution
     second = agent("--upstream", upstream.url)
     wait_until(lambda: (d := read_node(redis_url, "n1")) is not None and d.url == second.url, what="second")
     wait_until(lambda: status(first.url).get("superseded_by") == second.url, what="first told")
+    # its own state is still "ready" (it serves what reaches it): the gauge is what says it is out of the pool
+    assert metric(first.url, "macpool_agent_superseded") == 1
     seen = set()
     for _ in range(10):  # three beats of each: the record no longer takes turns
         node = read_node(redis_url, "n1")
@@ -89,4 +94,5 @@ def test_two_agents_given_one_id_settle_on_the_later_and_the_other_says_so(
     assert second.child.stop(timeout=15) == 0
     wait_until(lambda: (d := read_node(redis_url, "n1")) is not None and d.url == first.url, what="back")
     wait_until(lambda: status(first.url).get("superseded_by") is None, what="first in again")
+    assert metric(first.url, "macpool_agent_superseded") == 0
     assert len(logged(first, "is this agent's again")) == 1
