@@ -59,3 +59,8 @@ class RouterMetrics:
         self.saturation = Gauge(
             "macpool_pool_saturation", "(busy + queued) / capacity of the pool", registry=r
         )
+        self.redis_up = Gauge(
+            "macpool_redis_up",
+            "1 when the router's last read of the pool from Redis succeeded; 0 while Redis is unreachable "
+            "(the pool gauges then hold the last view)", registry=r,
+        )

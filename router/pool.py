@@ -334,6 +334,7 @@ class PoolView:
     def export(self, metrics: RouterMetrics) -> None:
         """Set the pool gauges (called when /metrics is scraped)."""
         totals = self.totals()
+        metrics.redis_up.set(1 if self.redis_ok else 0)
         metrics.pool_slots.labels(state="total").set(totals["capacity"])
         metrics.pool_slots.labels(state="busy").set(totals["busy"])
         metrics.queue_depth.set(totals["queued"])
