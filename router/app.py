@@ -18,6 +18,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -285,13 +286,20 @@ class Router:
         if drained and node_id not in services.pool.snapshot.nodes:
             return error_response(404, f"node {node_id!r} is not in the pool", "node_not_found")
         keys = self.keys
-        async with services.redis.pipeline(transaction=True) as pipe:
-            if drained:
-                pipe.sadd(keys.drained, node_id)
-            else:
-                pipe.srem(keys.drained, node_id)
-            pipe.publish(keys.events, f"{'drain' if drained else 'undrain'} {node_id}")
-            await pipe.execute()
+        try:
+            async with services.redis.pipeline(transaction=True) as pipe:
+                if drained:
+                    pipe.sadd(keys.drained, node_id)
+                else:
+                    pipe.srem(keys.drained, node_id)
+                pipe.publish(keys.events, f"{'drain' if drained else 'undrain'} {node_id}")
+                await pipe.execute()
+        except (RedisError, OSError) as exc:  # the drain lives in Redis: without it, nothing was changed
+            action = "drain" if drained else "undrain"
+            log.warning("%s of node %s failed: redis unreachable (%s: %s)", action, node_id,
+                        type(exc).__name__, exc, extra={"node": node_id})
+            message = f"Redis is unreachable: node {node_id!r} was not {action}ed; retry"
+            return error_response(503, message, "pool_unavailable", headers={"Retry-After": "1"})
         services.pool.apply(f"{'drain' if drained else 'undrain'} {node_id}")
         return JSONResponse({"node_id": node_id, "drained": drained})
 
