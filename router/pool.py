@@ -86,6 +86,7 @@ class PoolView:
         self.snapshot = PoolSnapshot()
         self.redis_ok = False
         self.redis_seen = time.monotonic()  # when Redis last answered a full read
+        self._outage_logged = False  # an outage is logged once, when it begins, and once when it ends
         self.heard: dict[str, float] = {}  # node id -> monotonic time its latest heartbeat arrived
         self.circuits: dict[str, Circuit] = {}
         self.freed = RateMeter(window=30.0)
@@ -102,10 +103,7 @@ class PoolView:
 
     async def start(self) -> None:
         """Read the pool once, then follow it; an unreachable Redis is retried by the loops."""
-        try:
-            await self.refresh()
-        except Exception as exc:
-            log.warning("initial pool read failed: %s: %s", type(exc).__name__, exc)
+        await self.refresh()
         self._tasks = [
             asyncio.create_task(self._listen(), name="pool-events"),
             asyncio.create_task(every(self.settings.refresh_interval, self.refresh, "pool refresh")),
@@ -120,14 +118,18 @@ class PoolView:
         self._tasks = []
 
     async def refresh(self) -> None:
-        """Re-read the whole pool (catches expired heartbeats and anything pub/sub missed)."""
+        """Re-read the whole pool (catches expired heartbeats and anything pub/sub missed); while Redis is
+        unreachable, keep the last view."""
         try:
             snapshot = await read_pool(self.redis, self.keys, self.tenants)
-        except Exception:
-            self.redis_ok = False
-            raise
+        except Exception as exc:
+            self._redis_failed("pool refresh", exc)
+            return
         self.redis_ok = True
         self.redis_seen = time.monotonic()
+        if self._outage_logged:
+            self._outage_logged = False
+            log.info("redis at %s answers again; pool view refreshed", self._address)
         self.version += 1
         for doc in snapshot.nodes.values():
             self._heard(doc)
@@ -156,9 +158,21 @@ class PoolView:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.redis_ok = False
-                log.warning("pool events: %s: %s; resubscribing", type(exc).__name__, exc)
-                await asyncio.sleep(0.5)
+                self._redis_failed("pool events", exc)
+                await asyncio.sleep(0.5)  # then subscribe again; the refresh covers what was missed
+
+    def _redis_failed(self, where: str, exc: Exception) -> None:
+        """Redis did not answer: one warning per outage (the refresh and the events retry every second)."""
+        self.redis_ok = False
+        if not self._outage_logged:
+            self._outage_logged = True
+            log.warning("redis at %s unreachable (%s: %s: %s); routing from the last view of the pool, "
+                        "retrying", self._address, where, type(exc).__name__, exc)
+
+    @property
+    def _address(self) -> str:
+        kwargs = self.redis.connection_pool.connection_kwargs
+        return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
     def _on_event(self, data: bytes) -> None:
         self.apply(data.decode())

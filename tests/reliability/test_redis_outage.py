@@ -85,6 +85,11 @@ def test_redis_outage_and_recovery(spawn: SpawnFactory, own_redis: RedisServer) 
             # the router's view converges within a refresh (1 s): its events subscription may still be
             # reconnecting to the restarted Redis when the last slots are freed
             wait_until(lambda: rig.pool_doc(router)["pool"]["busy"] == 0, 5, "the router sees the pool idle")
+            # the outage is one warning when it began and one line when it ended, not one per retry
+            assert router.child.log_path is not None
+            lines = router.child.log_path.read_text().splitlines()
+            assert len([line for line in lines if "unreachable (" in line]) == 1, lines[-20:]
+            assert len([line for line in lines if "answers again" in line]) == 1, lines[-20:]
         finally:
             restarted.close()
 
