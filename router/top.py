@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-GONE_KEEP_S = 60.0
+GONE_KEEP_S = 120.0  # as long as the dashboard keeps it (router/static/dashboard.js GONE_KEEP_MS)
 
 STATE_STYLE = {
     "healthy": "green",
