@@ -10,7 +10,8 @@ COPY router ./router
 COPY node_agent ./node_agent
 COPY simulator ./simulator
 COPY bench ./bench
-RUN pip install . && useradd --system --no-create-home macpool
-USER macpool
+RUN pip install . && useradd --system --no-create-home --uid 10001 macpool
+# numeric, so a cluster enforcing runAsNonRoot (the "restricted" pod security standard) can verify it
+USER 10001
 ENTRYPOINT ["macpool"]
 CMD ["--help"]

@@ -267,6 +267,17 @@ def test_other_deploy_files_parse() -> None:
         assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_the_image_runs_as_a_numeric_non_root_user_and_the_pods_require_it() -> None:
+    # a name (USER macpool) cannot be checked by a cluster enforcing runAsNonRoot: it refuses the pod
+    users = re.findall(r"^USER\s+(\S+)", (ROOT / "Dockerfile").read_text(), flags=re.MULTILINE)
+    assert len(users) == 1 and users[0].split(":")[0].isdigit() and int(users[0].split(":")[0]) > 0, users
+    for doc in yaml.safe_load_all((DEPLOY / "k8s" / "router.yaml").read_text()):
+        for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            context = container["securityContext"]
+            assert context["runAsNonRoot"] is True and context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+
+
 def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze is not installed")
