@@ -69,11 +69,17 @@ def _load(
 
 
 def _node_states(page: Any) -> dict[str, str]:
-    states: dict[str, str] = page.evaluate(
-        "() => Object.fromEntries([...document.querySelectorAll('.node')]"
-        ".map(e => [e.dataset.nodeId, e.dataset.state]))"
+    return {node: card["state"] for node, card in _cards(page).items()}
+
+
+def _cards(page: Any) -> dict[str, dict[str, str]]:
+    """Each node card on the page: its state and the text of its share, memory and reason lines."""
+    cards: dict[str, dict[str, str]] = page.evaluate(
+        "() => Object.fromEntries([...document.querySelectorAll('.node')].map(e => [e.dataset.nodeId, "
+        "{state: e.dataset.state, share: e.querySelector('.share')?.textContent, "
+        "mem: e.querySelector('.mem-text')?.textContent, reason: e.querySelector('.reason')?.textContent}]))"
     )
-    return states
+    return cards
 
 
 @pytest.mark.slow
@@ -168,15 +174,6 @@ def test_dashboard_shows_affinity_and_queues_by_class_and_key(
         for t in loaders:
             t.join(timeout=70)
     assert not errors, errors
-
-
-def _cards(page: Any) -> dict[str, dict[str, str]]:
-    cards: dict[str, dict[str, str]] = page.evaluate(
-        "() => Object.fromEntries([...document.querySelectorAll('.node')].map(e => [e.dataset.nodeId, "
-        "{state: e.dataset.state, share: e.querySelector('.share').textContent, "
-        "mem: e.querySelector('.mem-text').textContent, reason: e.querySelector('.reason').textContent}]))"
-    )
-    return cards
 
 
 @pytest.mark.slow

@@ -7,14 +7,13 @@ ready (/health, /props, /v1/models, /metrics); generation endpoints answer
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-import uvicorn
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from tests.stand_in import serve
 
 # what a misbehaving upstream might send back: hop-by-hop headers, one named by Connection, a forged reason
 HOSTILE = {
@@ -28,24 +27,6 @@ HOSTILE = {
 }
 
 
-async def health(request: Request) -> Response:
-    return JSONResponse({"status": "ok"})
-
-
-async def props(request: Request) -> Response:
-    return JSONResponse(
-        {"total_slots": 4, "default_generation_settings": {"n_ctx": 1024}, "build_info": "echo"}
-    )
-
-
-async def models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [{"id": "echo", "object": "model"}]})
-
-
-async def metrics(request: Request) -> Response:
-    return PlainTextResponse("")
-
-
 async def echo(request: Request) -> Response:
     body = (await request.body()).decode()
     received = {"headers": [[k, v] for k, v in request.headers.items()], "body": body}
@@ -53,21 +34,8 @@ async def echo(request: Request) -> Response:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--port", type=int, required=True)
-    args = p.parse_args(argv)
-    routes = [
-        Route("/health", health),
-        Route("/props", props),
-        Route("/v1/models", models),
-        Route("/metrics", metrics),
-    ]
-    routes += [
-        Route(path, echo, methods=["POST"])
-        for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
-    ]
-    uvicorn.run(Starlette(routes=routes), host="127.0.0.1", port=args.port, log_level="warning")
-    return 0
+    paths = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
+    return serve(argv, "echo", [Route(path, echo, methods=["POST"]) for path in paths])
 
 
 if __name__ == "__main__":

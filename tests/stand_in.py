@@ -1,0 +1,39 @@
+"""The part of llama-server's surface an agent needs to go ready, for stand-in upstreams in tests.
+
+``serve(argv, name, routes)`` answers ``/health``, ``/props`` (4 slots of 1,024 tokens), ``/v1/models`` (one
+model, ``name``) and an empty ``/metrics``, plus the stand-in's own ``routes``, on ``--port`` from ``argv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+
+def serve(argv: list[str], name: str, routes: list[Route], log_level: str = "warning") -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args(argv)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def props(request: Request) -> Response:
+        settings = {"n_ctx": 1024}
+        return JSONResponse({"total_slots": 4, "default_generation_settings": settings, "build_info": name})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model"}]})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse("")
+
+    surface = [Route("/health", health), Route("/props", props), Route("/v1/models", models),
+               Route("/metrics", metrics)]
+    uvicorn.run(Starlette(routes=surface + routes), host="127.0.0.1", port=args.port, log_level=log_level)
+    return 0
