@@ -6,16 +6,19 @@ protocol in one file.
 Keys (``{p}`` is the configurable prefix, default ``macpool:``):
 
 ``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the :class:`NodeDoc` JSON),
-                      ``capacity`` (int), ``state`` (str), ``models`` (newline-separated),
+                      ``capacity`` (int), ``state`` (str), ``models`` (newline-separated), ``slots``
+                      (llama-server's slots, which bound the slots one request holds: :func:`slots_needed`),
                       ``instance`` and ``started`` (which agent process holds the id, and when it
                       started). Written by the agent every heartbeat (:data:`HEARTBEAT`); a dead Mac
                       disappears when the TTL runs out. Of two agents under one id, the one started
                       last holds it: the other's heartbeats and deregistration are refused.
 ``{p}nodes``          ZSET node id -> last heartbeat (ms). An index for routers; entries whose
                       ``node`` key expired are pruned by routers.
-``{p}resv:{id}``      ZSET reservation id -> lease expiry (ms). One member per request a router
-                      admitted to that node. Leases expire, so a crashed router leaks nothing
-                      past the lease time; live streams renew theirs.
+``{p}resv:{id}``      ZSET reservation id -> lease expiry (ms). One member per slot a router reserved
+                      on that node: ``rid`` for a request, and ``rid#2`` .. ``rid#k`` more for one that
+                      runs k generations at once (reserved, renewed and released together). Leases
+                      expire, so a crashed router leaks nothing past the lease time; live streams
+                      renew theirs.
 ``{p}drained``        SET of node ids an operator drained through a router's admin API.
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
 ``{p}qmeta``          HASH waiter id -> its priority, tenant, model, arrival, mark and the nodes it
@@ -25,7 +28,8 @@ Keys (``{p}`` is the configurable prefix, default ``macpool:``):
 ``{p}affinity``       HASH prompt-prefix hash -> the node that last served it (prefix-cache affinity);
 ``{p}affinity:lru``   ZSET prefix hash -> last use (ms), which bounds it to the newest N entries.
 ``{p}events``         pub/sub channel. Messages: ``node <json doc>`` (a heartbeat),
-                      ``gone <id>`` (clean agent shutdown), ``freed <id>`` (a slot was released),
+                      ``gone <id>`` (clean agent shutdown), ``freed <id>`` (a slot was released; one
+                      message per slot),
                       ``granted <request id> <node id>`` (a release handed its slot to a queued request),
                       ``shed <request id>`` (a queued batch request lost its place),
                       ``drain <id>`` / ``undrain <id>``.
@@ -144,11 +148,13 @@ def heartbeat_ttl_ms(interval_s: float) -> int:
 #
 # Queue entries: ``{p}queue`` holds each waiter's lease expiry (short, renewed on each attempt),
 # ``{p}qmeta`` its record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes
-# \t declined", mark being "" (waiting), "g:<node>" (a release reserved a slot on <node> for it: it only has
-# to take it) or "shed" (an interactive request took its place); the preferred node holds its prompt prefix
-# (affinity); declined lists (newline-separated) the nodes it turned a handed-over slot down on - nodes its
-# router no longer sends it to (tried already, or circuit open there): no slot there is handed to it again,
-# nor held back for it from later arrivals.
+# \t declined \t generations", mark being "" (waiting), "g:<node>" (a release reserved its slots on <node>
+# for it: it only has to take them) or "shed" (an interactive request took its place); the preferred node
+# holds its prompt prefix (affinity); declined lists (newline-separated) the nodes it turned a handed-over
+# slot down on - nodes its router no longer sends it to (tried already, or circuit open there): no slot there
+# is handed to it again, nor held back for it from later arrivals; generations is how many it runs at once
+# (each holds a slot).
+# A request holding k slots is k members of its node's reservations (see members()).
 # Queue order, for each model: interactive before batch, then the tenant with the fewest requests in
 # flight, then the oldest - except that a release may hand its slot to a request that prefers that node
 # among the first AFFINITY_SKIP equally ranked ones (passing each over at most MAX_PASSES times). Both are
@@ -186,7 +192,7 @@ local function queue_entries(prefix, now)
       local f = fields(metas[i])
       out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
                        mark = f[5] or '', pref = f[6] or '', hashed = f[7] or '',
-                       passes = tonumber(f[8]) or 0, declined = f[9] or ''}
+                       passes = tonumber(f[8]) or 0, declined = f[9] or '', gens = tonumber(f[10]) or 1}
     end
   end
   return out
@@ -194,7 +200,7 @@ end
 
 -- the qmeta record of queue entry `e`
 local function record(e)
-  local f = {e.prio, e.tenant, e.model, e.enq, e.mark, e.pref, e.hashed, e.passes, e.declined}
+  local f = {e.prio, e.tenant, e.model, e.enq, e.mark, e.pref, e.hashed, e.passes, e.declined, e.gens}
   return table.concat(f, '\\t')
 end
 
@@ -225,9 +231,38 @@ local function before(prefix, now, a, b)
   return a.rid < b.rid
 end
 
-local function reserve(prefix, node, rid, tenant, now, lease)
+-- the slots a request running `gens` generations holds on a node of `slots` llama-server slots (nil or 0:
+-- unknown): llama-server queues the generations past its slots (slots_needed() below)
+local function need(gens, slots)
+  if slots and slots > 0 and slots < gens then return slots end
+  return gens
+end
+
+-- the reservation members of a request holding k slots: rid, rid#2, ..., rid#k
+local function members(rid, k)
+  local out = {rid}
+  for i = 2, k do out[i] = rid .. '#' .. i end
+  return out
+end
+
+-- the ZADD arguments giving each of a request's k members the expiry `score`
+local function scored(rid, k, score)
+  local out = {}
+  for _, m in ipairs(members(rid, k)) do out[#out + 1] = score; out[#out + 1] = m end
+  return out
+end
+
+-- how many slots `rid` holds in reservations `rkey` (its members come and go together: they are contiguous)
+local function held(rkey, rid)
+  if not redis.call('ZSCORE', rkey, rid) then return 0 end
+  local k = 1
+  while redis.call('ZSCORE', rkey, rid .. '#' .. (k + 1)) do k = k + 1 end
+  return k
+end
+
+local function reserve(prefix, node, rid, tenant, now, lease, k)
   local rkey, tkey = prefix .. 'resv:' .. node, prefix .. 'tenant:' .. tenant
-  redis.call('ZADD', rkey, now + lease, rid)
+  redis.call('ZADD', rkey, unpack(scored(rid, k, now + lease)))
   redis.call('PEXPIRE', rkey, lease * 2)
   redis.call('ZADD', tkey, now + lease, rid)
   redis.call('PEXPIRE', tkey, lease * 2)
@@ -243,55 +278,77 @@ local function serves(models, model)
   return false
 end
 
--- a slot on `node` is free: reserve it for the first waiting request that node can serve
+-- slots on `node` are free: reserve them for the first waiting requests that node can serve, in queue order,
+-- and return how many were handed over. A request waits for all the slots it needs on one node at once, and
+-- the requests behind it wait too (llama-server's own queue does the same): freed slots are held back for it.
 local function hand_over(prefix, node, now, lease)
-  if redis.call('EXISTS', prefix .. 'queue') == 0 then return false end  -- nobody waits: the common case
-  local f = redis.call('HMGET', prefix .. 'node:' .. node, 'capacity', 'state', 'models')
-  local cap = tonumber(f[1])
+  if redis.call('EXISTS', prefix .. 'queue') == 0 then return 0 end  -- nobody waits: the common case
+  local f = redis.call('HMGET', prefix .. 'node:' .. node, 'capacity', 'state', 'models', 'slots')
+  local cap, slots = tonumber(f[1]), tonumber(f[4])
   if not cap or cap <= 0 or f[2] ~= 'ready' or redis.call('SISMEMBER', prefix .. 'drained', node) == 1 then
-    return false
+    return 0
   end
   local rkey = prefix .. 'resv:' .. node
   redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
-  if redis.call('ZCARD', rkey) >= cap then return false end
+  local free = cap - redis.call('ZCARD', rkey)
+  if free <= 0 then return 0 end
   local ranked = {}
   for _, e in ipairs(queue_entries(prefix, now)) do
-    if e.mark == '' and serves(f[3], e.model) and not declined(e, node) then ranked[#ranked + 1] = e end
-  end
-  if #ranked == 0 then return false end
-  table.sort(ranked, function(a, b) return before(prefix, now, a, b) end)
-  -- prefix affinity within fairness: among the first few requests exactly as deserving as the head (same
-  -- class, same tenant load), one whose prompt this node holds goes first; a request can be passed over
-  -- at most MAX_PASSES times, so nobody waits long for it
-  local head = ranked[1]
-  local head_load = tenant_load(prefix, head.tenant, now)
-  for i = 1, math.min(#ranked, AFFINITY_SKIP) do
-    local e = ranked[i]
-    if e.prio ~= head.prio or tenant_load(prefix, e.tenant, now) ~= head_load then break end
-    if e.pref == node then
-      for j = 1, i - 1 do
-        local p = ranked[j]
-        p.passes = p.passes + 1
-        redis.call('HSET', prefix .. 'qmeta', p.rid, record(p))
-      end
-      head = e
-      break
+    if e.mark == '' and serves(f[3], e.model) and not declined(e, node) and need(e.gens, slots) <= cap then
+      ranked[#ranked + 1] = e
     end
-    if e.passes >= MAX_PASSES then break end
   end
-  reserve(prefix, node, head.rid, head.tenant, now, lease)
-  head.mark = 'g:' .. node
-  redis.call('HSET', prefix .. 'qmeta', head.rid, record(head))
-  redis.call('PUBLISH', prefix .. 'events', 'granted ' .. head.rid .. ' ' .. node)
-  return true
+  local handed = 0
+  while #ranked > 0 do
+    table.sort(ranked, function(a, b) return before(prefix, now, a, b) end)
+    -- prefix affinity within fairness: among the first few requests exactly as deserving as the head (same
+    -- class, same tenant load), one whose prompt this node holds goes first; a request can be passed over
+    -- at most MAX_PASSES times, so nobody waits long for it
+    local pick = 1
+    local head = ranked[1]
+    local head_load = tenant_load(prefix, head.tenant, now)
+    for i = 1, math.min(#ranked, AFFINITY_SKIP) do
+      local e = ranked[i]
+      if e.prio ~= head.prio or tenant_load(prefix, e.tenant, now) ~= head_load then break end
+      if e.pref == node and need(e.gens, slots) <= free then
+        for j = 1, i - 1 do
+          local p = ranked[j]
+          p.passes = p.passes + 1
+          redis.call('HSET', prefix .. 'qmeta', p.rid, record(p))
+        end
+        pick = i
+        break
+      end
+      if e.passes >= MAX_PASSES then break end
+    end
+    local e = ranked[pick]
+    local k = need(e.gens, slots)
+    if k > free then break end
+    reserve(prefix, node, e.rid, e.tenant, now, lease, k)
+    e.mark = 'g:' .. node
+    redis.call('HSET', prefix .. 'qmeta', e.rid, record(e))
+    redis.call('PUBLISH', prefix .. 'events', 'granted ' .. e.rid .. ' ' .. node)
+    table.remove(ranked, pick)
+    free, handed = free - k, handed + k
+    if free == 0 then break end
+  end
+  return handed
 end
 
-local function release(prefix, node, rid, tenant, now, lease, keep)
-  local removed = redis.call('ZREM', prefix .. 'resv:' .. node, rid)
+-- give back the k slots `rid` holds on `node` (nil or 0: however many it holds) and hand them to waiting
+-- requests, unless `keep`; the slots nobody was handed are announced, one `freed` message each
+local function release(prefix, node, rid, tenant, now, lease, keep, k)
+  local rkey = prefix .. 'resv:' .. node
+  if not k or k <= 0 then k = held(rkey, rid) end
+  local removed = 0
+  if k > 0 then removed = redis.call('ZREM', rkey, unpack(members(rid, k))) end
   redis.call('ZREM', prefix .. 'tenant:' .. tenant, rid)
   loads[tenant] = nil
-  if removed == 1 and (keep or not hand_over(prefix, node, now, lease)) then
-    redis.call('PUBLISH', prefix .. 'events', 'freed ' .. node)
+  if removed > 0 then
+    local handed = keep and 0 or hand_over(prefix, node, now, lease)
+    for _ = 1, removed - handed do
+      redis.call('PUBLISH', prefix .. 'events', 'freed ' .. node)
+    end
   end
   return removed
 end
@@ -309,7 +366,8 @@ local key_limit, batch_max = tonumber(ARGV[11]), tonumber(ARGV[12])
 local abs_t, rel_t, max_entries = tonumber(ARGV[13]), tonumber(ARGV[14]), tonumber(ARGV[15])
 local queue_lease = tonumber(ARGV[16])  -- waiters renew their place every attempt, so this is short
 local excluded = ARGV[17]  -- nodes this request's router no longer sends it to, newline-separated
-local n_hashes = tonumber(ARGV[18])
+local gens = tonumber(ARGV[18])  -- generations it runs at once: on each node it holds need(gens, slots) slots
+local n_hashes = tonumber(ARGV[19])
 local qkey, mkey = prefix .. 'queue', prefix .. 'qmeta'
 
 -- remember that `node` now holds this request's prompt prefixes (least recently used ones dropped)
@@ -317,7 +375,7 @@ local function remember(node)
   if n_hashes == 0 then return end
   local akey, lkey = prefix .. 'affinity', prefix .. 'affinity:lru'
   local pairs_, scores = {}, {}
-  for i = 19, 18 + n_hashes do
+  for i = 20, 19 + n_hashes do
     pairs_[#pairs_ + 1] = ARGV[i]; pairs_[#pairs_ + 1] = node
     scores[#scores + 1] = now; scores[#scores + 1] = ARGV[i]
   end
@@ -346,25 +404,27 @@ if dequeue then
   if me and string.sub(me.mark, 1, 2) == 'g:' then
     local node = string.sub(me.mark, 3)
     local wanted = false  -- a release hands a slot over by model only: is its node one this request takes?
-    for i = 19 + n_hashes, #ARGV, 3 do
+    for i = 20 + n_hashes, #ARGV, 3 do
       if ARGV[i] == node then wanted = true end
     end
-    if wanted and redis.call('ZSCORE', prefix .. 'resv:' .. node, rid) then
-      -- the slot was handed over with the short queue lease (in case this waiter's router is dead): now
-      -- that the waiter is alive to take it, it gets the full lease
+    local rkey = prefix .. 'resv:' .. node
+    local k = wanted and held(rkey, rid) or 0
+    if k > 0 then
+      -- the slots were handed over with the short queue lease (in case this waiter's router is dead): now
+      -- that the waiter is alive to take them, they get the full lease
       redis.call('ZREM', qkey, rid)
       redis.call('HDEL', mkey, rid)
-      redis.call('ZADD', prefix .. 'resv:' .. node, 'XX', now + lease, rid)
+      redis.call('ZADD', rkey, 'XX', unpack(scored(rid, k, now + lease)))
       redis.call('ZADD', prefix .. 'tenant:' .. tenant, 'XX', now + lease, rid)
       remember(node)
       local outcome = ''
       if me.hashed ~= '' then
         outcome = me.pref == node and 'hit' or (me.pref ~= '' and 'overridden' or 'miss')
       end
-      return {'reserved', node, redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf'), outcome}
+      return {'reserved', node, redis.call('ZCOUNT', rkey, now, '+inf'), outcome, k}
     end
     if not wanted then
-      -- declined (a node this request already tried, or whose circuit is open in its router): the slot goes
+      -- declined (a node this request already tried, or whose circuit is open in its router): the slots go
       -- on to the next in line (this request, still marked, is not among them) and this one waits on
       release(prefix, node, rid, me.tenant, now, queue_lease, false)
       me.declined, turned_down = excluded, true
@@ -401,30 +461,32 @@ for _, e in ipairs(entries) do
   end
 end
 
--- the least-utilised candidate with a free slot (ties: faster node, then random)
-local best, best_util, best_tps, best_rand, best_n = nil, 2.0, -1.0, 0.0, 0
+-- the least-utilised candidate with the free slots it needs (ties: faster node, then random)
+local best, best_util, best_tps, best_rand, best_n, best_k = nil, 2.0, -1.0, 0.0, 0, 1
 local free, open, known = 0, {}, {}
 local drained = prefix .. 'drained'
-for i = 19 + n_hashes, #ARGV, 3 do
+for i = 20 + n_hashes, #ARGV, 3 do
   local id = ARGV[i]
   known[id] = true
-  local f = redis.call('HMGET', prefix .. 'node:' .. id, 'capacity', 'state')
+  local f = redis.call('HMGET', prefix .. 'node:' .. id, 'capacity', 'state', 'slots')
   local cap = tonumber(f[1])
   if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', drained, id) == 0 then
     local rkey = prefix .. 'resv:' .. id
     redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
     local n = redis.call('ZCARD', rkey)
-    if n < cap then
+    local slots = tonumber(f[3])
+    local k = need(gens, slots)
+    if n < cap then free = free + cap - n end
+    if n + k <= cap then
       local util = n / cap
-      free = free + cap - n
-      open[id] = {n, util}
+      open[id] = {n, util, k, slots, cap}
       local tps, rnd = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
       local better = util < best_util
       if util == best_util then
         better = tps > best_tps or (tps == best_tps and rnd < best_rand)
       end
       if better then
-        best, best_util, best_tps, best_rand, best_n = id, util, tps, rnd, n
+        best, best_util, best_tps, best_rand, best_n, best_k = id, util, tps, rnd, n, k
       end
     end
   end
@@ -434,7 +496,7 @@ end
 local outcome, pref = '', ''
 if n_hashes > 0 then
   outcome = 'miss'
-  local owners = redis.call('HMGET', prefix .. 'affinity', unpack(ARGV, 19, 18 + n_hashes))
+  local owners = redis.call('HMGET', prefix .. 'affinity', unpack(ARGV, 20, 19 + n_hashes))
   for i = 1, n_hashes do
     local owner = owners[i]
     if owner and pref == '' and known[owner] then pref = owner end  -- kept with a queued request
@@ -446,27 +508,32 @@ if n_hashes > 0 then
         outcome = 'overridden'
         break
       else
-        best, best_n, outcome = owner, o[1], 'hit'
+        best, best_n, best_k, outcome = owner, o[1], o[3], 'hit'
         break
       end
     end
   end
 end
 
--- a free slot is left to the requests ahead, except those that turned down a slot on the node it is on
+-- free slots are left to the requests ahead, except those that turned down a slot on the node it is on or
+-- could never run there (more generations at once than it holds)
 local n_ahead = 0
-for _, e in ipairs(ahead) do
-  if not (best and declined(e, best)) then n_ahead = n_ahead + 1 end
+if best then
+  local slots, cap = open[best][4], open[best][5]
+  for _, e in ipairs(ahead) do
+    local k = need(e.gens, slots)
+    if k <= cap and not declined(e, best) then n_ahead = n_ahead + k end
+  end
 end
 
-if best and n_ahead < free then
-  reserve(prefix, best, rid, tenant, now, lease)
+if best and n_ahead + best_k <= free then
+  reserve(prefix, best, rid, tenant, now, lease, best_k)
   if me then
     redis.call('ZREM', qkey, rid)
     redis.call('HDEL', mkey, rid)
   end
   remember(best)
-  return {'reserved', best, best_n + 1, outcome}
+  return {'reserved', best, best_n + best_k, outcome, best_k}
 end
 if not enqueue then
   return {'full', '', waiting, ''}
@@ -495,7 +562,8 @@ end
 redis.call('ZADD', qkey, now + queue_lease, rid)
 local hashed = n_hashes > 0 and '1' or ''
 redis.call('HSET', mkey, rid, record({prio = prio, tenant = tenant, model = model, enq = now, mark = '',
-                                      pref = pref, hashed = hashed, passes = 0, declined = excluded}))
+                                      pref = pref, hashed = hashed, passes = 0, declined = excluded,
+                                      gens = gens}))
 redis.call('PEXPIRE', qkey, lease * 2)
 redis.call('PEXPIRE', mkey, lease * 2)
 return {'queued', '', waiting + 1, ''}
@@ -503,17 +571,23 @@ return {'queued', '', waiting + 1, ''}
 
 RELEASE = _PRELUDE + """
 -- ARGV: prefix, now_ms, queue_lease_ms (of a slot handed to a waiter until it takes it), request_id, node_id,
--- tenant, failed ('1': the node failed this request - its slot is not handed to a waiter, who would only
--- meet the same failure; waiters are told it is free and choose among the nodes they still trust)
-return release(ARGV[1], ARGV[5], ARGV[4], ARGV[6], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7] == '1')
+-- tenant, failed ('1': the node failed this request - its slots are not handed to a waiter, who would only
+-- meet the same failure; waiters are told they are free and choose among the nodes they still trust), the
+-- slots it holds (0: however many it holds there). Returns the slots released.
+return release(ARGV[1], ARGV[5], ARGV[4], ARGV[6], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[7] == '1',
+               tonumber(ARGV[8]))
 """
 
 RENEW = """
--- KEYS: reservations key, tenant key; ARGV: request_id, new expiry ms, lease ms
+-- KEYS: reservations key, tenant key; ARGV: request_id, new expiry ms, lease ms, the slots it holds
 -- 1: renewed; 2: re-created - the lease was gone (Redis lost its data, or the lease had expired) while its
 -- request still runs: counted again, or the pool would read idle and admit past what the nodes hold
 local had = redis.call('ZSCORE', KEYS[1], ARGV[1])
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+local zadd = {ARGV[2], ARGV[1]}
+for i = 2, tonumber(ARGV[4]) or 1 do
+  zadd[#zadd + 1] = ARGV[2]; zadd[#zadd + 1] = ARGV[1] .. '#' .. i
+end
+redis.call('ZADD', KEYS[1], unpack(zadd))
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) * 2)
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[3]) * 2)
@@ -522,7 +596,7 @@ return 2
 """
 
 LEAVE_QUEUE = _PRELUDE + """
--- ARGV: prefix, now_ms, queue_lease_ms, request_id. A slot already handed to it goes to the next in line.
+-- ARGV: prefix, now_ms, queue_lease_ms, request_id. Slots already handed to it go to the next in line.
 local prefix, rid = ARGV[1], ARGV[4]
 local meta = redis.call('HGET', prefix .. 'qmeta', rid)
 redis.call('ZREM', prefix .. 'queue', rid)
@@ -539,7 +613,7 @@ return 1
 
 
 HEARTBEAT = """
--- ARGV: prefix, node_id, doc, capacity, state, models, ttl_ms, updated_ms, instance, started_ms
+-- ARGV: prefix, node_id, doc, capacity, state, models, ttl_ms, updated_ms, instance, started_ms, slots
 -- 1: written. Refused (the holder's doc) when another agent process holds the id and started later (ties
 -- by instance): the old agent of a restart drains while the new one serves, and two Macs given one id
 -- settle on one instead of taking turns.
@@ -553,7 +627,7 @@ if held[1] and held[1] ~= '' and held[1] ~= instance then
   end
 end
 redis.call('HSET', key, 'doc', ARGV[3], 'capacity', ARGV[4], 'state', ARGV[5], 'models', ARGV[6],
-           'instance', instance, 'started', ARGV[10])
+           'instance', instance, 'started', ARGV[10], 'slots', ARGV[11])
 redis.call('PEXPIRE', key, tonumber(ARGV[7]))
 redis.call('ZADD', prefix .. 'nodes', ARGV[8], id)
 redis.call('PUBLISH', prefix .. 'events', 'node ' .. ARGV[3])
@@ -592,21 +666,25 @@ def reserve_argv(
     affinity_max_entries: int = 100_000,
     queue_lease_ms: int = 3_000,
     excluded: Collection[str] = (),
+    generations: int = 1,
     now: int | None = None,
 ) -> list[str | int | float]:
     """The ARGV of :data:`RESERVE_OR_ENQUEUE`; candidates are (node id, tokens/s), prefixes longest first;
     ``excluded`` are nodes that serve the model but that the request's router no longer sends it to (tried
     already, circuit open): while it waits, no slot there is handed to it nor held back for it.
+    ``generations``: how many the request runs at once (:func:`generations`); on each node it needs
+    :func:`slots_needed` free slots, and holds that many.
 
-    Returns ``[status, node_id, count, affinity]``; status is reserved, queued, full, shed (a batch request
-    turned away, or a queued one whose place an interactive request took) or limited (the tenant is at its
-    concurrency limit); affinity is "" (no prompt prefix), hit, miss or overridden - also for a request a
-    release handed a slot to (hit when that node held its prefix).
+    Returns ``[status, node_id, count, affinity]``, and for ``reserved`` a fifth: the slots it holds. Status
+    is reserved, queued, full, shed (a batch request turned away, or a queued one whose place an interactive
+    request took) or limited (the tenant is at its concurrency limit); affinity is "" (no prompt prefix),
+    hit, miss or overridden - also for a request a release handed a slot to (hit when that node held its
+    prefix).
     """
     args: list[str | int | float] = [
         keys.prefix, now_ms() if now is None else now, lease_ms, request_id, queue_size, int(enqueue),
         int(dequeue), priority, tenant, model, key_limit, batch_queue_max, affinity_abs, affinity_rel,
-        affinity_max_entries, queue_lease_ms, "\n".join(excluded), len(prefixes), *prefixes,
+        affinity_max_entries, queue_lease_ms, "\n".join(excluded), generations, len(prefixes), *prefixes,
     ]
     for node_id, tokens_per_s in candidates:
         args += [node_id, tokens_per_s, random.random()]
@@ -652,7 +730,7 @@ async def write_heartbeat(redis: Redis, keys: Keys, doc: NodeDoc, ttl_ms: int) -
     """
     result = await redis.eval(
         HEARTBEAT, 0, keys.prefix, doc.node_id, doc.encode(), doc.capacity, doc.state, "\n".join(doc.models),
-        ttl_ms, doc.updated_at_ms or now_ms(), doc.instance, doc.started_at_ms,
+        ttl_ms, doc.updated_at_ms or now_ms(), doc.instance, doc.started_at_ms, doc.total_slots,
     )
     if result == 1:
         return None

@@ -34,6 +34,7 @@ from macpool.contract import (
     Priority,
     now_ms,
     reserve_argv,
+    slots_needed,
 )
 from router.loops import every
 from router.metrics import RouterMetrics
@@ -94,11 +95,12 @@ class Ticket:
 
 @dataclass(eq=False)
 class Lease:
-    """One reserved slot on one node, held until released exactly once."""
+    """The slots one request reserved on one node, held until released exactly once."""
 
     request_id: str
     node: NodeDoc
     tenant: str = ANONYMOUS
+    slots: int = 1  # one per generation it runs at once (0: not known - however many it holds)
     acquired_at: float = field(default_factory=time.monotonic)
     released: bool = False
     queued_s: float = 0.0
@@ -119,6 +121,7 @@ class _Attempt:
     node_id: str = ""
     count: int = 0
     affinity: AffinityOutcome = ""
+    slots: int = 1
 
 
 class Admission:
@@ -316,7 +319,7 @@ class Admission:
             try:
                 args: list[str | int] = [
                     self.keys.prefix, now_ms(), QUEUE_LEASE_MS, lease.request_id, node_id, lease.tenant,
-                    "1" if failed else "0",
+                    "1" if failed else "0", lease.slots,
                 ]
                 await self._release(args=args)
             except Exception as exc:  # the lease expires on its own
@@ -329,8 +332,8 @@ class Admission:
         async def undo() -> None:
             try:
                 for node_id in node_ids:
-                    await self._release_in_redis(Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant),
-                                                 node_id, failed=False)
+                    lease = Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant, slots=0)
+                    await self._release_in_redis(lease, node_id, failed=False)
             finally:
                 self._releasing -= 1
                 self._undoing.discard(task)
@@ -423,7 +426,7 @@ class Admission:
             for lease in leases:
                 await self._renew(
                     keys=[self.keys.reservations(lease.node.node_id), self.keys.tenant(lease.tenant)],
-                    args=[lease.request_id, expiry, self.lease_ms],
+                    args=[lease.request_id, expiry, self.lease_ms, lease.slots],
                     client=pipe,
                 )
             results = await pipe.execute()
@@ -434,8 +437,9 @@ class Admission:
             if lease.released:
                 # released while the renewal was on its way: if the release ran first, the renewal
                 # brought the lease back - take it out again (a no-op if the release ran after it)
+                members = [lease.request_id, *(f"{lease.request_id}#{i}" for i in range(2, lease.slots + 1))]
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zrem(self.keys.reservations(lease.node.node_id), lease.request_id)
+                    pipe.zrem(self.keys.reservations(lease.node.node_id), *members)
                     pipe.zrem(self.keys.tenant(lease.tenant), lease.request_id)
                     await pipe.execute()
                 continue
@@ -456,7 +460,7 @@ class Admission:
             prefixes=ticket.prefixes if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
             affinity_max_entries=settings.affinity_max_entries, queue_lease_ms=QUEUE_LEASE_MS,
-            excluded=self._excluded(tried),
+            excluded=self._excluded(tried), generations=ticket.generations,
         )
         try:
             raw = await self._reserve(args=args)
@@ -475,6 +479,8 @@ class Admission:
             return _Attempt("offline")
         affinity = _text(raw[3])
         attempt = _Attempt(_text(raw[0]), _text(raw[1]), int(raw[2]), affinity)  # type: ignore[arg-type]
+        if len(raw) > 4:
+            attempt.slots = int(raw[4])
         if attempt.status == "queued":
             self.pool.snapshot.queue_depth = attempt.count
         if affinity in self.affinity_counts:
@@ -497,19 +503,21 @@ class Admission:
         """
         mine: dict[str, int] = {}
         for lease in self.active.values():
-            mine[lease.node.node_id] = mine.get(lease.node.node_id, 0) + 1
-        free = [doc for doc in docs if mine.get(doc.node_id, 0) < doc.capacity]
+            mine[lease.node.node_id] = mine.get(lease.node.node_id, 0) + lease.slots
+        need = {doc.node_id: slots_needed(ticket.generations, doc.total_slots) for doc in docs}
+        free = [doc for doc in docs if mine.get(doc.node_id, 0) + need[doc.node_id] <= doc.capacity]
         if not free:
             raise self.reject("pool_full", "every node is at capacity (coordination store unreachable)")
         node = min(free, key=lambda d: (mine.get(d.node_id, 0) / d.capacity, random.random()))
-        lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, local=True)
+        lease = Lease(request_id, node, ticket.tenant, slots=need[node.node_id], local=True)
         self.active[request_id] = lease
         return lease
 
     def _lease(self, request_id: str, docs: list[NodeDoc], attempt: _Attempt, ticket: Ticket) -> Lease:
         node_id = attempt.node_id
         node = next(doc for doc in docs if doc.node_id == node_id)
-        lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, affinity=attempt.affinity)
+        lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, slots=attempt.slots,
+                      affinity=attempt.affinity)
         self.active[request_id] = lease
         self.pool.reserved(node_id, attempt.count)
         return lease

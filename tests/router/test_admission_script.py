@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from macpool.contract import LEAVE_QUEUE, RELEASE, RESERVE_OR_ENQUEUE, Keys, now_ms, reserve_argv
+from macpool.contract import LEAVE_QUEUE, RELEASE, RENEW, RESERVE_OR_ENQUEUE, Keys, now_ms, reserve_argv
 
 KEYS = Keys()
 LEASE = 60_000
@@ -28,8 +28,9 @@ class Store:
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(KEYS.events)
 
-    def node(self, node_id: str, cap: int, models: str = "m") -> None:
-        self.r.hset(KEYS.node(node_id), mapping={"capacity": cap, "state": "ready", "models": models})
+    def node(self, node_id: str, cap: int, models: str = "m", slots: int = 0) -> None:
+        self.r.hset(KEYS.node(node_id), mapping={"capacity": cap, "state": "ready", "models": models,
+                                                 "slots": slots})
 
     def ask(self, rid: str, nodes: list[str], **kw: Any) -> list[Any]:
         kw.setdefault("queue_size", 8)
@@ -39,8 +40,11 @@ class Store:
         result: list[Any] = self.reserve(args=reserve_argv(KEYS, rid, LEASE, [(n, 0) for n in nodes], **kw))
         return result
 
-    def release(self, rid: str, node: str, tenant: str = "anonymous") -> None:
-        self.release_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid, node, tenant])
+    def release(self, rid: str, node: str, tenant: str = "anonymous", slots: int = 1) -> int:
+        return int(self.release_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid, node, tenant, "0", slots]))
+
+    def held(self, node: str) -> list[str]:
+        return sorted(self.r.zrange(KEYS.reservations(node), 0, -1))
 
     def leave(self, rid: str) -> int:
         return int(self.leave_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid]))
@@ -333,3 +337,116 @@ def test_a_request_is_passed_over_for_affinity_at_most_four_times(store: Store) 
         granted.append(holder)
         store.ask(holder, ["a"], prefixes=("conv",), dequeue=True)
     assert granted[:5] == ["warm-0", "warm-1", "warm-2", "warm-3", "patient"]
+
+
+# --- requests running several generations at once: one slot each -----------------------------------------
+
+def test_a_request_holds_one_slot_per_generation_and_gives_them_all_back(store: Store) -> None:
+    store.node("a", 4)
+    answer = store.ask("three", ["a"], generations=3)
+    assert answer == ["reserved", "a", 3, "", 3]
+    assert store.held("a") == ["three", "three#2", "three#3"]
+    assert store.r.zcard(KEYS.tenant("anonymous")) == 1  # per-key limits count requests
+    # one slot left: a pair does not fit, a single does
+    assert store.ask("pair", ["a"], generations=2, enqueue=False)[0] == "full"
+    assert store.ask("one", ["a"], enqueue=False)[:3] == ["reserved", "a", 4]
+    store.events()
+    assert store.release("three", "a", slots=3) == 3
+    assert store.events() == ["freed a"] * 3  # one per slot: each may wake a waiter
+    assert store.held("a") == ["one"]
+    assert store.r.zcard(KEYS.tenant("anonymous")) == 1
+
+
+def test_the_slots_a_request_holds_are_bounded_by_the_nodes_llama_server_slots(store: Store) -> None:
+    # llama-server runs at most its slots of a request's generations at once and queues the rest
+    store.node("a", 2, slots=2)
+    assert store.ask("many", ["a"], generations=5) == ["reserved", "a", 2, "", 2]
+    assert store.held("a") == ["many", "many#2"]
+
+
+def test_a_release_not_told_the_count_gives_back_every_slot_the_request_holds(store: Store) -> None:
+    # a cancelled reservation whose answer never came back is undone without knowing what it took
+    store.node("a", 4)
+    store.ask("three", ["a"], generations=3)
+    store.ask("one", ["a"])
+    assert store.release("three", "a", slots=0) == 3
+    assert store.held("a") == ["one"]
+    assert store.release("three", "a", slots=0) == 0  # a release of nothing changes nothing
+
+
+def test_a_waiter_needing_several_slots_is_handed_them_together_and_holds_back_the_ones_behind(
+        store: Store) -> None:
+    store.node("a", 3)
+    for i in range(3):
+        store.ask(f"busy-{i}", ["a"])
+    assert store.ask("pair", ["a"], generations=2)[0] == "queued"
+    time.sleep(0.005)  # queued after the pair (ties in arrival are broken by id)
+    assert store.ask("single", ["a"])[0] == "queued"
+    store.events()
+    store.release("busy-0", "a")  # one free slot: not enough for the pair, and the single waits behind it
+    assert store.events() == ["freed a"]
+    assert store.ask("single", ["a"], dequeue=True)[0] == "queued"
+    assert store.ask("late", ["a"], enqueue=False)[0] == "full"  # nor does a new arrival take it
+    store.release("busy-1", "a")
+    assert store.events() == ["granted pair a"]
+    taken = store.ask("pair", ["a"], generations=2, dequeue=True)
+    assert taken == ["reserved", "a", 3, "", 2]
+    expiry = store.r.zscore(KEYS.reservations("a"), "pair#2")  # the full lease, on each of its slots
+    assert expiry is not None and expiry > now_ms() + LEASE - 5_000
+    store.release("busy-2", "a")
+    assert store.events() == ["granted single a"]
+
+
+def test_one_release_hands_its_slots_to_as_many_waiters_as_they_serve(store: Store) -> None:
+    store.node("a", 3)
+    store.ask("big", ["a"], generations=3)
+    store.ask("w1", ["a"])
+    time.sleep(0.005)
+    store.ask("w2", ["a"])
+    store.events()
+    store.release("big", "a", slots=3)
+    assert store.events() == ["granted w1 a", "granted w2 a", "freed a"]
+
+
+def test_a_waiter_leaving_after_it_was_handed_several_slots_passes_them_all_on(store: Store) -> None:
+    store.node("a", 2)
+    store.ask("busy", ["a"], generations=2)
+    store.ask("pair", ["a"], generations=2)
+    time.sleep(0.005)
+    store.ask("w1", ["a"])
+    store.events()
+    store.release("busy", "a", slots=2)
+    assert store.events() == ["granted pair a"]
+    assert store.leave("pair") == 2
+    assert store.events() == ["granted w1 a", "freed a"]
+    assert store.held("a") == ["w1"]
+
+
+def test_a_node_too_small_for_a_waiter_never_holds_its_slots_back(store: Store) -> None:
+    # the pair can only ever run on b: a's slots go to the single behind it
+    store.node("a", 1)
+    store.node("b", 2)
+    store.ask("busy-a", ["a"])
+    store.ask("busy-b", ["b"], generations=2)
+    assert store.ask("pair", ["b"], generations=2)[0] == "queued"
+    time.sleep(0.005)
+    assert store.ask("single", ["a", "b"])[0] == "queued"
+    store.events()
+    assert store.ask("late", ["a", "b"], enqueue=False)[0] == "full"
+    store.release("busy-a", "a")
+    assert store.events() == ["granted single a"]
+    store.release("single", "a")
+    assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "a"]
+
+
+def test_a_renewal_renews_every_slot_and_recreates_them_all_when_gone(store: Store) -> None:
+    renew = store.r.register_script(RENEW)
+    store.node("a", 4)
+    store.ask("pair", ["a"], generations=2)
+    keys = [KEYS.reservations("a"), KEYS.tenant("anonymous")]
+    later = now_ms() + 2 * LEASE
+    assert renew(keys=keys, args=["pair", later, LEASE, 2]) == 1
+    assert [store.r.zscore(keys[0], m) for m in ("pair", "pair#2")] == [later, later]
+    store.r.delete(keys[0])  # Redis restarted empty while the request runs
+    assert renew(keys=keys, args=["pair", later, LEASE, 2]) == 2
+    assert store.held("a") == ["pair", "pair#2"]

@@ -4,9 +4,13 @@ a 400 when no node could ever run them all at once, else sent so that its agent 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import httpx
 
+import redis
+
+from macpool.contract import Keys, now_ms
 from tests.conftest import chat, metric, wait_until
 from tests.router.conftest import Pool
 
@@ -33,6 +37,31 @@ def test_more_generations_than_any_node_runs_are_a_400_and_the_others_count_each
         assert node.status()["in_flight"] == 2
     wait_until(lambda: node.status()["in_flight"] == 0, timeout=2)
 
+
+def test_a_request_holds_a_slot_per_generation_in_the_pool_through_renewals(pool: Pool, redis_url: str) -> None:
+    # what the agent counts, Redis counts too: the pool view, the scale hint and the other replicas see it
+    node = pool.node("n1", cap=3, parallel=8, speed=1.0)
+    router = pool.router("--lease-seconds", "1", "--queue-size", "0")
+    pool.wait_ready(router, 1)
+    store = redis.Redis.from_url(redis_url)
+    live = lambda: int(store.zcount(Keys().reservations("n1"), now_ms(), "+inf"))  # noqa: E731
+    reserved = lambda: next(n["reserved"] for n in httpx.get(router.url + "/api/pool").json()["nodes"])  # noqa: E731
+    url = router.url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json={**chat(max_tokens=4000), "n": 2}, timeout=30) as pair:
+        assert pair.status_code == 200
+        chunks = pair.iter_raw()  # keep the generator: dropping it closes the stream
+        next(chunks)
+        time.sleep(2.5)  # past two lease times: renewed, both slots
+        assert live() == 2 and node.status()["in_flight"] == 2
+        wait_until(lambda: reserved() == 2, timeout=3)
+        # one slot left: a second pair is refused by Redis, without asking the node; a single gets through
+        refused = httpx.post(url, json={**chat(stream=False), "n": 2}, timeout=10)
+        assert refused.status_code == 503 and refused.headers["x-macpool-reason"] == "pool_full"
+        assert not metric(node.agent.url, 'macpool_agent_rejections_total{reason="node_full"}')
+        assert httpx.post(url, json=chat(stream=False, max_tokens=2), timeout=10).status_code == 200
+    wait_until(lambda: live() == 0, timeout=5)
+    wait_until(lambda: reserved() == 0, timeout=5)
+    store.close()
 
 
 def test_a_full_answer_for_several_generations_does_not_refuse_the_others(pool: Pool) -> None:
