@@ -41,7 +41,8 @@ class Store:
         return result
 
     def release(self, rid: str, node: str, tenant: str = "anonymous", slots: int = 1) -> int:
-        return int(self.release_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid, node, tenant, "0", slots]))
+        args = [KEYS.prefix, now_ms(), QUEUE_LEASE, rid, node, tenant, "0", slots]
+        return int(self.release_script(args=args))
 
     def held(self, node: str) -> list[str]:
         return sorted(self.r.zrange(KEYS.reservations(node), 0, -1))

@@ -7,7 +7,6 @@ import contextlib
 import time
 
 import httpx
-
 import redis
 
 from macpool.contract import Keys, now_ms
@@ -38,7 +37,8 @@ def test_more_generations_than_any_node_runs_are_a_400_and_the_others_count_each
     wait_until(lambda: node.status()["in_flight"] == 0, timeout=2)
 
 
-def test_a_request_holds_a_slot_per_generation_in_the_pool_through_renewals(pool: Pool, redis_url: str) -> None:
+def test_a_request_holds_a_slot_per_generation_in_the_pool_through_renewals(pool: Pool,
+                                                                            redis_url: str) -> None:
     # what the agent counts, Redis counts too: the pool view, the scale hint and the other replicas see it
     node = pool.node("n1", cap=3, parallel=8, speed=1.0)
     router = pool.router("--lease-seconds", "1", "--queue-size", "0")
