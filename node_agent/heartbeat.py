@@ -102,10 +102,11 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
         view.problem = f"answering /health with HTTP {health.status_code}"
         return
     view.problem = ""
-    props, models, metrics = await asyncio.gather(
+    props, models, metrics, slots = await asyncio.gather(
         client.get(base + "/props", timeout=2.0),
         client.get(base + "/v1/models", timeout=2.0),
         client.get(base + "/metrics", timeout=2.0),
+        client.get(base + "/slots", timeout=2.0),
         return_exceptions=True,
     )
     if isinstance(props, httpx.Response) and props.status_code == 200:
@@ -121,7 +122,25 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
                     names.append(name)
         view.models = names
     if isinstance(metrics, httpx.Response) and metrics.status_code == 200:
-        _update_rate(view, parse_metrics(metrics.text).get("llamacpp:tokens_predicted_total"))
+        total = parse_metrics(metrics.text).get("llamacpp:tokens_predicted_total")
+        if total is not None and isinstance(slots, httpx.Response) and slots.status_code == 200:
+            with contextlib.suppress(ValueError):
+                total += decoded_so_far(slots.json())
+        _update_rate(view, total)
+
+
+def decoded_so_far(slots: object) -> int:
+    """Tokens the requests still running have generated (llama-server's ``/slots``): its
+    ``tokens_predicted_total`` counts a request's tokens only when it ends, so without these a Mac busy
+    with long generations would read 0 tokens/s until the first one ended."""
+    total = 0
+    for slot in slots if isinstance(slots, list) else ():
+        if isinstance(slot, dict) and slot.get("is_processing"):
+            for progress in slot.get("next_token") or ():
+                decoded = progress.get("n_decoded") if isinstance(progress, dict) else None
+                if type(decoded) is int:
+                    total += decoded
+    return total
 
 
 def _describe(error: Exception) -> str:

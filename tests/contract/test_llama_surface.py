@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from node_agent.heartbeat import decoded_so_far
 from tests.contract.conftest import Target
 
 METRIC_NAMES = [
@@ -205,6 +206,23 @@ def test_several_generations_answer_one_choice_each(target: Target) -> None:
     assert too_many.status_code == 400
     message = too_many.json()["error"]["message"]
     assert message.startswith(f"Field 'n': Value must be between 1 <= value <= {target.parallel}")
+
+
+def test_a_running_requests_tokens_are_in_its_slot_before_they_are_in_the_metrics(target: Target) -> None:
+    # the agent's tokens/s adds /slots' n_decoded to tokens_predicted_total (node_agent/heartbeat.py): the
+    # counter takes a request's tokens only when it ends
+    def predicted() -> float:
+        return parse_metrics(get(target, "/metrics").text)["llamacpp:tokens_predicted_total"]
+
+    before = predicted()
+    body = {"prompt": "Tell a long story.", "stream": True, **target.slow_request}
+    with httpx.stream("POST", target.url + "/completion", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        chunks = response.iter_lines()
+        for _ in range(20):  # twenty tokens in (an event each, with the blank lines between)
+            next(chunks)
+        assert decoded_so_far(get(target, "/slots").json()) >= 5
+        assert predicted() == before
 
 
 def test_each_generation_takes_a_slot(target: Target) -> None:

@@ -3,13 +3,17 @@ probe's, the probe's error in /status, and a capacity never above llama-server's
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
+
 from macpool.redis_server import free_port
+from node_agent.heartbeat import decoded_so_far
 from tests.conftest import Server
 from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until
 
@@ -138,3 +142,33 @@ def test_a_cap_above_the_slots_is_held_to_the_slots_with_one_warning(
             "since requests past the slots would queue inside llama-server",
         )
     ]
+
+
+def _recorded_json(name: str) -> object:
+    """The body of a recorded llama-server answer (tests/node_agent/fixtures/llama-server)."""
+    return json.loads((FIXTURES / "llama-server" / name).read_bytes().partition(b"\r\n\r\n")[2])
+
+
+def test_tokens_still_being_generated_are_read_from_llama_servers_slots() -> None:
+    # two requests in flight in the recording, 650 and 670 tokens in
+    assert decoded_so_far(_recorded_json("slots-busy.txt")) == 650 + 670
+    assert decoded_so_far(_recorded_json("slots-idle.txt")) == 0
+    assert decoded_so_far({"error": "not a list"}) == 0
+
+
+def test_tokens_per_second_count_a_long_generation_before_it_ends(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    # llama-server adds a request's tokens to tokens_predicted_total only when it ends: a Mac busy with one
+    # long generation read 0 tokens/s on the dashboard (and to the router's tie-break) until then
+    upstream = sim("--parallel", "2", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url)
+    wait_until(state_is(redis_url, "ready"), what="ready")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000, "stream": True}
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=30) as response:
+        chunks = response.iter_raw()  # keep the generator: dropping it closes the stream
+        next(chunks)
+        doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.tokens_per_s > 0 and d,
+                         what="tokens/s while the generation runs")
+        assert status(gateway.url)["in_flight"] == 1
+    assert doc.tokens_per_s > 0
