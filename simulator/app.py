@@ -427,7 +427,8 @@ class SimServer:
 
     def new_tasks(self, body: dict[str, Any], prompts: list[str]) -> list[Task]:
         """Every generation of a request, submitted: each prompt ``n`` times (llama-server's ``n_cmpl``, or
-        its alias ``n``), in the order of their ``index``; each takes a slot of its own."""
+        its alias ``n``), in the order of their ``index``; each takes a slot of its own, and a prompt's ``n``
+        start together."""
         # as llama-server reads them: n_cmpl, else n (null: absent), a number taken as an integer (2.5 runs 2,
         # true 1), checked once it is one
         name = "n_cmpl" if body.get("n_cmpl") is not None else "n"
@@ -439,10 +440,10 @@ class SimServer:
         n, slots = int(value), self.resolved.n_slots
         if not 1 <= n <= slots:  # llama-server's limit: the children of a task run in slots of their own
             raise invalid(f"Field '{name}': Value must be between 1 <= value <= {slots}, but got {n}")
-        tasks = [self.new_task(body, prompt) for prompt in prompts for _ in range(n)]
-        for task in tasks:
-            self.runner.submit(task)
-        return tasks
+        groups = [[self.new_task(body, prompt) for _ in range(n)] for prompt in prompts]
+        for group in groups:
+            self.runner.submit(*group)
+        return [task for group in groups for task in group]
 
     def model_field(self, body: dict[str, Any]) -> str:
         model = body.get("model")

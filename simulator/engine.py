@@ -1,4 +1,4 @@
-"""The simulated llama-server core: slots, the deferred FIFO, batched steps on a virtual clock.
+"""The simulated llama-server core: slots, the deferred queue, batched steps on a virtual clock.
 
 ``Engine`` is synchronous and deterministic: ``step()`` runs one llama_decode-like step over every running
 sequence (one new token each, plus up to ``n_batch`` prompt tokens of prefill) and advances the simulated
@@ -126,7 +126,8 @@ class Engine:
     def __init__(self, machine: Machine, n_slots: int, n_ctx_slot: int) -> None:
         self.machine = machine
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_slots)]
-        self.deferred: deque[Task] = deque()
+        # llama-server's deferred tasks: each one prompt's generations (a task and its n_cmpl - 1 children)
+        self.deferred: deque[list[Task]] = deque()
         self.running: list[Task] = []
         self.sim_time = 0.0
         self.external_gb = 0.0
@@ -134,11 +135,12 @@ class Engine:
         self._ids = itertools.count()
 
     # --- requests -----------------------------------------------------------------------------------------
-    def submit(self, task: Task) -> None:
-        task.id = next(self._ids)
-        task.arrival = self.sim_time
-        self.deferred.append(task)
-        self._admit()
+    def submit(self, *tasks: Task) -> None:
+        """One prompt's generations: they start together once enough slots are idle for all of them."""
+        for task in tasks:
+            task.id = next(self._ids)
+            task.arrival = self.sim_time
+        self._launch(list(tasks))
 
     def cancel(self, task: Task) -> None:
         """Drop a task wherever it is (the client went away); frees its slot at once. Idempotent."""
@@ -148,16 +150,15 @@ class Engine:
         task.finish_reason = "cancelled"
         task.t_end = self.sim_time
         if task.slot is None:
-            if task in self.deferred:
-                self.deferred.remove(task)
+            self._undefer(task)
         else:
             self._release(task)
+            self._pop_deferred()
         self.counters.cancelled += 1
-        self._admit()
 
     def abort_all(self) -> list[Task]:
         """End every task (after an internal error); returns them so their clients can be woken."""
-        ended = [*self.running, *self.deferred]
+        ended = [*self.running, *itertools.chain.from_iterable(self.deferred)]
         for task in ended:
             task.finished = True
             task.finish_reason = "stop"
@@ -228,8 +229,9 @@ class Engine:
                 self._emit(task)
                 progressed.append(task)
         self._observe_memory()
-        if any(t.finished for t in progressed):
-            self._admit()
+        for task in progressed:
+            if task.finished:  # a slot released: llama-server offers the deferred queue one task per release
+                self._pop_deferred()
         return progressed
 
     def _emit(self, task: Task) -> None:
@@ -264,13 +266,17 @@ class Engine:
         slot.last_used = self.sim_time
         self.running.remove(task)
 
-    def _admit(self) -> None:
-        while self.deferred:
-            idle = [s for s in self.slots if s.task is None]
-            if not idle:
-                return
-            task = self.deferred.popleft()
+    def _launch(self, group: list[Task]) -> None:
+        # llama-server's process_single_task: a task and its children start at once if enough slots are idle
+        # for all of them, whatever waits in the deferred queue (a single request overtakes a group left
+        # waiting there); else they go to the back of the queue, together
+        idle = [s for s in self.slots if s.task is None]
+        if len(idle) < len(group):
+            self.deferred.append(group)
+            return
+        for task in group:
             slot, shared = self._pick_slot(idle, task)
+            idle.remove(slot)
             task.slot = slot
             task.n_cache = min(shared, task.n_prompt - 1) if shared else 0
             task.n_past = task.n_cache
@@ -278,6 +284,22 @@ class Engine:
             slot.task = task
             self.running.append(task)
             self.counters.max_concurrent = max(self.counters.max_concurrent, len(self.running))
+
+    def _pop_deferred(self) -> None:
+        # llama-server's server_queue::pop_deferred_task, called as a slot is released: only the deferred
+        # queue's front task is offered again; one still short of slots goes to the back, so a single request
+        # behind it can wait beside an idle slot until the next release
+        if self.deferred:
+            self._launch(self.deferred.popleft())
+
+    def _undefer(self, task: Task) -> None:
+        # a request's generations are cancelled one by one: their group leaves the queue with the last
+        for i, group in enumerate(self.deferred):
+            if task in group:
+                group.remove(task)
+                if not group:
+                    del self.deferred[i]
+                return
 
     @staticmethod
     def _pick_slot(idle: list[Slot], task: Task) -> tuple[Slot, int]:
@@ -321,12 +343,13 @@ class Runner:
         derived = self._anchor_sim + (time.monotonic() - self._anchor_wall) * self.speed
         return max(self.engine.sim_time, derived)
 
-    def submit(self, task: Task) -> None:
-        task.wake = asyncio.Event()
+    def submit(self, *tasks: Task) -> None:
+        for task in tasks:
+            task.wake = asyncio.Event()
         if not self.engine.has_work():
             self.engine.sim_time = self.sim_now()
             self._anchor_wall, self._anchor_sim = time.monotonic(), self.engine.sim_time
-        self.engine.submit(task)
+        self.engine.submit(*tasks)
         self._work.set()
 
     def cancel(self, task: Task) -> None:

@@ -1,10 +1,13 @@
-"""llama-server never refuses: a request beyond the slots is deferred; a client that leaves frees its slot."""
+"""llama-server never refuses: a request beyond the slots is deferred; a client that leaves frees its slot; a
+prompt's generations start together."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -93,5 +96,128 @@ def test_disconnect_while_waiting_non_streaming(target: Target) -> None:
                 return
             assert await wait_for(lambda: all_idle(client), within=5)
             assert time.monotonic() - closed < 1.0
+
+    asyncio.run(scenario())
+
+
+class Generations:
+    """A streamed /completion read in the background, noting which generations (by index) have sent tokens."""
+
+    def __init__(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        self.started: set[int] = set()
+        self.reader = asyncio.create_task(self._read(client, body))
+
+    async def _read(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        async with client.stream("POST", "/completion", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    self.started.add(json.loads(line[len("data: "):])["index"])
+
+    async def wait_started(self, n: int = 1) -> None:
+        async def probe() -> bool:
+            return len(self.started) >= n or self.reader.done()
+
+        await wait_for(probe, within=10)
+        assert len(self.started) >= n, self.reader.exception() if self.reader.done() else self.started
+
+    async def close(self) -> None:
+        """Hang up: the server cancels whatever has not finished."""
+        self.reader.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+
+
+async def busy_slots(client: httpx.AsyncClient) -> int:
+    return sum(slot["is_processing"] for slot in (await client.get("/slots")).json())
+
+
+async def deferred(client: httpx.AsyncClient) -> float:
+    return parse_metrics((await client.get("/metrics")).text)["llamacpp:requests_deferred"]
+
+
+async def reaches(read: Callable[[], Awaitable[float]], value: float) -> bool:
+    async def probe() -> bool:
+        return await read() == value
+
+    return await wait_for(probe, within=10)
+
+
+def test_a_prompts_generations_start_together(target: Target) -> None:
+    # n = 2 beside a busy slot: neither generation takes the idle slot; both start once the busy one is freed
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=target.url, timeout=120) as client:
+            busy = Generations(client, slow_body(target))
+            streams = [busy]
+            try:
+                await busy.wait_started()
+                pair = Generations(client, {**slow_body(target), "n": 2})
+                streams.append(pair)
+                assert await reaches(lambda: deferred(client), 1)
+                assert await busy_slots(client) == 1
+                assert not pair.started and not busy.reader.done()
+                await busy.close()
+                await pair.wait_started(2)
+                assert await busy_slots(client) == 2
+            finally:
+                for stream in streams:
+                    await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_single_request_overtakes_waiting_generations(target: Target) -> None:
+    # llama-server launches a new request at once if it fits, whatever waits in its deferred queue
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=target.url, timeout=120) as client:
+            busy = Generations(client, slow_body(target))
+            streams = [busy]
+            try:
+                await busy.wait_started()
+                pair = Generations(client, {**slow_body(target), "n": 2})
+                streams.append(pair)
+                assert await reaches(lambda: deferred(client), 1)
+                single = Generations(client, slow_body(target))
+                streams.append(single)
+                await single.wait_started()  # in the idle slot the pair is waiting for
+                assert not pair.started and not busy.reader.done()
+                assert await deferred(client) == 1
+                await busy.close()
+                await single.close()
+                await pair.wait_started(2)
+            finally:
+                for stream in streams:
+                    await stream.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_freed_slot_offers_only_the_front_of_the_queue(target: Target) -> None:
+    # llama-server retries only its deferred queue's front task when a slot is freed; one that still does not
+    # fit goes to the back, and the single request now in front waits beside the idle slot
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=target.url, timeout=120) as client:
+            first, second = Generations(client, slow_body(target)), Generations(client, slow_body(target))
+            streams = [first, second]
+            try:
+                await first.wait_started()
+                await second.wait_started()
+                pair = Generations(client, {**slow_body(target), "n": 2})
+                streams.append(pair)
+                assert await reaches(lambda: deferred(client), 1)
+                single = Generations(client, slow_body(target))
+                streams.append(single)
+                assert await reaches(lambda: deferred(client), 2)
+                await second.close()
+                assert await reaches(lambda: busy_slots(client), 1)
+                assert await deferred(client) == 2
+                assert not single.started and not pair.started and not first.reader.done()
+                await first.close()
+                await single.wait_started()
+                assert await deferred(client) == 1 and not pair.started
+                await single.close()
+                await pair.wait_started(2)
+            finally:
+                for stream in streams:
+                    await stream.close()
 
     asyncio.run(scenario())

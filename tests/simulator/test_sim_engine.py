@@ -1,4 +1,4 @@
-"""The engine without HTTP: slots, the deferred FIFO, the prompt cache, cancellation."""
+"""The engine without HTTP: slots, the deferred queue, the prompt cache, cancellation."""
 
 from __future__ import annotations
 
@@ -26,11 +26,56 @@ def test_tasks_beyond_the_slots_wait_in_fifo_order() -> None:
     for t in (first, second, third):
         e.submit(t)
     assert [t.slot is not None for t in (first, second, third)] == [True, False, False]
-    assert list(e.deferred) == [second, third]
+    assert list(e.deferred) == [[second], [third]]
     run_until_done(e, first)
     assert second.slot is not None and third.slot is None
     run_until_done(e, second, third)
     assert e.counters.completed == 3 and e.counters.max_concurrent == 1
+
+
+def test_a_prompts_generations_start_together() -> None:
+    e = engine(slots=2)
+    busy, first, second = task("a" * 40, n_predict=8), task("b" * 40), task("b" * 40)
+    e.submit(busy)
+    e.submit(first, second)
+    assert first.slot is None and second.slot is None  # one slot idle, two needed
+    assert list(e.deferred) == [[first, second]]
+    run_until_done(e, busy)
+    assert first.slot is not None and second.slot is not None and first.slot is not second.slot
+    assert first.t_start == second.t_start
+
+
+def test_a_request_that_fits_overtakes_waiting_generations() -> None:
+    e = engine(slots=2)
+    busy, pair, single = task("a" * 40, n_predict=1000), [task("p" * 40), task("p" * 40)], task("s" * 40)
+    for tasks in ([busy], pair, [single]):
+        e.submit(*tasks)
+    assert single.slot is not None and list(e.deferred) == [pair]
+
+
+def test_a_freed_slot_offers_only_the_front_of_the_queue() -> None:
+    e = engine(slots=2)
+    first, second = task("a" * 40, n_predict=1000), task("b" * 40, n_predict=1000)
+    pair, single = [task("p" * 40), task("p" * 40)], task("s" * 40)
+    for tasks in ([first], [second], pair, [single]):
+        e.submit(*tasks)
+    assert list(e.deferred) == [pair, [single]]
+    e.cancel(second)  # the pair still does not fit: to the back; the single waits beside the idle slot
+    assert list(e.deferred) == [[single], pair] and single.slot is None
+    e.cancel(first)
+    assert single.slot is not None and list(e.deferred) == [pair]
+    e.cancel(single)
+    assert all(t.slot is not None for t in pair) and not e.deferred
+
+
+def test_cancelling_a_waiting_request_empties_its_place_in_the_queue() -> None:
+    e = engine(slots=2)
+    busy, pair = task("a" * 40, n_predict=1000), [task("p" * 40), task("p" * 40)]
+    e.submit(busy)
+    e.submit(*pair)
+    for t in pair:
+        e.cancel(t)
+    assert not e.deferred and e.counters.cancelled == 2
 
 
 def test_prompt_cache_skips_the_shared_prefix() -> None:
