@@ -280,7 +280,8 @@ end
 
 -- slots on `node` are free: reserve them for the first waiting requests that node can serve, in queue order,
 -- and return how many were handed over. A request waits for all the slots it needs on one node at once, and
--- the requests behind it wait too (llama-server's own queue does the same): freed slots are held back for it.
+-- the requests behind it wait too: freed slots are held back for it, or single requests taking each one as it
+-- frees could starve it (as they can in llama-server's own deferred queue, which lets them pass).
 local function hand_over(prefix, node, now, lease)
   if redis.call('EXISTS', prefix .. 'queue') == 0 then return 0 end  -- nobody waits: the common case
   local f = redis.call('HMGET', prefix .. 'node:' .. node, 'capacity', 'state', 'models', 'slots')
