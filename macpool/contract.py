@@ -462,9 +462,8 @@ for _, e in ipairs(entries) do
   end
 end
 
--- the least-utilised candidate with the free slots it needs (ties: faster node, then random)
-local best, best_util, best_tps, best_rand, best_n, best_k = nil, 2.0, -1.0, 0.0, 0, 1
-local free, open, known = 0, {}, {}
+-- the candidates that take requests now (n: their reservations; slots: llama-server's)
+local live, known = {}, {}
 local drained = prefix .. 'drained'
 for i = 20 + n_hashes, #ARGV, 3 do
   local id = ARGV[i]
@@ -474,20 +473,54 @@ for i = 20 + n_hashes, #ARGV, 3 do
   if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', drained, id) == 0 then
     local rkey = prefix .. 'resv:' .. id
     redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
-    local n = redis.call('ZCARD', rkey)
-    local slots = tonumber(f[3])
-    local k = need(gens, slots)
+    live[#live + 1] = {id = id, n = redis.call('ZCARD', rkey), cap = cap, slots = tonumber(f[3]),
+                       tps = tonumber(ARGV[i + 1]), rnd = tonumber(ARGV[i + 2])}
+  end
+end
+
+-- whether queue entry `e` could run on candidate `c` (it needs k slots there)
+local function runs_on(e, c)
+  local k = need(e.gens, c.slots)
+  return k <= c.cap and not declined(e, c.id), k
+end
+
+-- a request ahead running several generations that fits on none of them now waits for slots to free on one:
+-- every node it could run on holds its free slots back for it (as hand_over does), from this request too
+local held_back = {}
+for _, e in ipairs(ahead) do
+  if e.gens > 1 then
+    local fits, runs = false, {}
+    for _, c in ipairs(live) do
+      local ok, k = runs_on(e, c)
+      if ok then
+        runs[#runs + 1] = c.id
+        if c.n + k <= c.cap then fits = true; break end
+      end
+    end
+    if not fits then
+      for _, id in ipairs(runs) do held_back[id] = true end
+    end
+  end
+end
+
+-- the least-utilised candidate with the free slots it needs (ties: faster node, then random)
+local best, best_util, best_tps, best_rand, best_n, best_k = nil, 2.0, -1.0, 0.0, 0, 1
+local free, open = 0, {}
+for _, c in ipairs(live) do
+  local n, cap = c.n, c.cap
+  local k = need(gens, c.slots)
+  if not held_back[c.id] then
     if n < cap then free = free + cap - n end
     if n + k <= cap then
       local util = n / cap
-      open[id] = {n, util, k, slots, cap}
-      local tps, rnd = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+      c.util, c.k = util, k
+      open[c.id] = c
       local better = util < best_util
       if util == best_util then
-        better = tps > best_tps or (tps == best_tps and rnd < best_rand)
+        better = c.tps > best_tps or (c.tps == best_tps and c.rnd < best_rand)
       end
       if better then
-        best, best_util, best_tps, best_rand, best_n, best_k = id, util, tps, rnd, n, k
+        best, best_util, best_tps, best_rand, best_n, best_k = c.id, util, c.tps, c.rnd, n, k
       end
     end
   end
@@ -505,11 +538,11 @@ if n_hashes > 0 then
       local o = open[owner]
       if o == nil then
         outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
-      elseif o[1] - best_n >= abs_t and o[2] > best_util * rel_t then
+      elseif o.n - best_n >= abs_t and o.util > best_util * rel_t then
         outcome = 'overridden'
         break
       else
-        best, best_n, best_k, outcome = owner, o[1], o[3], 'hit'
+        best, best_n, best_k, outcome = owner, o.n, o.k, 'hit'
         break
       end
     end
@@ -520,10 +553,9 @@ end
 -- could never run there (more generations at once than it holds)
 local n_ahead = 0
 if best then
-  local slots, cap = open[best][4], open[best][5]
   for _, e in ipairs(ahead) do
-    local k = need(e.gens, slots)
-    if k <= cap and not declined(e, best) then n_ahead = n_ahead + k end
+    local ok, k = runs_on(e, open[best])
+    if ok then n_ahead = n_ahead + k end
   end
 end
 

@@ -451,3 +451,30 @@ def test_a_renewal_renews_every_slot_and_recreates_them_all_when_gone(store: Sto
     store.r.delete(keys[0])  # Redis restarted empty while the request runs
     assert renew(keys=keys, args=["pair", later, LEASE, 2]) == 2
     assert store.held("a") == ["pair", "pair#2"]
+
+
+def test_slots_held_back_on_one_node_leave_a_node_too_small_for_the_waiter_to_others(store: Store) -> None:
+    # b (the least utilised, and the node holding the prompt's prefix) holds its free slots back for the
+    # quad, which can never run on s: s's free slot is anyone else's
+    store.node("s", 2)
+    store.node("b", 4)
+    store.ask("busy-s", ["s"])
+    store.ask("busy-b", ["b"], prefixes=("conv",))
+    assert store.ask("quad", ["b"], generations=4)[0] == "queued"
+    time.sleep(0.005)  # arrivals after the quad (ties in arrival are broken by id)
+    assert store.ask("late", ["s", "b"], enqueue=False)[:2] == ["reserved", "s"]
+    store.release("late", "s")
+    turn = store.ask("turn", ["s", "b"], prefixes=("conv",), enqueue=False)
+    assert turn[:2] == ["reserved", "s"] and turn[3] == "overridden"
+
+
+def test_a_waiter_ahead_on_the_small_node_keeps_its_turn_there(store: Store) -> None:
+    store.node("s", 2)
+    store.node("b", 4)
+    store.ask("busy-s", ["s"])
+    store.ask("busy-b", ["b"])
+    store.ask("quad", ["b"], generations=4)
+    time.sleep(0.005)
+    store.ask("pair", ["s", "b"], generations=2)  # fits neither: s has one free slot, b's are the quad's
+    time.sleep(0.005)
+    assert store.ask("late", ["s", "b"], enqueue=False)[0] == "full"  # s's free slot is the pair's
