@@ -260,12 +260,14 @@ local function held(rkey, rid)
   return k
 end
 
-local function reserve(prefix, node, rid, tenant, now, lease, k)
-  local rkey, tkey = prefix .. 'resv:' .. node, prefix .. 'tenant:' .. tenant
+-- reserve k slots on `node` for `rid` until now + lease. A hand-over's lease is the queue's, a short one
+-- (`short`): it must not cut short the TTL of the keys the node's and the tenant's other reservations live in
+local function reserve(prefix, node, rid, tenant, now, lease, k, short)
+  local rkey, tkey, ttl = prefix .. 'resv:' .. node, prefix .. 'tenant:' .. tenant, lease * 2
   redis.call('ZADD', rkey, unpack(scored(rid, k, now + lease)))
-  redis.call('PEXPIRE', rkey, lease * 2)
+  if not short or redis.call('PTTL', rkey) < ttl then redis.call('PEXPIRE', rkey, ttl) end
   redis.call('ZADD', tkey, now + lease, rid)
-  redis.call('PEXPIRE', tkey, lease * 2)
+  if not short or redis.call('PTTL', tkey) < ttl then redis.call('PEXPIRE', tkey, ttl) end
   loads[tenant] = nil
 end
 
@@ -325,7 +327,7 @@ local function hand_over(prefix, node, now, lease)
     local e = ranked[pick]
     local k = need(e.gens, slots)
     if k > free then break end
-    reserve(prefix, node, e.rid, e.tenant, now, lease, k)
+    reserve(prefix, node, e.rid, e.tenant, now, lease, k, true)
     e.mark = 'g:' .. node
     redis.call('HSET', prefix .. 'qmeta', e.rid, record(e))
     redis.call('PUBLISH', prefix .. 'events', 'granted ' .. e.rid .. ' ' .. node)
@@ -416,7 +418,9 @@ if dequeue then
       redis.call('ZREM', qkey, rid)
       redis.call('HDEL', mkey, rid)
       redis.call('ZADD', rkey, 'XX', unpack(scored(rid, k, now + lease)))
+      redis.call('PEXPIRE', rkey, lease * 2)  -- (the hand-over may have created the key, with a short TTL)
       redis.call('ZADD', prefix .. 'tenant:' .. tenant, 'XX', now + lease, rid)
+      redis.call('PEXPIRE', prefix .. 'tenant:' .. tenant, lease * 2)
       remember(node)
       local outcome = ''
       if me.hashed ~= '' then

@@ -478,3 +478,29 @@ def test_a_waiter_ahead_on_the_small_node_keeps_its_turn_there(store: Store) -> 
     store.ask("pair", ["s", "b"], generations=2)  # fits neither: s has one free slot, b's are the quad's
     time.sleep(0.005)
     assert store.ask("late", ["s", "b"], enqueue=False)[0] == "full"  # s's free slot is the pair's
+
+
+def test_a_hand_over_does_not_shorten_the_life_of_the_leases_already_held(store: Store) -> None:
+    # the slot is handed over with the short queue lease; the node's other reservations (and the tenant's
+    # other requests) keep their full lease: their keys must outlive the hand-over, renewed or not
+    store.node("a", 2)
+    store.ask("long", ["a"])
+    store.ask("done", ["a"])
+    store.ask("waiter", ["a"])
+    store.events()
+    store.release_script(args=[KEYS.prefix, now_ms(), 100, "done", "a", "anonymous", "0", 1])
+    assert store.events() == ["granted waiter a"]
+    time.sleep(0.3)  # past the queue lease: the waiter never took its slot
+    assert store.r.zscore(KEYS.reservations("a"), "long") is not None
+    assert store.r.zscore(KEYS.tenant("anonymous"), "long") is not None
+
+
+def test_a_waiter_taking_its_slot_keeps_it_for_the_full_lease(store: Store) -> None:
+    store.node("a", 1)
+    store.ask("done", ["a"])
+    store.ask("waiter", ["a"])
+    store.release_script(args=[KEYS.prefix, now_ms(), 100, "done", "a", "anonymous", "0", 1])
+    assert store.ask("waiter", ["a"], dequeue=True)[:2] == ["reserved", "a"]
+    time.sleep(0.3)  # past the queue lease it was handed the slot with
+    assert store.r.zscore(KEYS.reservations("a"), "waiter") is not None
+    assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") is not None
