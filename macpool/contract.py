@@ -466,8 +466,10 @@ for _, e in ipairs(entries) do
   end
 end
 
--- the candidates that take requests now (n: their reservations; slots: llama-server's)
-local live, known = {}, {}
+-- the candidates that take requests now: candidate c is node ids[c], with ns[c] reservations, capacity
+-- caps[c] and llama-server's slots[c]; at[c] is its place in ARGV (arrays, not a table per candidate: this
+-- runs for every request, over every candidate)
+local ids, ns, caps, slots, at, known = {}, {}, {}, {}, {}, {}
 local drained = prefix .. 'drained'
 for i = 20 + n_hashes, #ARGV, 3 do
   local id = ARGV[i]
@@ -477,15 +479,15 @@ for i = 20 + n_hashes, #ARGV, 3 do
   if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', drained, id) == 0 then
     local rkey = prefix .. 'resv:' .. id
     redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
-    live[#live + 1] = {id = id, n = redis.call('ZCARD', rkey), cap = cap, slots = tonumber(f[3]),
-                       tps = tonumber(ARGV[i + 1]), rnd = tonumber(ARGV[i + 2])}
+    local c = #ids + 1
+    ids[c], ns[c], caps[c], slots[c], at[c] = id, redis.call('ZCARD', rkey), cap, tonumber(f[3]), i
   end
 end
 
 -- whether queue entry `e` could run on candidate `c` (it needs k slots there)
 local function runs_on(e, c)
-  local k = need(e.gens, c.slots)
-  return k <= c.cap and not declined(e, c.id), k
+  local k = need(e.gens, slots[c])
+  return k <= caps[c] and not declined(e, ids[c]), k
 end
 
 -- a request ahead running several generations that fits on none of them now waits for slots to free on one:
@@ -494,11 +496,11 @@ local held_back = {}
 for _, e in ipairs(ahead) do
   if e.gens > 1 then
     local fits, runs = false, {}
-    for _, c in ipairs(live) do
+    for c = 1, #ids do
       local ok, k = runs_on(e, c)
       if ok then
-        runs[#runs + 1] = c.id
-        if c.n + k <= c.cap then fits = true; break end
+        runs[#runs + 1] = ids[c]
+        if ns[c] + k <= caps[c] then fits = true; break end
       end
     end
     if not fits then
@@ -509,22 +511,22 @@ end
 
 -- the least-utilised candidate with the free slots it needs (ties: faster node, then random)
 local best, best_util, best_tps, best_rand, best_n, best_k = nil, 2.0, -1.0, 0.0, 0, 1
-local free, open = 0, {}
-for _, c in ipairs(live) do
-  local n, cap = c.n, c.cap
-  local k = need(gens, c.slots)
-  if not held_back[c.id] then
+local free, open = 0, {}  -- open: node id -> its candidate number, for the nodes with room for this request
+for c = 1, #ids do
+  local n, cap = ns[c], caps[c]
+  local k = need(gens, slots[c])
+  if not held_back[ids[c]] then
     if n < cap then free = free + cap - n end
     if n + k <= cap then
       local util = n / cap
-      c.util, c.k = util, k
-      open[c.id] = c
+      open[ids[c]] = c
+      local tps, rnd = tonumber(ARGV[at[c] + 1]), tonumber(ARGV[at[c] + 2])
       local better = util < best_util
       if util == best_util then
-        better = c.tps > best_tps or (c.tps == best_tps and c.rnd < best_rand)
+        better = tps > best_tps or (tps == best_tps and rnd < best_rand)
       end
       if better then
-        best, best_util, best_tps, best_rand, best_n, best_k = c.id, util, c.tps, c.rnd, n, k
+        best, best_util, best_tps, best_rand, best_n, best_k = ids[c], util, tps, rnd, n, k
       end
     end
   end
@@ -542,11 +544,11 @@ if n_hashes > 0 then
       local o = open[owner]
       if o == nil then
         outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
-      elseif o.n - best_n >= abs_t and o.util > best_util * rel_t then
+      elseif ns[o] - best_n >= abs_t and ns[o] / caps[o] > best_util * rel_t then
         outcome = 'overridden'
         break
       else
-        best, best_n, best_k, outcome = owner, o.n, o.k, 'hit'
+        best, best_n, best_k, outcome = owner, ns[o], need(gens, slots[o]), 'hit'
         break
       end
     end
