@@ -201,6 +201,8 @@ class Admission:
         docs = candidates()
         if self.known_full(ticket.model):
             raise self.reject("pool_full", FULL_MESSAGE)
+        if not docs:  # none of the model's nodes can run it now (too small for its generations, or tried)
+            raise self.reject("pool_full", "no node that could run this request is ready for it")
         request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
         # a "full" that lapsed by age: this request asks Redis again for every request of the model
         asking = ticket.model in self._full

@@ -105,3 +105,17 @@ def test_a_lapsed_full_answer_is_asked_again_by_one_request_only(redis_url: str)
             await admission.release(lease)
 
     asyncio.run(scenario())
+
+
+def test_a_request_no_node_can_run_now_is_refused_at_once_not_queued(redis_url: str) -> None:
+    # several generations at once, and the only node large enough left between the router's check and
+    # admission: its candidates are none, and a queued request with none would wait out the queue timeout
+    async def scenario() -> None:
+        settings = Settings(redis_url=redis_url, queue_size=4, queue_timeout=1.0)
+        async with one_node_pool(settings) as (redis, admission):
+            with pytest.raises(Rejected) as refused:
+                await admission.acquire(lambda: [], Ticket(model="m", generations=2))
+            assert refused.value.reason == "pool_full" and refused.value.retry_after >= 1
+            assert await redis.zcard(Keys().queue) == 0
+
+    asyncio.run(scenario())
