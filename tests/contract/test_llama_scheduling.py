@@ -142,82 +142,87 @@ async def reaches(read: Callable[[], Awaitable[float]], value: float) -> bool:
     return await wait_for(probe, within=10)
 
 
-def test_a_prompts_generations_start_together(target: Target) -> None:
-    # n = 2 beside a busy slot: neither generation takes the idle slot; both start once the busy one is freed
-    async def scenario() -> None:
+Scenario = Callable[[httpx.AsyncClient, Callable[..., Generations]], Awaitable[None]]
+
+
+def run_streams(target: Target, scenario: Scenario) -> None:
+    """Run ``scenario(client, start)``: ``start(**fields)`` opens a slow stream (with ``fields`` added to its
+    body); every stream it opened is closed at the end, whatever happened."""
+
+    async def main() -> None:
         async with httpx.AsyncClient(base_url=target.url, timeout=120) as client:
-            busy = Generations(client, slow_body(target))
-            streams = [busy]
+            streams: list[Generations] = []
+
+            def start(**fields: Any) -> Generations:
+                streams.append(Generations(client, {**slow_body(target), **fields}))
+                return streams[-1]
+
             try:
-                await busy.wait_started()
-                pair = Generations(client, {**slow_body(target), "n": 2})
-                streams.append(pair)
-                assert await reaches(lambda: deferred(client), 1)
-                assert await busy_slots(client) == 1
-                assert not pair.started and not busy.reader.done()
-                await busy.close()
-                await pair.wait_started(2)
-                assert await busy_slots(client) == 2
+                await scenario(client, start)
             finally:
                 for stream in streams:
                     await stream.close()
 
-    asyncio.run(scenario())
+    asyncio.run(main())
+
+
+async def a_pair_deferred(client: httpx.AsyncClient, start: Callable[..., Generations]) -> Generations:
+    """Start a request of n = 2 and wait until the server has deferred it."""
+    pair = start(n=2)
+    assert await reaches(lambda: deferred(client), 1)
+    return pair
+
+
+def test_a_prompts_generations_start_together(target: Target) -> None:
+    # n = 2 beside a busy slot: neither generation takes the idle slot; both start once the busy one is freed
+    async def scenario(client: httpx.AsyncClient, start: Callable[..., Generations]) -> None:
+        busy = start()
+        await busy.wait_started()
+        pair = await a_pair_deferred(client, start)
+        assert await busy_slots(client) == 1
+        assert not pair.started and not busy.reader.done()
+        await busy.close()
+        await pair.wait_started(2)
+        assert await busy_slots(client) == 2
+
+    run_streams(target, scenario)
 
 
 def test_a_single_request_overtakes_waiting_generations(target: Target) -> None:
     # llama-server launches a new request at once if it fits, whatever waits in its deferred queue
-    async def scenario() -> None:
-        async with httpx.AsyncClient(base_url=target.url, timeout=120) as client:
-            busy = Generations(client, slow_body(target))
-            streams = [busy]
-            try:
-                await busy.wait_started()
-                pair = Generations(client, {**slow_body(target), "n": 2})
-                streams.append(pair)
-                assert await reaches(lambda: deferred(client), 1)
-                single = Generations(client, slow_body(target))
-                streams.append(single)
-                await single.wait_started()  # in the idle slot the pair is waiting for
-                assert not pair.started and not busy.reader.done()
-                assert await deferred(client) == 1
-                await busy.close()
-                await single.close()
-                await pair.wait_started(2)
-            finally:
-                for stream in streams:
-                    await stream.close()
+    async def scenario(client: httpx.AsyncClient, start: Callable[..., Generations]) -> None:
+        busy = start()
+        await busy.wait_started()
+        pair = await a_pair_deferred(client, start)
+        single = start()
+        await single.wait_started()  # in the idle slot the pair is waiting for
+        assert not pair.started and not busy.reader.done()
+        assert await deferred(client) == 1
+        await busy.close()
+        await single.close()
+        await pair.wait_started(2)
 
-    asyncio.run(scenario())
+    run_streams(target, scenario)
 
 
 def test_a_freed_slot_offers_only_the_front_of_the_queue(target: Target) -> None:
     # llama-server retries only its deferred queue's front task when a slot is freed; one that still does not
     # fit goes to the back, and the single request now in front waits beside the idle slot
-    async def scenario() -> None:
-        async with httpx.AsyncClient(base_url=target.url, timeout=120) as client:
-            first, second = Generations(client, slow_body(target)), Generations(client, slow_body(target))
-            streams = [first, second]
-            try:
-                await first.wait_started()
-                await second.wait_started()
-                pair = Generations(client, {**slow_body(target), "n": 2})
-                streams.append(pair)
-                assert await reaches(lambda: deferred(client), 1)
-                single = Generations(client, slow_body(target))
-                streams.append(single)
-                assert await reaches(lambda: deferred(client), 2)
-                await second.close()
-                assert await reaches(lambda: busy_slots(client), 1)
-                assert await deferred(client) == 2
-                assert not single.started and not pair.started and not first.reader.done()
-                await first.close()
-                await single.wait_started()
-                assert await deferred(client) == 1 and not pair.started
-                await single.close()
-                await pair.wait_started(2)
-            finally:
-                for stream in streams:
-                    await stream.close()
+    async def scenario(client: httpx.AsyncClient, start: Callable[..., Generations]) -> None:
+        first, second = start(), start()
+        await first.wait_started()
+        await second.wait_started()
+        pair = await a_pair_deferred(client, start)
+        single = start()
+        assert await reaches(lambda: deferred(client), 2)
+        await second.close()
+        assert await reaches(lambda: busy_slots(client), 1)
+        assert await deferred(client) == 2
+        assert not single.started and not pair.started and not first.reader.done()
+        await first.close()
+        await single.wait_started()
+        assert await deferred(client) == 1 and not pair.started
+        await single.close()
+        await pair.wait_started(2)
 
-    asyncio.run(scenario())
+    run_streams(target, scenario)
