@@ -793,6 +793,7 @@ class PoolSnapshot(BaseModel):
     reservations: dict[str, int] = Field(default_factory=dict)
     drained: set[str] = Field(default_factory=set)
     queue_depth: int = 0
+    queued_slots: int = 0  # the slots the waiting requests will hold: one per generation each runs at once
     queued: dict[str, dict[str, int]] = Field(default_factory=dict)  # tenant -> priority -> waiting
     in_flight: dict[str, int] = Field(default_factory=dict)  # tenant -> requests in flight
 
@@ -825,6 +826,7 @@ async def read_pool(redis: Redis, keys: Keys, tenants: list[str] | None = None) 
         by_priority = snapshot.queued.setdefault(tenant, {})
         by_priority[priority] = by_priority.get(priority, 0) + 1
         snapshot.queue_depth += 1
+        snapshot.queued_slots += int(record[9]) if len(record) > 9 and record[9].isdigit() else 1
     if not ids:
         return snapshot
     async with redis.pipeline(transaction=False) as pipe:

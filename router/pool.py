@@ -308,12 +308,16 @@ class PoolView:
         capacity = sum(doc.capacity for doc in ready)
         busy = self.busy()
         queued = self.snapshot.queue_depth
-        demand = busy + queued
+        # (a waiting request running several generations will hold a slot for each; the queue's depth is the
+        # requests, as the dashboard shows it)
+        queued_slots = max(self.snapshot.queued_slots, queued)
+        demand = busy + queued_slots
         saturation = demand / capacity if capacity else (1.0 if demand else 0.0)
         return {
             "capacity": capacity,
             "busy": busy,
             "queued": queued,
+            "queued_slots": queued_slots,
             "nodes_total": len(fresh),
             "nodes_ready": len(ready),
             "requests_per_s": round(self.requests.rate(), 3),

@@ -99,7 +99,7 @@ def _num(mapping: dict[str, Any], key: str) -> float:
 def demand_of(pool: dict[str, Any]) -> tuple[float, float]:
     """(demand in concurrent requests, the part of it that was turned away)."""
     busy = _num(pool, "busy")
-    queued = _num(pool, "queued")
+    queued = max(_num(pool, "queued_slots"), _num(pool, "queued"))  # slots: several generations hold several
     rejections = _num(pool, "rejections_per_s")
     requests = _num(pool, "requests_per_s")
     # Little's law: a turned-away request would have held a slot for busy / admitted-rate seconds

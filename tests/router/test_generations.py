@@ -4,6 +4,7 @@ a 400 when no node could ever run them all at once, else sent so that its agent 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import httpx
@@ -62,6 +63,30 @@ def test_a_request_holds_a_slot_per_generation_in_the_pool_through_renewals(pool
     wait_until(lambda: live() == 0, timeout=5)
     wait_until(lambda: reserved() == 0, timeout=5)
     store.close()
+
+
+def test_a_waiting_request_counts_a_slot_per_generation_in_the_pools_demand(pool: Pool) -> None:
+    # the scale hint and the saturation read demand in slots: a waiting pair will hold two
+    pool.node("n1", cap=2, parallel=8, speed=1.0)
+    router = pool.router("--queue-size", "4", "--queue-timeout", "20")
+    pool.wait_ready(router, 1)
+    url = router.url + "/v1/chat/completions"
+    totals = lambda: httpx.get(router.url + "/api/pool").json()["pool"]  # noqa: E731
+    with httpx.Client(timeout=30) as client, \
+            client.stream("POST", url, json={**chat(max_tokens=4000), "n": 2}) as pair:
+        chunks = pair.iter_raw()  # keep the generator: dropping it closes the stream
+        next(chunks)
+        answers: list[int] = []
+        body = {**chat(stream=False, max_tokens=2), "n": 2}
+        waiting = threading.Thread(
+            target=lambda: answers.append(httpx.post(url, json=body, timeout=30).status_code))
+        waiting.start()
+        now = wait_until(lambda: (t := totals())["queued"] == 1 and t["queued_slots"] == 2 and t, timeout=5)
+        assert now["busy"] == 2 and now["saturation"] == 2.0  # (2 busy + 2 waiting) / capacity 2
+        chunks.close()
+    waiting.join(timeout=20)
+    assert answers == [200]  # served once the pair ended
+    wait_until(lambda: totals()["queued_slots"] == 0, timeout=5)
 
 
 def test_a_full_answer_for_several_generations_does_not_refuse_the_others(pool: Pool) -> None:
