@@ -108,6 +108,7 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
             "capacity",
             "busy",
             "queued",
+            "queued_slots",
             "nodes_total",
             "nodes_ready",
             "requests_per_s",
