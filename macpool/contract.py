@@ -338,6 +338,12 @@ local function hand_over(prefix, node, now, lease)
   return handed
 end
 
+-- a waiter running several generations left the queue (it got its slots, was shed, or gave up): the free
+-- slots the nodes it could run on held back for it go to the next in line now, not at their next release
+local function pass_on(prefix, nodes, now, lease)
+  for _, node in ipairs(nodes) do hand_over(prefix, node, now, lease) end
+end
+
 -- give back the k slots `rid` holds on `node` (nil or 0: however many it holds) and hand them to waiting
 -- requests, unless `keep`; the slots nobody was handed are announced, one `freed` message each
 local function release(prefix, node, rid, tenant, now, lease, keep, k)
@@ -373,6 +379,14 @@ local gens = tonumber(ARGV[18])  -- generations it runs at once: on each node it
 local n_hashes = tonumber(ARGV[19])
 local qkey, mkey = prefix .. 'queue', prefix .. 'qmeta'
 
+-- this request leaves the queue: if it runs several generations, the slots held back for it go on
+local function leave(e)
+  if e.gens <= 1 then return end
+  local nodes = {}
+  for i = 20 + n_hashes, #ARGV, 3 do nodes[#nodes + 1] = ARGV[i] end
+  pass_on(prefix, nodes, now, queue_lease)
+end
+
 -- remember that `node` now holds this request's prompt prefixes (least recently used ones dropped)
 local function remember(node)
   if n_hashes == 0 then return end
@@ -402,6 +416,7 @@ if dequeue then
   if me and me.mark == 'shed' then
     redis.call('ZREM', qkey, rid)
     redis.call('HDEL', mkey, rid)
+    leave(me)
     return {'shed', '', 0, ''}
   end
   if me and string.sub(me.mark, 1, 2) == 'g:' then
@@ -422,6 +437,7 @@ if dequeue then
       redis.call('ZADD', prefix .. 'tenant:' .. tenant, 'XX', now + lease, rid)
       redis.call('PEXPIRE', prefix .. 'tenant:' .. tenant, lease * 2)
       remember(node)
+      leave(me)
       local outcome = ''
       if me.hashed ~= '' then
         outcome = me.pref == node and 'hit' or (me.pref ~= '' and 'overridden' or 'miss')
@@ -570,6 +586,7 @@ if best and n_ahead + best_k <= free then
   if me then
     redis.call('ZREM', qkey, rid)
     redis.call('HDEL', mkey, rid)
+    leave(me)
   end
   remember(best)
   return {'reserved', best, best_n + best_k, outcome, best_k}
@@ -635,19 +652,24 @@ return 2
 """
 
 LEAVE_QUEUE = _PRELUDE + """
--- ARGV: prefix, now_ms, queue_lease_ms, request_id. Slots already handed to it go to the next in line.
+-- ARGV: prefix, now_ms, queue_lease_ms, request_id, then the nodes it could run on if it runs several
+-- generations at once (their free slots were held back for it). Slots already handed to it, and those held
+-- back, go to the next in line.
 local prefix, rid = ARGV[1], ARGV[4]
+local now, queue_lease = tonumber(ARGV[2]), tonumber(ARGV[3])
 local meta = redis.call('HGET', prefix .. 'qmeta', rid)
 redis.call('ZREM', prefix .. 'queue', rid)
 redis.call('HDEL', prefix .. 'qmeta', rid)
+local out = 1
 if meta then
   local f = fields(meta)
   if string.sub(f[5] or '', 1, 2) == 'g:' then
-    release(prefix, string.sub(f[5], 3), rid, f[2], tonumber(ARGV[2]), tonumber(ARGV[3]))
-    return 2
+    release(prefix, string.sub(f[5], 3), rid, f[2], now, queue_lease)
+    out = 2
   end
 end
-return 1
+pass_on(prefix, {unpack(ARGV, 5)}, now, queue_lease)
+return out
 """
 
 

@@ -268,7 +268,8 @@ class Admission:
                 self._waiters.remove(waiter)
             self._waiting.pop(request_id, None)
             if not admitted:
-                await self._leave_queue(request_id)
+                # (a waiter running several generations: the free slots its nodes held back for it go on)
+                await self._leave_queue(request_id, sorted(waiter.nodes) if ticket.generations > 1 else [])
 
     def remembers_full(self) -> bool:
         """Whether a "full" answer is remembered for some model (it may have lapsed since)."""
@@ -524,10 +525,10 @@ class Admission:
         self.pool.reserved(node_id, attempt.count)
         return lease
 
-    async def _leave_queue(self, request_id: str) -> None:
+    async def _leave_queue(self, request_id: str, nodes: list[str]) -> None:
         with anyio.move_on_after(5, shield=True):
             try:
-                await self._leave(args=[self.keys.prefix, now_ms(), QUEUE_LEASE_MS, request_id])
+                await self._leave(args=[self.keys.prefix, now_ms(), QUEUE_LEASE_MS, request_id, *nodes])
             except Exception as exc:  # the queue entry expires on its own
                 log.warning("leaving the queue failed: %s", type(exc).__name__)
 

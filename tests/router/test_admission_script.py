@@ -47,8 +47,8 @@ class Store:
     def held(self, node: str) -> list[str]:
         return sorted(self.r.zrange(KEYS.reservations(node), 0, -1))
 
-    def leave(self, rid: str) -> int:
-        return int(self.leave_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid]))
+    def leave(self, rid: str, nodes: tuple[str, ...] = ()) -> int:
+        return int(self.leave_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid, *nodes]))
 
     def events(self) -> list[str]:
         out = []
@@ -438,6 +438,43 @@ def test_a_node_too_small_for_a_waiter_never_holds_its_slots_back(store: Store) 
     assert store.events() == ["granted single a"]
     store.release("single", "a")
     assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "a"]
+
+
+def _pair_waiting_with_a_single_behind(store: Store) -> None:
+    """a and b each have one slot free, held back for the pair queued ahead of the single."""
+    store.node("a", 2)
+    store.node("b", 2)
+    store.ask("busy-a", ["a"])
+    store.ask("busy-b", ["b"])
+    assert store.ask("pair", ["a", "b"], generations=2)[0] == "queued"
+    time.sleep(0.005)  # queued after the pair (ties in arrival are broken by id)
+    assert store.ask("single", ["a", "b"])[0] == "queued"
+    assert store.ask("single", ["a", "b"], dequeue=True)[0] == "queued"
+    store.events()
+
+
+def test_the_slots_held_back_for_a_waiter_go_on_when_it_takes_the_slots_handed_to_it(store: Store) -> None:
+    _pair_waiting_with_a_single_behind(store)
+    store.release("busy-a", "a")
+    assert store.events() == ["granted pair a"]
+    assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "a"]
+    # b's free slot was held back for the pair only: the single gets it now, not at b's next release
+    assert store.events() == ["granted single b"]
+    assert store.ask("single", ["a", "b"], dequeue=True)[:2] == ["reserved", "b"]
+
+
+def test_the_slots_held_back_for_a_waiter_go_on_when_it_reserves_on_its_own(store: Store) -> None:
+    _pair_waiting_with_a_single_behind(store)
+    store.r.hset(KEYS.node("a"), "capacity", 3)  # a heartbeat raised a's capacity: the pair fits there now
+    assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "a"]
+    assert store.events() == ["granted single b"]
+
+
+def test_the_slots_held_back_for_a_waiter_go_on_when_it_gives_up(store: Store) -> None:
+    _pair_waiting_with_a_single_behind(store)
+    assert store.leave("pair", ("a", "b")) == 1  # its queue timeout, or its client left
+    assert store.events() == ["granted single a"]
+    assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "b"]
 
 
 def test_a_renewal_renews_every_slot_and_recreates_them_all_when_gone(store: Store) -> None:

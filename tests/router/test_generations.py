@@ -151,3 +151,49 @@ def test_a_request_only_a_node_away_for_now_could_run_is_a_503_not_a_400(pool: P
         assert client.post(router.url + "/admin/nodes/big/undrain", headers=admin).status_code == 200
         pair = {**chat(stream=False), "n": 2}
         wait_until(lambda: client.post(url, json=pair).status_code == 200, timeout=5)
+
+
+def test_a_waiting_pair_that_gives_up_passes_on_at_once_the_slots_held_back_for_it(pool: Pool,
+                                                                                     redis_url: str) -> None:
+    # a and b have one slot free each, both held back for the pair queued ahead of the single; when the
+    # pair's queue timeout ends its wait, the single is handed one of them then, not at its own next re-check
+    pool.node("a", cap=2, parallel=8, speed=1.0)
+    pool.node("b", cap=2, parallel=8, speed=1.0)
+    router = pool.router("--queue-size", "4", "--queue-timeout", "1")
+    pool.wait_ready(router, 2)
+    store = redis.Redis.from_url(redis_url)
+    live = lambda: sum(int(store.zcount(Keys().reservations(n), now_ms(), "+inf")) for n in "ab")  # noqa: E731
+    queued = lambda: httpx.get(router.url + "/api/pool").json()["pool"]["queued"]  # noqa: E731
+    url = router.url + "/v1/chat/completions"
+    single_started, done = threading.Event(), threading.Event()
+
+    def single() -> None:
+        with httpx.stream("POST", url, json=chat(max_tokens=4000, content="single"), timeout=30) as response:
+            assert response.status_code == 200
+            chunks = response.iter_raw()
+            next(chunks)
+            single_started.set()
+            done.wait(10)
+
+    with httpx.Client(timeout=30) as client, contextlib.ExitStack() as held:
+        for i in range(2):  # one long stream on each node (the least utilised takes the next)
+            body = chat(max_tokens=4000, content=f"{i}")
+            response = held.enter_context(client.stream("POST", url, json=body))
+            chunks = response.iter_raw()
+            next(chunks)
+            held.callback(chunks.close)  # also keeps the generator: dropping it would close the stream
+        assert live() == 2
+        answers: list[httpx.Response] = []
+        pair = threading.Thread(
+            target=lambda: answers.append(httpx.post(url, json={**chat(stream=False), "n": 2}, timeout=30)))
+        pair.start()
+        wait_until(lambda: queued() == 1, timeout=5)
+        time.sleep(0.25)  # the single's own re-checks (every 0.5 s) fall between the pair's
+        waiting = threading.Thread(target=single)
+        waiting.start()
+        held.callback(waiting.join, 10)
+        held.callback(done.set)
+        pair.join(timeout=10)
+        assert answers[0].status_code == 503 and answers[0].headers["x-macpool-reason"] == "queue_timeout"
+        assert live() == 3  # the single holds one of the two free slots already
+        assert single_started.wait(5)
