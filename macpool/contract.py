@@ -280,6 +280,29 @@ local function serves(models, model)
   return false
 end
 
+-- whether queue entry `e` waits for a slot `node` could give it (`models`, `slots`, `cap`: the node's)
+local function eligible(e, node, models, slots, cap)
+  return e.mark == '' and serves(models, e.model) and not declined(e, node) and need(e.gens, slots) <= cap
+end
+
+-- which of `ranked` (the waiters `node` could serve, in queue order) takes the node's next slots, `free` of
+-- them: the head, or - prefix affinity within fairness - among the first few requests exactly as deserving
+-- as the head (same class, same tenant load) one whose prompt this node holds; a request can be passed over
+-- at most MAX_PASSES times, so nobody waits long for it. nil: the head needs more than `free` and nobody may
+-- pass it.
+local function pick(prefix, now, node, ranked, free, slots)
+  local head = ranked[1]
+  local head_load = tenant_load(prefix, head.tenant, now)
+  for i = 1, math.min(#ranked, AFFINITY_SKIP) do
+    local e = ranked[i]
+    if e.prio ~= head.prio or tenant_load(prefix, e.tenant, now) ~= head_load then break end
+    if e.pref == node and need(e.gens, slots) <= free then return i end
+    if e.passes >= MAX_PASSES then break end
+  end
+  if need(head.gens, slots) <= free then return 1 end
+  return nil
+end
+
 -- slots on `node` are free: reserve them for the first waiting requests that node can serve, in queue order,
 -- and return how many were handed over. A request waits for all the slots it needs on one node at once, and
 -- the requests behind it wait too: freed slots are held back for it, or single requests taking each one as it
@@ -297,41 +320,25 @@ local function hand_over(prefix, node, now, lease)
   if free <= 0 then return 0 end
   local ranked = {}
   for _, e in ipairs(queue_entries(prefix, now)) do
-    if e.mark == '' and serves(f[3], e.model) and not declined(e, node) and need(e.gens, slots) <= cap then
-      ranked[#ranked + 1] = e
-    end
+    if eligible(e, node, f[3], slots, cap) then ranked[#ranked + 1] = e end
   end
   local handed = 0
   while #ranked > 0 do
     table.sort(ranked, function(a, b) return before(prefix, now, a, b) end)
-    -- prefix affinity within fairness: among the first few requests exactly as deserving as the head (same
-    -- class, same tenant load), one whose prompt this node holds goes first; a request can be passed over
-    -- at most MAX_PASSES times, so nobody waits long for it
-    local pick = 1
-    local head = ranked[1]
-    local head_load = tenant_load(prefix, head.tenant, now)
-    for i = 1, math.min(#ranked, AFFINITY_SKIP) do
-      local e = ranked[i]
-      if e.prio ~= head.prio or tenant_load(prefix, e.tenant, now) ~= head_load then break end
-      if e.pref == node and need(e.gens, slots) <= free then
-        for j = 1, i - 1 do
-          local p = ranked[j]
-          p.passes = p.passes + 1
-          redis.call('HSET', prefix .. 'qmeta', p.rid, record(p))
-        end
-        pick = i
-        break
-      end
-      if e.passes >= MAX_PASSES then break end
+    local i = pick(prefix, now, node, ranked, free, slots)
+    if not i then break end
+    for j = 1, i - 1 do  -- passed over for affinity
+      local p = ranked[j]
+      p.passes = p.passes + 1
+      redis.call('HSET', prefix .. 'qmeta', p.rid, record(p))
     end
-    local e = ranked[pick]
+    local e = ranked[i]
     local k = need(e.gens, slots)
-    if k > free then break end
     reserve(prefix, node, e.rid, e.tenant, now, lease, k, true)
     e.mark = 'g:' .. node
     redis.call('HSET', prefix .. 'qmeta', e.rid, record(e))
     redis.call('PUBLISH', prefix .. 'events', 'granted ' .. e.rid .. ' ' .. node)
-    table.remove(ranked, pick)
+    table.remove(ranked, i)
     free, handed = free - k, handed + k
     if free == 0 then break end
   end
@@ -339,9 +346,37 @@ local function hand_over(prefix, node, now, lease)
 end
 
 -- a waiter running several generations left the queue (it got its slots, was shed, or gave up): the free
--- slots the nodes it could run on held back for it go to the next in line now, not at their next release
+-- slots the nodes it could run on held back for it go to the next in line now, not at their next release.
+-- The queue is read and ranked once, not once per node: a full hand-over runs only on a node that will
+-- hand a slot over.
 local function pass_on(prefix, nodes, now, lease)
-  for _, node in ipairs(nodes) do hand_over(prefix, node, now, lease) end
+  local waiting = nil  -- every waiter not yet handed a slot, in queue order
+  for _, node in ipairs(nodes) do
+    local f = redis.call('HMGET', prefix .. 'node:' .. node, 'capacity', 'state', 'models', 'slots')
+    local cap, slots = tonumber(f[1]), tonumber(f[4])
+    local free = 0
+    if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', prefix .. 'drained', node) == 0 then
+      free = cap - redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf')
+    end
+    if free > 0 then
+      if waiting == nil then
+        waiting = {}
+        for _, e in ipairs(queue_entries(prefix, now)) do
+          if e.mark == '' then waiting[#waiting + 1] = e end
+        end
+        table.sort(waiting, function(a, b) return before(prefix, now, a, b) end)
+      end
+      local ranked = {}  -- the first of them this node could serve (pick looks no further)
+      for _, e in ipairs(waiting) do
+        if #ranked >= AFFINITY_SKIP then break end
+        if eligible(e, node, f[3], slots, cap) then ranked[#ranked + 1] = e end
+      end
+      if #ranked > 0 and pick(prefix, now, node, ranked, free, slots) then
+        hand_over(prefix, node, now, lease)
+        waiting = nil  -- it marked some
+      end
+    end
+  end
 end
 
 -- give back the k slots `rid` holds on `node` (nil or 0: however many it holds) and hand them to waiting

@@ -477,6 +477,23 @@ def test_the_slots_held_back_for_a_waiter_go_on_when_it_gives_up(store: Store) -
     assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "b"]
 
 
+def test_every_node_passes_on_what_it_held_back_in_queue_order_and_a_big_waiter_behind_keeps_its_turn(
+        store: Store) -> None:
+    nodes = ["a", "b", "c", "d"]
+    for node in nodes:
+        store.node(node, 2)
+        store.ask(f"busy-{node}", [node])
+    store.ask("pair", nodes, generations=2)
+    for rid, gens in (("s1", 1), ("s2", 1), ("pair-2", 2), ("s3", 1)):
+        time.sleep(0.005)
+        assert store.ask(rid, nodes, generations=gens)[0] == "queued"
+    store.events()
+    assert store.leave("pair", tuple(nodes)) == 1
+    # a and b go to the singles; c and d (one free slot each) are held back for the second pair, the new
+    # head, from the single behind it
+    assert store.events() == ["granted s1 a", "granted s2 b"]
+
+
 def test_a_renewal_renews_every_slot_and_recreates_them_all_when_gone(store: Store) -> None:
     renew = store.r.register_script(RENEW)
     store.node("a", 4)
