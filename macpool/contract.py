@@ -30,7 +30,7 @@ Keys (``{p}`` is the configurable prefix, default ``macpool:``):
 ``{p}events``         pub/sub channel. Messages: ``node <json doc>`` (a heartbeat),
                       ``gone <id>`` (clean agent shutdown), ``freed <id>`` (a slot was released; one
                       message per slot),
-                      ``granted <request id> <node id>`` (a release handed its slot to a queued request),
+                      ``granted <request id> <node id> <k>`` (a release handed k slots to a queued request),
                       ``shed <request id>`` (a queued batch request lost its place),
                       ``drain <id>`` / ``undrain <id>``.
 
@@ -337,7 +337,7 @@ local function hand_over(prefix, node, now, lease)
     reserve(prefix, node, e.rid, e.tenant, now, lease, k, true)
     e.mark = 'g:' .. node
     redis.call('HSET', prefix .. 'qmeta', e.rid, record(e))
-    redis.call('PUBLISH', prefix .. 'events', 'granted ' .. e.rid .. ' ' .. node)
+    redis.call('PUBLISH', prefix .. 'events', 'granted ' .. e.rid .. ' ' .. node .. ' ' .. k)
     table.remove(ranked, i)
     free, handed = free - k, handed + k
     if free == 0 then break end

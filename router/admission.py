@@ -356,7 +356,8 @@ class Admission:
             seconds = max(self.settings.stale_after, 1.0)
         else:
             rate = self.release_rate()
-            waiting = self.pool.snapshot.queue_depth + 1
+            snapshot = self.pool.snapshot  # (in slots, as the rate is: a waiter may run several generations)
+            waiting = max(snapshot.queued_slots, snapshot.queue_depth) + 1
             seconds = waiting / rate if rate > 0 else max(self.settings.queue_timeout, 1.0)
         return min(30, max(1, math.ceil(seconds)))
 

@@ -204,9 +204,11 @@ class PoolView:
                 self.snapshot.reservations[rest] -= 1
             for listener in self.freed_listeners:
                 listener(rest)
-        elif kind == "granted":  # a slot freed and handed straight to a queued request
-            self.freed.mark()
-            request_id = rest.partition(" ")[0]
+        elif kind == "granted":  # slots freed and handed straight to a queued request: "rid node k"
+            request_id, _, handed = rest.partition(" ")
+            slots = handed.partition(" ")[2]  # (none: published by an older router's script, one slot)
+            for _ in range(int(slots) if slots.isdigit() else 1):
+                self.freed.mark()
             for listener in self.waiter_listeners:
                 listener(request_id)
         elif kind == "shed":

@@ -107,18 +107,18 @@ def test_release_hands_the_slot_to_the_head_of_the_queue_priority_then_fairness(
     store.events()
     # interactive before batch; among interactive, the tenant with fewer in flight (light: 0, flood: 2)
     store.release("busy-1", "a", "flood")
-    assert store.events() == ["granted q-light a"]
+    assert store.events() == ["granted q-light a 1"]
     picked = store.ask("q-light", ["a"], tenant="light", dequeue=True)
     assert picked[:2] == ["reserved", "a"] and picked[3] == ""  # no prompt prefix: no affinity outcome
     store.release("busy-2", "a", "flood")
-    assert store.events() == ["granted q-flood a"]
+    assert store.events() == ["granted q-flood a 1"]
     # the flood tenant's pick-up is slow; meanwhile nothing can jump the queue: a new arrival waits
     assert store.ask("late", ["a"], tenant="flood")[0] == "queued"
     # a waiter that gives up after being handed a slot passes it on to the next in line
     assert store.leave("q-flood") == 2
-    assert store.events() == ["granted late a"]
+    assert store.events() == ["granted late a 1"]
     store.release("q-light", "a", "light")
-    assert store.events() == ["granted q-batch a"]
+    assert store.events() == ["granted q-batch a 1"]
 
 
 def test_a_new_arrival_does_not_jump_waiters_but_ranks_ahead_of_lower_classes(store: Store) -> None:
@@ -162,7 +162,7 @@ def test_per_key_limit_counts_in_flight_and_queued(store: Store) -> None:
     assert store.ask("u1", ["a"], tenant="u", key_limit=3)[0] == "queued"  # other tenants are unaffected
     store.events()
     store.release("t1", "a", "t")
-    assert store.events() == ["granted u1 a"]  # fairness: u has nothing in flight, t has one
+    assert store.events() == ["granted u1 a 1"]  # fairness: u has nothing in flight, t has one
     assert store.ask("t3", ["a"], tenant="t", key_limit=3, dequeue=True)[0] == "queued"
     assert store.ask("t5", ["a"], tenant="t", key_limit=3)[0] == "queued"  # t2 + t3 + t5 = 3
     assert store.ask("t6", ["a"], tenant="t", key_limit=3)[0] == "limited"
@@ -178,7 +178,7 @@ def test_models_decide_who_may_take_a_released_slot(store: Store) -> None:
     store.release("busy-a", "a")
     assert store.events() == ["freed a"]  # the only waiter cannot run on a: nobody is handed the slot
     store.release("busy-b", "b")
-    assert store.events() == ["granted wants-m2 b"]
+    assert store.events() == ["granted wants-m2 b 1"]
 
 
 def test_a_slot_handed_to_a_dead_waiter_comes_back_after_the_queue_lease(store: Store) -> None:
@@ -187,7 +187,7 @@ def test_a_slot_handed_to_a_dead_waiter_comes_back_after_the_queue_lease(store: 
     assert store.ask("waiter", ["a"], queue_lease_ms=200)[0] == "queued"
     store.events()
     store.release("busy", "a")
-    assert store.events() == ["granted waiter a"]
+    assert store.events() == ["granted waiter a 1"]
     # nobody picks it up (the waiter's router died): the slot is free again once the short lease runs out
     assert store.ask("next", ["a"], enqueue=False)[0] == "full"
     time.sleep(3.2)  # the queue lease of a handed-over slot
@@ -216,7 +216,7 @@ def test_a_waiter_excluding_a_node_is_neither_handed_its_slots_nor_holds_them_ba
     assert store.ask("any", ["a", "b"])[0] == "queued"
     store.events()
     store.release("busy-a", "a")  # a's slot skips picky, first in line, for the next one
-    assert store.events() == ["granted any a"]
+    assert store.events() == ["granted any a 1"]
     assert store.ask("any", ["a", "b"], dequeue=True)[:2] == ["reserved", "a"]
     store.release("any", "a")
     assert store.events() == ["freed a"]
@@ -225,7 +225,7 @@ def test_a_waiter_excluding_a_node_is_neither_handed_its_slots_nor_holds_them_ba
     # once its router takes a again (the circuit closed), a is picky's like any node
     assert store.ask("picky", ["b"], dequeue=True, excluded=())[0] == "queued"
     store.release("late", "a")
-    assert store.events() == ["granted picky a"]
+    assert store.events() == ["granted picky a 1"]
 
 
 def test_a_handed_over_slot_gone_before_it_is_taken_is_not_counted_as_held(store: Store) -> None:
@@ -234,7 +234,7 @@ def test_a_handed_over_slot_gone_before_it_is_taken_is_not_counted_as_held(store
     store.ask("waiter", ["a"])
     store.events()
     store.release("busy", "a")
-    assert store.events() == ["granted waiter a"]
+    assert store.events() == ["granted waiter a 1"]
     store.r.zrem(KEYS.reservations("a"), "waiter")  # as if its short lease had run out
     answer = store.ask("waiter", ["a"], dequeue=True)
     assert answer[:2] == ["reserved", "a"]  # a is free, and the waiter takes it properly
@@ -253,15 +253,15 @@ def test_a_waiter_declines_a_slot_on_a_node_it_no_longer_takes_and_it_goes_to_th
     assert store.ask("any", ["a", "b"])[0] == "queued"
     store.events()
     store.release("busy-a", "a")  # hands a's slot to the head of the queue, by model only
-    assert store.events() == ["granted picky a"]
+    assert store.events() == ["granted picky a 1"]
     # picky's next attempt declines it: the slot goes on to the next in line, picky keeps its place
     assert store.ask("picky", ["b"], dequeue=True, excluded=("a",))[:2] == ["queued", ""]
-    assert store.events() == ["granted any a"]
+    assert store.events() == ["granted any a 1"]
     assert store.r.zscore(KEYS.reservations("a"), "picky") is None
     assert store.ask("any", ["a", "b"], dequeue=True)[:2] == ["reserved", "a"]
     # picky is still first in line for b
     store.release("busy-b", "b")
-    assert store.events() == ["granted picky b"]
+    assert store.events() == ["granted picky b 1"]
     assert store.ask("picky", ["b"], dequeue=True)[:2] == ["reserved", "b"]
     assert store.r.zcard(KEYS.queue) == 0 and store.r.hlen(KEYS.queue_meta) == 0
 
@@ -274,7 +274,7 @@ def test_a_declined_slot_nobody_else_wants_is_freed(store: Store) -> None:
     store.ask("picky", ["b"])
     store.events()
     store.release("busy-a", "a")
-    assert store.events() == ["granted picky a"]
+    assert store.events() == ["granted picky a 1"]
     assert store.ask("picky", ["b"], dequeue=True)[0] == "queued"
     assert store.events() == ["freed a"]
     assert store.r.zcard(KEYS.reservations("a")) == 0
@@ -297,11 +297,11 @@ def test_a_hand_over_prefers_a_waiter_whose_prefix_the_node_holds_among_equals(s
     store.events()
     # the holder frees a slot: the younger waiter that holds a prefix there goes before the head
     store.release("seed-a", holder)
-    assert store.events() == [f"granted second {holder}"]
+    assert store.events() == [f"granted second {holder} 1"]
     picked = store.ask("second", ["a", "b"], prefixes=("conv-a",), dequeue=True)
     assert picked[:2] == ["reserved", holder] and picked[3] == "hit"
     store.release("busy", other)
-    assert store.events() == [f"granted first {other}"]
+    assert store.events() == [f"granted first {other} 1"]
     assert store.ask("first", ["a", "b"], prefixes=("conv-x",), dequeue=True)[3] == "miss"
 
 
@@ -316,10 +316,10 @@ def test_affinity_never_overrides_priority_or_fairness_in_a_hand_over(store: Sto
                      batch_queue_max=4)[0] == "queued"
     store.events()
     store.release("seed", "a", "t1")  # t1 still has 1 in flight, t2 none: light goes first
-    assert store.events() == ["granted light a"]
+    assert store.events() == ["granted light a 1"]
     assert store.ask("light", ["a"], tenant="t2", dequeue=True)[0] == "reserved"
     store.release("light", "a", "t2")  # interactive heavy before batch, whatever batch holds
-    assert store.events() == ["granted heavy a"]
+    assert store.events() == ["granted heavy a 1"]
 
 
 def test_a_request_is_passed_over_for_affinity_at_most_four_times(store: Store) -> None:
@@ -389,13 +389,13 @@ def test_a_waiter_needing_several_slots_is_handed_them_together_and_holds_back_t
     assert store.ask("single", ["a"], dequeue=True)[0] == "queued"
     assert store.ask("late", ["a"], enqueue=False)[0] == "full"  # nor does a new arrival take it
     store.release("busy-1", "a")
-    assert store.events() == ["granted pair a"]
+    assert store.events() == ["granted pair a 2"]
     taken = store.ask("pair", ["a"], generations=2, dequeue=True)
     assert taken == ["reserved", "a", 3, "", 2]
     expiry = store.r.zscore(KEYS.reservations("a"), "pair#2")  # the full lease, on each of its slots
     assert expiry is not None and expiry > now_ms() + LEASE - 5_000
     store.release("busy-2", "a")
-    assert store.events() == ["granted single a"]
+    assert store.events() == ["granted single a 1"]
 
 
 def test_one_release_hands_its_slots_to_as_many_waiters_as_they_serve(store: Store) -> None:
@@ -406,7 +406,7 @@ def test_one_release_hands_its_slots_to_as_many_waiters_as_they_serve(store: Sto
     store.ask("w2", ["a"])
     store.events()
     store.release("big", "a", slots=3)
-    assert store.events() == ["granted w1 a", "granted w2 a", "freed a"]
+    assert store.events() == ["granted w1 a 1", "granted w2 a 1", "freed a"]
 
 
 def test_a_waiter_leaving_after_it_was_handed_several_slots_passes_them_all_on(store: Store) -> None:
@@ -417,9 +417,9 @@ def test_a_waiter_leaving_after_it_was_handed_several_slots_passes_them_all_on(s
     store.ask("w1", ["a"])
     store.events()
     store.release("busy", "a", slots=2)
-    assert store.events() == ["granted pair a"]
+    assert store.events() == ["granted pair a 2"]
     assert store.leave("pair") == 2
-    assert store.events() == ["granted w1 a", "freed a"]
+    assert store.events() == ["granted w1 a 1", "freed a"]
     assert store.held("a") == ["w1"]
 
 
@@ -435,7 +435,7 @@ def test_a_node_too_small_for_a_waiter_never_holds_its_slots_back(store: Store) 
     store.events()
     assert store.ask("late", ["a", "b"], enqueue=False)[0] == "full"
     store.release("busy-a", "a")
-    assert store.events() == ["granted single a"]
+    assert store.events() == ["granted single a 1"]
     store.release("single", "a")
     assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "a"]
 
@@ -456,10 +456,10 @@ def _pair_waiting_with_a_single_behind(store: Store) -> None:
 def test_the_slots_held_back_for_a_waiter_go_on_when_it_takes_the_slots_handed_to_it(store: Store) -> None:
     _pair_waiting_with_a_single_behind(store)
     store.release("busy-a", "a")
-    assert store.events() == ["granted pair a"]
+    assert store.events() == ["granted pair a 2"]
     assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "a"]
     # b's free slot was held back for the pair only: the single gets it now, not at b's next release
-    assert store.events() == ["granted single b"]
+    assert store.events() == ["granted single b 1"]
     assert store.ask("single", ["a", "b"], dequeue=True)[:2] == ["reserved", "b"]
 
 
@@ -467,13 +467,13 @@ def test_the_slots_held_back_for_a_waiter_go_on_when_it_reserves_on_its_own(stor
     _pair_waiting_with_a_single_behind(store)
     store.r.hset(KEYS.node("a"), "capacity", 3)  # a heartbeat raised a's capacity: the pair fits there now
     assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "a"]
-    assert store.events() == ["granted single b"]
+    assert store.events() == ["granted single b 1"]
 
 
 def test_the_slots_held_back_for_a_waiter_go_on_when_it_gives_up(store: Store) -> None:
     _pair_waiting_with_a_single_behind(store)
     assert store.leave("pair", ("a", "b")) == 1  # its queue timeout, or its client left
-    assert store.events() == ["granted single a"]
+    assert store.events() == ["granted single a 1"]
     assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "b"]
 
 
@@ -491,7 +491,7 @@ def test_every_node_passes_on_what_it_held_back_in_queue_order_and_a_big_waiter_
     assert store.leave("pair", tuple(nodes)) == 1
     # a and b go to the singles; c and d (one free slot each) are held back for the second pair, the new
     # head, from the single behind it
-    assert store.events() == ["granted s1 a", "granted s2 b"]
+    assert store.events() == ["granted s1 a 1", "granted s2 b 1"]
 
 
 def test_a_renewal_renews_every_slot_and_recreates_them_all_when_gone(store: Store) -> None:
@@ -543,7 +543,7 @@ def test_a_hand_over_does_not_shorten_the_life_of_the_leases_already_held(store:
     store.ask("waiter", ["a"])
     store.events()
     store.release_script(args=[KEYS.prefix, now_ms(), 100, "done", "a", "anonymous", "0", 1])
-    assert store.events() == ["granted waiter a"]
+    assert store.events() == ["granted waiter a 1"]
     time.sleep(0.3)  # past the queue lease: the waiter never took its slot
     assert store.r.zscore(KEYS.reservations("a"), "long") is not None
     assert store.r.zscore(KEYS.tenant("anonymous"), "long") is not None

@@ -53,6 +53,16 @@ def test_freed_events_count_and_notify() -> None:
     assert view.freed.rate() > 0
 
 
+def test_a_hand_over_counts_every_slot_it_handed_in_the_release_rate() -> None:
+    view = _view()
+    woken: list[str] = []
+    view.waiter_listeners.append(woken.append)
+    view.apply("granted r1 a 2")  # a pair handed two slots
+    view.apply("granted r2 a 1")
+    view.apply("granted r3 a")  # from an older router's script: one slot
+    assert woken == ["r1", "r2", "r3"] and len(view.freed.events) == 4
+
+
 def test_circuit_opens_on_connect_failures_and_closes_after_a_fresh_heartbeat() -> None:
     view = _view(circuit_failures=2)
     _heartbeat(view, "a")
