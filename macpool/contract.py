@@ -192,7 +192,8 @@ local function queue_entries(prefix, now)
       local f = fields(metas[i])
       out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
                        mark = f[5] or '', pref = f[6] or '', hashed = f[7] or '',
-                       passes = tonumber(f[8]) or 0, declined = f[9] or '', gens = tonumber(f[10]) or 1}
+                       passes = tonumber(f[8]) or 0, declined = f[9] or '', gens = tonumber(f[10]) or 1,
+                       hold = f[11] or ''}
     end
   end
   return out
@@ -200,7 +201,8 @@ end
 
 -- the qmeta record of queue entry `e`
 local function record(e)
-  local f = {e.prio, e.tenant, e.model, e.enq, e.mark, e.pref, e.hashed, e.passes, e.declined, e.gens}
+  local f = {e.prio, e.tenant, e.model, e.enq, e.mark, e.pref, e.hashed, e.passes, e.declined, e.gens,
+             e.hold or ''}
   return table.concat(f, '\\t')
 end
 
@@ -285,21 +287,36 @@ local function eligible(e, node, models, slots, cap)
   return e.mark == '' and serves(models, e.model) and not declined(e, node) and need(e.gens, slots) <= cap
 end
 
+-- whether waiter `e` takes `free` slots of `node` (it fits), or holds them back for itself (it waits on it)
+local function claims(e, node, free, slots)
+  return need(e.gens, slots) <= free or e.hold == '' or e.hold == node
+end
+
 -- which of `ranked` (the waiters `node` could serve, in queue order) takes the node's next slots, `free` of
--- them: the head, or - prefix affinity within fairness - among the first few requests exactly as deserving
--- as the head (same class, same tenant load) one whose prompt this node holds; a request can be passed over
--- at most MAX_PASSES times, so nobody waits long for it. nil: the head needs more than `free` and nobody may
--- pass it.
+-- them, and the ones passed over for it. The head, or - prefix affinity within fairness - among the first few
+-- requests exactly as deserving as the head (same class, same tenant load) one whose prompt this node holds;
+-- a request can be passed over at most MAX_PASSES times, so nobody waits long for it. A request running
+-- several generations that does not fit in `free` holds the slots back for itself only on the node it waits
+-- on (`hold`; none known - an older router's entry - every node): elsewhere the requests behind it go first.
+-- nil: the head needs more than `free` and nobody may pass it.
 local function pick(prefix, now, node, ranked, free, slots)
-  local head = ranked[1]
+  local live = {}  -- the places in `ranked` of those who take or hold this node's slots, the first few
+  for i, e in ipairs(ranked) do
+    if claims(e, node, free, slots) then
+      live[#live + 1] = i
+      if #live >= AFFINITY_SKIP then break end
+    end
+  end
+  if #live == 0 then return nil end
+  local head = ranked[live[1]]
   local head_load = tenant_load(prefix, head.tenant, now)
-  for i = 1, math.min(#ranked, AFFINITY_SKIP) do
+  for j, i in ipairs(live) do
     local e = ranked[i]
     if e.prio ~= head.prio or tenant_load(prefix, e.tenant, now) ~= head_load then break end
-    if e.pref == node and need(e.gens, slots) <= free then return i end
+    if e.pref == node and need(e.gens, slots) <= free then return i, {unpack(live, 1, j - 1)} end
     if e.passes >= MAX_PASSES then break end
   end
-  if need(head.gens, slots) <= free then return 1 end
+  if need(head.gens, slots) <= free then return live[1], {} end
   return nil
 end
 
@@ -325,9 +342,9 @@ local function hand_over(prefix, node, now, lease)
   local handed = 0
   while #ranked > 0 do
     table.sort(ranked, function(a, b) return before(prefix, now, a, b) end)
-    local i = pick(prefix, now, node, ranked, free, slots)
+    local i, passed = pick(prefix, now, node, ranked, free, slots)
     if not i then break end
-    for j = 1, i - 1 do  -- passed over for affinity
+    for _, j in ipairs(passed) do  -- passed over for affinity
       local p = ranked[j]
       p.passes = p.passes + 1
       redis.call('HSET', prefix .. 'qmeta', p.rid, record(p))
@@ -369,7 +386,9 @@ local function pass_on(prefix, nodes, now, lease)
       local ranked = {}  -- the first of them this node could serve (pick looks no further)
       for _, e in ipairs(waiting) do
         if #ranked >= AFFINITY_SKIP then break end
-        if eligible(e, node, f[3], slots, cap) then ranked[#ranked + 1] = e end
+        if eligible(e, node, f[3], slots, cap) and claims(e, node, free, slots) then
+          ranked[#ranked + 1] = e
+        end
       end
       if #ranked > 0 and pick(prefix, now, node, ranked, free, slots) then
         hand_over(prefix, node, now, lease)
@@ -541,21 +560,44 @@ local function runs_on(e, c)
   return k <= caps[c] and not declined(e, ids[c]), k
 end
 
--- a request ahead running several generations that fits on none of them now waits for slots to free on one:
--- every node it could run on holds its free slots back for it (as hand_over does), from this request too
-local held_back = {}
+-- the node a request running several generations waits on when it fits on none now: of those it could run
+-- on, the one with the most free slots (ties: the lowest id), so the fewest slots wait idle for it. Its free
+-- slots are held back for it; the other nodes' go to the requests behind it meanwhile.
+local function designate(e)
+  local best_id, most = '', -1
+  for c = 1, #ids do
+    if runs_on(e, c) then
+      local f = caps[c] - ns[c]
+      if f > most or (f == most and ids[c] < best_id) then best_id, most = ids[c], f end
+    end
+  end
+  return best_id
+end
+
+-- a request ahead running several generations that fits on none of them now waits for slots to free on one
+-- (its `hold`): that node holds its free slots back for it (as hand_over does), from this request too, and
+-- the request is not counted among those ahead taking the other nodes' free slots. (An older router's entry
+-- has no `hold`: it holds back every node it could run on.)
+local held_back, waiting_on = {}, {}
 for _, e in ipairs(ahead) do
   if e.gens > 1 then
     local fits, runs = false, {}
     for c = 1, #ids do
       local ok, k = runs_on(e, c)
       if ok then
-        runs[#runs + 1] = ids[c]
+        runs[ids[c]] = true
         if ns[c] + k <= caps[c] then fits = true; break end
       end
     end
     if not fits then
-      for _, id in ipairs(runs) do held_back[id] = true end
+      waiting_on[e.rid] = true
+      local hold = e.hold
+      if hold ~= '' and not runs[hold] then hold = designate(e) end  -- gone, drained, or turned down since
+      if hold == '' then
+        for id in pairs(runs) do held_back[id] = true end
+      else
+        held_back[hold] = true
+      end
     end
   end
 end
@@ -612,7 +654,7 @@ local n_ahead = 0
 if best then
   for _, e in ipairs(ahead) do
     local ok, k = runs_on(e, open[best])
-    if ok then n_ahead = n_ahead + k end
+    if ok and not waiting_on[e.rid] then n_ahead = n_ahead + k end
   end
 end
 
@@ -631,10 +673,11 @@ if not enqueue then
 end
 if me then  -- still waiting: renew its place (and the nodes it turns down: circuits close, and open)
   redis.call('ZADD', qkey, now + queue_lease, rid)
-  if not turned_down and me.declined ~= excluded then
-    me.declined = excluded
-    redis.call('HSET', mkey, rid, record(me))
-  end
+  local was, changed = me.hold, false
+  if not turned_down and me.declined ~= excluded then me.declined, changed = excluded, true end
+  if me.gens > 1 then me.hold = designate(me) end
+  if changed or me.hold ~= was then redis.call('HSET', mkey, rid, record(me)) end
+  if me.hold ~= was and was ~= '' then pass_on(prefix, {was}, now, queue_lease) end  -- it waits elsewhere now
   return {'queued', '', waiting + 1, ''}
 end
 if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) then
@@ -652,9 +695,10 @@ if waiting >= queue_size or (prio == 'batch' and waiting_batch >= batch_max) the
 end
 redis.call('ZADD', qkey, now + queue_lease, rid)
 local hashed = n_hashes > 0 and '1' or ''
-redis.call('HSET', mkey, rid, record({prio = prio, tenant = tenant, model = model, enq = now, mark = '',
-                                      pref = pref, hashed = hashed, passes = 0, declined = excluded,
-                                      gens = gens}))
+local entry = {prio = prio, tenant = tenant, model = model, enq = now, mark = '', pref = pref,
+               hashed = hashed, passes = 0, declined = excluded, gens = gens, hold = ''}
+if gens > 1 then entry.hold = designate(entry) end
+redis.call('HSET', mkey, rid, record(entry))
 redis.call('PEXPIRE', qkey, lease * 2)
 redis.call('PEXPIRE', mkey, lease * 2)
 return {'queued', '', waiting + 1, ''}

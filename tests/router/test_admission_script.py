@@ -440,12 +440,32 @@ def test_a_node_too_small_for_a_waiter_never_holds_its_slots_back(store: Store) 
     assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "a"]
 
 
-def _pair_waiting_with_a_single_behind(store: Store) -> None:
-    """a and b each have one slot free, held back for the pair queued ahead of the single."""
+def test_a_waiter_needing_several_slots_holds_back_only_the_node_it_waits_on(store: Store) -> None:
+    # a, b and c have one free slot each; the pair fits on none and waits on a (the most free slots, then
+    # the lowest id): a's free slot is held back for it, b's and c's go to the requests behind it meanwhile
+    for node in ("a", "b", "c"):
+        store.node(node, 2)
+        store.ask(f"busy-{node}", [node])
+    assert store.ask("pair", ["a", "b", "c"], generations=2)[0] == "queued"
+    time.sleep(0.005)  # arrivals after the pair (ties in arrival are broken by id)
+    placed = {store.ask(rid, ["a", "b", "c"])[1] for rid in ("s1", "s2")}
+    assert placed == {"b", "c"}
+    assert store.ask("s3", ["a", "b", "c"])[0] == "queued"
+    store.events()
+    store.release("s1", placed.pop())  # a node the pair does not wait on: its slot goes to the single
+    assert [e.split()[:2] for e in store.events()] == [["granted", "s3"]]
+    store.release("busy-a", "a")
+    assert store.events() == ["granted pair a 2"]
+
+
+def _pair_waiting_on_a_with_a_single_behind(store: Store, b_busy: tuple[int, ...] = (1, 1)) -> None:
+    """a has one slot free, held back for the pair queued ahead of the single; b is full (its requests
+    running ``b_busy`` generations each)."""
     store.node("a", 2)
-    store.node("b", 2)
+    store.node("b", sum(b_busy))
     store.ask("busy-a", ["a"])
-    store.ask("busy-b", ["b"])
+    for i, k in enumerate(b_busy):
+        store.ask(f"busy-b{i}", ["b"], generations=k)
     assert store.ask("pair", ["a", "b"], generations=2)[0] == "queued"
     time.sleep(0.005)  # queued after the pair (ties in arrival are broken by id)
     assert store.ask("single", ["a", "b"])[0] == "queued"
@@ -453,45 +473,42 @@ def _pair_waiting_with_a_single_behind(store: Store) -> None:
     store.events()
 
 
-def test_the_slots_held_back_for_a_waiter_go_on_when_it_takes_the_slots_handed_to_it(store: Store) -> None:
-    _pair_waiting_with_a_single_behind(store)
-    store.release("busy-a", "a")
-    assert store.events() == ["granted pair a 2"]
+def test_the_slot_held_back_for_a_waiter_goes_on_when_it_takes_slots_handed_to_it_elsewhere(
+        store: Store) -> None:
+    _pair_waiting_on_a_with_a_single_behind(store, b_busy=(2,))
+    store.release("busy-b0", "b", slots=2)  # two slots at once on b: the pair, at the head, gets them
+    assert store.events() == ["granted pair b 2"]
+    assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "b"]
+    # a's free slot was held back for the pair only: the single gets it now, not at a's next release
+    assert store.events() == ["granted single a 1"]
+    assert store.ask("single", ["a", "b"], dequeue=True)[:2] == ["reserved", "a"]
+
+
+def test_the_slot_held_back_for_a_waiter_goes_on_when_it_reserves_on_its_own(store: Store) -> None:
+    _pair_waiting_on_a_with_a_single_behind(store)
+    store.r.hset(KEYS.node("a"), "capacity", 4)  # a heartbeat raised a's capacity: the pair fits there now
     assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "a"]
-    # b's free slot was held back for the pair only: the single gets it now, not at b's next release
-    assert store.events() == ["granted single b 1"]
-    assert store.ask("single", ["a", "b"], dequeue=True)[:2] == ["reserved", "b"]
+    assert store.events() == ["granted single a 1"]
 
 
-def test_the_slots_held_back_for_a_waiter_go_on_when_it_reserves_on_its_own(store: Store) -> None:
-    _pair_waiting_with_a_single_behind(store)
-    store.r.hset(KEYS.node("a"), "capacity", 3)  # a heartbeat raised a's capacity: the pair fits there now
-    assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "a"]
-    assert store.events() == ["granted single b 1"]
-
-
-def test_the_slots_held_back_for_a_waiter_go_on_when_it_gives_up(store: Store) -> None:
-    _pair_waiting_with_a_single_behind(store)
+def test_the_slot_held_back_for_a_waiter_goes_on_when_it_gives_up(store: Store) -> None:
+    _pair_waiting_on_a_with_a_single_behind(store)
     assert store.leave("pair", ("a", "b")) == 1  # its queue timeout, or its client left
     assert store.events() == ["granted single a 1"]
-    assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "b"]
+    assert store.ask("late", ["a", "b"], enqueue=False)[0] == "full"
 
 
-def test_every_node_passes_on_what_it_held_back_in_queue_order_and_a_big_waiter_behind_keeps_its_turn(
-        store: Store) -> None:
-    nodes = ["a", "b", "c", "d"]
-    for node in nodes:
+def test_a_waiter_from_an_older_router_holds_back_every_node_it_could_run_on(store: Store) -> None:
+    # an entry without the node it waits on (written by an older router's script) keeps the old rule
+    for node in ("a", "b"):
         store.node(node, 2)
         store.ask(f"busy-{node}", [node])
-    store.ask("pair", nodes, generations=2)
-    for rid, gens in (("s1", 1), ("s2", 1), ("pair-2", 2), ("s3", 1)):
-        time.sleep(0.005)
-        assert store.ask(rid, nodes, generations=gens)[0] == "queued"
-    store.events()
-    assert store.leave("pair", tuple(nodes)) == 1
-    # a and b go to the singles; c and d (one free slot each) are held back for the second pair, the new
-    # head, from the single behind it
-    assert store.events() == ["granted s1 a 1", "granted s2 b 1"]
+    assert store.ask("pair", ["a", "b"], generations=2)[0] == "queued"
+    meta = store.r.hget(KEYS.queue_meta, "pair")
+    assert meta is not None and meta.split("\t")[10] == "a"
+    store.r.hset(KEYS.queue_meta, "pair", "\t".join(meta.split("\t")[:10]))
+    time.sleep(0.005)
+    assert store.ask("late", ["a", "b"], enqueue=False)[0] == "full"
 
 
 def test_a_renewal_renews_every_slot_and_recreates_them_all_when_gone(store: Store) -> None:

@@ -155,10 +155,11 @@ def test_a_request_only_a_node_away_for_now_could_run_is_a_503_not_a_400(pool: P
 
 def test_a_waiting_pair_that_gives_up_passes_on_at_once_the_slots_held_back_for_it(pool: Pool,
                                                                                      redis_url: str) -> None:
-    # a and b have one slot free each, both held back for the pair queued ahead of the single; when the
-    # pair's queue timeout ends its wait, the single is handed one of them then, not at its own next re-check
+    # a has one slot free, held back for the pair queued ahead of the single (b, of one slot, is full and
+    # too small for the pair); when the pair's queue timeout ends its wait, the single is handed a's slot
+    # then, not at its own next re-check
     pool.node("a", cap=2, parallel=8, speed=1.0)
-    pool.node("b", cap=2, parallel=8, speed=1.0)
+    pool.node("b", cap=1, parallel=8, speed=1.0)
     router = pool.router("--queue-size", "4", "--queue-timeout", "1")
     pool.wait_ready(router, 2)
     store = redis.Redis.from_url(redis_url)
@@ -195,5 +196,5 @@ def test_a_waiting_pair_that_gives_up_passes_on_at_once_the_slots_held_back_for_
         held.callback(done.set)
         pair.join(timeout=10)
         assert answers[0].status_code == 503 and answers[0].headers["x-macpool-reason"] == "queue_timeout"
-        assert live() == 3  # the single holds one of the two free slots already
+        assert live() == 3  # the single holds a's free slot already
         assert single_started.wait(5)
