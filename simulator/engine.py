@@ -54,6 +54,8 @@ class Task:
     writing: bool = False  # inside a write: a client that does not read blocks here (flow control)
     n_sent: int = 0
     sent_at: float = 0.0  # wall time of the last write
+    # llama-server's child task (n > 1): it waits while this parent prefills the prompt, then copies its state
+    parent: Task | None = field(default=None, repr=False)
 
     @property
     def prefilling(self) -> bool:
@@ -136,7 +138,8 @@ class Engine:
 
     # --- requests -----------------------------------------------------------------------------------------
     def submit(self, *tasks: Task) -> None:
-        """One prompt's generations: they start together once enough slots are idle for all of them."""
+        """One prompt's generations: they start together once enough slots are idle for all of them; the
+        first prefills the prompt and the others start from its state."""
         for task in tasks:
             task.id = next(self._ids)
             task.arrival = self.sim_time
@@ -201,7 +204,7 @@ class Engine:
         for task in self.running:
             if budget <= 0:
                 break
-            if task.prefilling:
+            if task.prefilling and task.parent is None:
                 take = min(budget, task.n_prompt - task.n_past)
                 prefill.append((task, take))
                 budget -= take
@@ -226,13 +229,24 @@ class Engine:
                 c.prompt_seconds_total += task.prompt_ms / 1000.0
                 c.bucket_prompt_tokens += processed
                 c.bucket_prompt_seconds += task.prompt_ms / 1000.0
-                self._emit(task)
-                progressed.append(task)
+                for ready in [task, *self._start_children(task)]:
+                    self._emit(ready)
+                    progressed.append(ready)
         self._observe_memory()
         for task in progressed:
             if task.finished:  # a slot released: llama-server offers the deferred queue one task per release
                 self._pop_deferred()
         return progressed
+
+    def _start_children(self, parent: Task) -> list[Task]:
+        # llama-server's copy_state_to, right after the decode that ends the parent's prompt: each child takes
+        # the parent's KV and prompt stats (so its timings repeat the parent's, and /metrics counts the prompt
+        # once) and samples its first token from the same logits, in the same step
+        children = [t for t in self.running if t.parent is parent]
+        for child in children:
+            child.n_cache, child.n_past = parent.n_cache, parent.n_past
+            child.t_start, child.t_prompt_done = parent.t_start, parent.t_prompt_done
+        return children
 
     def _emit(self, task: Task) -> None:
         task.n_decoded += 1
@@ -260,6 +274,8 @@ class Engine:
         slot = task.slot
         if slot is None:
             return
+        if task.prefilling:
+            self._orphan(task)
         kept = task.prompt[: task.n_past * tokens.CHARS_PER_TOKEN]
         slot.cached = kept + tokens.filler(task.n_decoded)
         slot.task = None
@@ -274,16 +290,19 @@ class Engine:
         if len(idle) < len(group):
             self.deferred.append(group)
             return
-        for task in group:
-            slot, shared = self._pick_slot(idle, task)
-            idle.remove(slot)
+        parent, *children = group
+        first, shared = self._pick_slot(idle, parent)
+        idle.remove(first)
+        parent.n_cache = parent.n_past = min(shared, parent.n_prompt - 1) if shared else 0
+        # the children take the lowest-numbered idle slots (get_free_slots) and wait there for the parent
+        for child in children:
+            child.parent = parent
+        for task, slot in [(parent, first), *zip(children, idle, strict=False)]:
             task.slot = slot
-            task.n_cache = min(shared, task.n_prompt - 1) if shared else 0
-            task.n_past = task.n_cache
             task.t_start = self.sim_time
             slot.task = task
             self.running.append(task)
-            self.counters.max_concurrent = max(self.counters.max_concurrent, len(self.running))
+        self.counters.max_concurrent = max(self.counters.max_concurrent, len(self.running))
 
     def _pop_deferred(self) -> None:
         # llama-server's server_queue::pop_deferred_task, called as a slot is released: only the deferred
@@ -291,6 +310,13 @@ class Engine:
         # behind it can wait beside an idle slot until the next release
         if self.deferred:
             self._launch(self.deferred.popleft())
+
+    def _orphan(self, parent: Task) -> None:
+        # a parent cancelled before its prompt is done: its first child prefills the prompt for the others
+        # (llama-server cancels a request's generations together, so it never leaves children waiting)
+        children = [t for t in self.running if t.parent is parent]
+        for child in children:
+            child.parent = children[0] if child is not children[0] else None
 
     def _undefer(self, task: Task) -> None:
         # a request's generations are cancelled one by one: their group leaves the queue with the last

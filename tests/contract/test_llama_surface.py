@@ -208,6 +208,26 @@ def test_several_generations_answer_one_choice_each(target: Target) -> None:
     assert message.startswith(f"Field 'n': Value must be between 1 <= value <= {target.parallel}")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompts_generations_process_it_once(target: Target, stream: bool) -> None:
+    # llama-server prefills the prompt in the parent task's slot and copies that state to its children:
+    # /metrics counts the prompt once, and each generation's timings repeat the parent's prompt figures
+    def metric(name: str) -> float:
+        return parse_metrics(get(target, "/metrics").text)[f"llamacpp:{name}"]
+
+    names = ["prompt_tokens_total", "prompt_tokens_cached_total", "tokens_predicted_total"]
+    before = [metric(name) for name in names]
+    body = {"prompt": "Count this prompt once. " * 8, "n_predict": 2, "ignore_eos": True, "n": 2,
+            "stream": stream}
+    response = httpx.post(target.url + "/completion", json=body, timeout=60)
+    answers = [json.loads(e) for e in sse_events(response)] if stream else response.json()
+    finals = [a for a in answers if a["stop"]]
+    assert sorted(a["index"] for a in finals) == [0, 1]
+    [(cache_n, prompt_n)] = {(a["timings"]["cache_n"], a["timings"]["prompt_n"]) for a in finals}
+    assert cache_n + prompt_n == finals[0]["tokens_evaluated"]
+    assert [metric(name) - was for name, was in zip(names, before, strict=True)] == [prompt_n, cache_n, 4]
+
+
 def test_a_running_requests_tokens_are_in_its_slot_before_they_are_in_the_metrics(target: Target) -> None:
     # the agent's tokens/s adds /slots' n_decoded to tokens_predicted_total (node_agent/heartbeat.py): the
     # counter takes a request's tokens only when it ends

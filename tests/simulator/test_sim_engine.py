@@ -139,3 +139,44 @@ def test_memory_grows_with_tokens_held() -> None:
     assert idle < mid
     assert e.pinned_gb() == idle  # a finished sequence no longer pins memory
     assert e.counters.peak_pinned_gb > mid
+
+
+def test_a_prompts_generations_share_one_prefill() -> None:
+    # llama-server prefills the prompt once, in the parent's slot, and copies that state to the n - 1 children
+    text = tokens.make_prompt(3000)
+    alone, together = engine(slots=4), engine(slots=4)
+    single, group = task(text, n_predict=2), [task(text, n_predict=2) for _ in range(4)]
+    alone.submit(single)
+    together.submit(*group)
+    run_until_done(alone, single)
+    run_until_done(together, *group)
+    assert [t.t_prompt_done for t in group] == [single.t_prompt_done] * 4  # not 4x the prefill
+    assert [t.n_past for t in group] == [single.n_prompt] * 4  # each decodes on from the whole prompt
+    assert all(t.timings() == group[0].timings() for t in group)  # the children repeat the parent's
+    assert group[0].timings()["prompt_n"] == single.n_prompt
+    assert together.counters.prompt_tokens_total == alone.counters.prompt_tokens_total == single.n_prompt
+    assert together.counters.n_decode_total == alone.counters.n_decode_total
+
+
+def test_children_wait_for_the_prefill_and_start_in_its_last_step() -> None:
+    e = engine(slots=2)
+    parent, child = task(tokens.make_prompt(3000)), task(tokens.make_prompt(3000))
+    e.submit(parent, child)
+    assert e.step() == []  # the first 2,048 prompt tokens, all the parent's
+    assert (parent.n_past, child.n_past) == (2048, 0)
+    assert e.pinned_gb() == e.machine.fixed_gb() + e.machine.sequence_gb(2048) + e.machine.sequence_gb(0)
+    assert e.step() == [parent, child]  # the rest of the prompt; both sample their first token from it
+    assert (parent.n_decoded, child.n_decoded) == (1, 1)
+    assert e.pinned_gb() == e.machine.fixed_gb() + 2 * e.machine.sequence_gb(3001)  # each holds its own KV
+
+
+def test_a_child_prefills_for_the_others_when_the_parent_is_cancelled() -> None:
+    e = engine(slots=3)
+    parent, *children = [task(tokens.make_prompt(3000)) for _ in range(3)]
+    e.submit(parent, *children)
+    e.step()
+    e.cancel(parent)
+    run_until_done(e, *children)
+    assert all(t.finish_reason == "length" for t in children)
+    assert children[0].timings() == children[1].timings()
+    assert children[0].timings()["prompt_n"] == 3000
