@@ -277,7 +277,8 @@ class Engine:
         if task.prefilling:
             self._orphan(task)
         kept = task.prompt[: task.n_past * tokens.CHARS_PER_TOKEN]
-        slot.cached = kept + tokens.filler(task.n_decoded)
+        # llama-server clears a child's slot when it ends: the parent's cache is enough
+        slot.cached = "" if task.parent else kept + tokens.filler(task.n_decoded)
         slot.task = None
         slot.last_used = self.sim_time
         self.running.remove(task)

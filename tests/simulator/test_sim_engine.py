@@ -180,3 +180,21 @@ def test_a_child_prefills_for_the_others_when_the_parent_is_cancelled() -> None:
     assert all(t.finish_reason == "length" for t in children)
     assert children[0].timings() == children[1].timings()
     assert children[0].timings()["prompt_n"] == 3000
+
+
+def test_children_take_the_lowest_idle_slots_and_keep_no_cache() -> None:
+    # llama-server: the parent's slot is chosen by cached prefix, the children get the lowest-numbered idle
+    # ones (get_free_slots) and clear them when they end (the parent's cache is enough)
+    e = engine(slots=3)
+    text = "The same long system prompt. " * 40
+    a, b = task(text), task("Something else entirely. " * 40)
+    e.submit(a)
+    run_until_done(e, a)
+    e.submit(b)
+    run_until_done(e, b)
+    parent, child = task(text), task(text)
+    e.submit(parent, child)
+    assert (parent.slot, child.slot) == (e.slots[0], e.slots[1])  # slot 2, never used, is the LRU one
+    run_until_done(e, parent, child)
+    assert child.n_cache == parent.n_cache == parent.n_prompt - 1
+    assert e.slots[0].cached.startswith(text) and e.slots[1].cached == ""
