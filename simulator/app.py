@@ -268,7 +268,7 @@ class SimServer:
         limit = task.n_predict if task.finish_on_limit == "length" else -1
         out.update(
             id_task=task.id,
-            n_prompt_tokens=task.n_prompt,
+            n_prompt_tokens=task.n_past + task.n_decoded,  # what the slot holds: none for a waiting child
             n_prompt_tokens_processed=task.n_past - task.n_cache,
             n_prompt_tokens_cache=task.n_cache,
             params=shapes.slot_params(limit, False, True),

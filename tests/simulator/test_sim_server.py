@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,25 @@ def test_disconnect_cancels_the_task(sim: SimFactory) -> None:
 
     assert poll(cancelled)
     assert not any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
+
+
+def test_a_waiting_child_holds_no_tokens_in_its_slot(sim: SimFactory) -> None:
+    # llama-server's /slots n_prompt_tokens counts the tokens a slot holds: none for a child (n > 1) while
+    # its parent prefills the prompt
+    server = sim("--parallel", "2", "--speed", "1")
+    body = {"prompt": "p" * 4 * 6000, "n_predict": 1, "n": 2}  # 2 s of prefill
+    held: list[list[int]] = []
+
+    def prefilling() -> bool:
+        busy = [s for s in httpx.get(server.url + "/slots").json() if s["is_processing"]]
+        held.append([s["n_prompt_tokens"] for s in busy])  # the parent's slot (0), then the child's
+        return len(busy) == 2 and busy[0]["n_prompt_tokens"] > 0
+
+    with ThreadPoolExecutor(1) as pool:
+        answers = pool.submit(httpx.post, server.url + "/completion", json=body, timeout=60)
+        assert poll(prefilling), held
+        assert held[-1][1] == 0
+        assert answers.result().status_code == 200
 
 
 def test_speed_compresses_time(sim: SimFactory) -> None:
