@@ -577,27 +577,31 @@ end
 -- a request ahead running several generations that fits on none of them now waits for slots to free on one
 -- (its `hold`): that node holds its free slots back for it (as hand_over does), from this request too, and
 -- the request is not counted among those ahead taking the other nodes' free slots. (An older router's entry
--- has no `hold`: it holds back every node it could run on.)
-local held_back, waiting_on = {}, {}
+-- has no `hold`: it holds back every node it could run on.) Slots held back for one are not room for those
+-- behind it, so they are looked at in queue order.
+local several = {}
 for _, e in ipairs(ahead) do
-  if e.gens > 1 then
-    local fits, runs = false, {}
-    for c = 1, #ids do
-      local ok, k = runs_on(e, c)
-      if ok then
-        runs[ids[c]] = true
-        if ns[c] + k <= caps[c] then fits = true; break end
-      end
+  if e.gens > 1 then several[#several + 1] = e end
+end
+if #several > 1 then table.sort(several, function(a, b) return before(prefix, now, a, b) end) end
+local held_back, waiting_on = {}, {}
+for _, e in ipairs(several) do
+  local fits, runs = false, {}
+  for c = 1, #ids do
+    local ok, k = runs_on(e, c)
+    if ok then
+      runs[ids[c]] = true
+      if ns[c] + k <= caps[c] and not held_back[ids[c]] then fits = true; break end
     end
-    if not fits then
-      waiting_on[e.rid] = true
-      local hold = e.hold
-      if hold ~= '' and not runs[hold] then hold = designate(e) end  -- gone, drained, or turned down since
-      if hold == '' then
-        for id in pairs(runs) do held_back[id] = true end
-      else
-        held_back[hold] = true
-      end
+  end
+  if not fits then
+    waiting_on[e.rid] = true
+    local hold = e.hold
+    if hold ~= '' and not runs[hold] then hold = designate(e) end  -- gone, drained, or turned down since
+    if hold == '' then
+      for id in pairs(runs) do held_back[id] = true end
+    else
+      held_back[hold] = true
     end
   end
 end
