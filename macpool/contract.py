@@ -574,6 +574,15 @@ local function designate(e)
   return best_id
 end
 
+-- whether `node`, not one of the candidates, could run queue entry `e` now (the node it waits on, say, where
+-- this request is not sent: its router tried it, or its circuit is open, or it is too small for this request)
+local function runs_elsewhere(e, node)
+  local f = redis.call('HMGET', prefix .. 'node:' .. node, 'capacity', 'state', 'models', 'slots')
+  local cap = tonumber(f[1])
+  return cap ~= nil and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', drained, node) == 0
+    and serves(f[3], e.model) and not declined(e, node) and need(e.gens, tonumber(f[4])) <= cap
+end
+
 -- a request ahead running several generations that fits on none of them now waits for slots to free on one
 -- (its `hold`): that node holds its free slots back for it (as hand_over does), from this request too, and
 -- the request is not counted among those ahead taking the other nodes' free slots. (An older router's entry
@@ -597,7 +606,9 @@ for _, e in ipairs(several) do
   if not fits then
     waiting_on[e.rid] = true
     local hold = e.hold
-    if hold ~= '' and not runs[hold] then hold = designate(e) end  -- gone, drained, or turned down since
+    if hold ~= '' and not runs[hold] and (known[hold] or not runs_elsewhere(e, hold)) then
+      hold = designate(e)  -- gone, drained, or turned down since
+    end
     if hold == '' then
       for id in pairs(runs) do held_back[id] = true end
     else

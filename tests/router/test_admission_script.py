@@ -554,6 +554,21 @@ def test_a_waiter_that_fits_only_where_slots_are_held_back_leaves_the_other_node
     assert store.ask("late", ["s", "b"], enqueue=False)[:2] == ["reserved", "s"]
 
 
+def test_a_waiter_waits_on_its_node_also_for_a_request_that_does_not_go_there(store: Store) -> None:
+    # the quad waits on a; a request whose router no longer sends it to a (it tried a, or a's circuit is open
+    # there) takes b's free slot: the quad does not wait on b
+    store.node("a", 4)
+    store.node("b", 4)
+    store.ask("busy-a", ["a"])
+    store.ask("busy-b", ["b"], generations=3)
+    assert store.ask("quad", ["a", "b"], generations=4)[0] == "queued"  # a has the most free slots
+    time.sleep(0.005)  # arrivals after the quad (ties in arrival are broken by id)
+    assert store.ask("single", ["b"], excluded=("a",))[:2] == ["reserved", "b"]
+    store.release("single", "b")
+    store.r.sadd(KEYS.drained, "a")  # the quad can no longer wait on a: it waits on b, for such a request too
+    assert store.ask("next", ["b"], excluded=("a",), enqueue=False)[0] == "full"
+
+
 def test_a_hand_over_does_not_shorten_the_life_of_the_leases_already_held(store: Store) -> None:
     # the slot is handed over with the short queue lease; the node's other reservations (and the tenant's
     # other requests) keep their full lease: their keys must outlive the hand-over, renewed or not
