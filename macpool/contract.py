@@ -262,8 +262,9 @@ local function held(rkey, rid)
   return k
 end
 
--- reserve k slots on `node` for `rid` until now + lease. A hand-over's lease is the queue's, a short one
--- (`short`): it must not cut short the TTL of the keys the node's and the tenant's other reservations live in
+-- reserve k slots on `node` for `rid` until now + lease. A hand-over's lease is a short one, what is left of
+-- the waiter's place in the queue (`short`): it must not cut short the TTL of the keys the node's and the
+-- tenant's other reservations live in
 local function reserve(prefix, node, rid, tenant, now, lease, k, short)
   local rkey, tkey, ttl = prefix .. 'resv:' .. node, prefix .. 'tenant:' .. tenant, lease * 2
   redis.call('ZADD', rkey, unpack(scored(rid, k, now + lease)))
@@ -351,7 +352,10 @@ local function hand_over(prefix, node, now, lease)
     end
     local e = ranked[i]
     local k = need(e.gens, slots)
-    reserve(prefix, node, e.rid, e.tenant, now, lease, k, true)
+    -- the slots are the waiter's while its place in the queue lasts: they lapse with it (a waiter whose place
+    -- lapsed asks again as a new arrival, which could take other slots besides, or wait behind these)
+    local place = tonumber(redis.call('ZSCORE', prefix .. 'queue', e.rid)) - now
+    reserve(prefix, node, e.rid, e.tenant, now, math.min(lease, place), k, true)
     e.mark = 'g:' .. node
     redis.call('HSET', prefix .. 'qmeta', e.rid, record(e))
     redis.call('PUBLISH', prefix .. 'events', 'granted ' .. e.rid .. ' ' .. node .. ' ' .. k)

@@ -593,3 +593,19 @@ def test_a_waiter_taking_its_slot_keeps_it_for_the_full_lease(store: Store) -> N
     time.sleep(0.3)  # past the queue lease it was handed the slot with
     assert store.r.zscore(KEYS.reservations("a"), "waiter") is not None
     assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") is not None
+
+
+def test_a_waiter_whose_place_lapsed_keeps_no_slot_handed_to_it(store: Store) -> None:
+    # its router stalled past the queue lease (or runs a clock behind the others'): once its place is gone it
+    # can no longer take the slots handed to it - they lapse with it, not 3 s after they were handed over
+    store.node("a", 1)
+    store.node("b", 1)
+    t = now_ms()
+    store.ask("busy-a", ["a"], now=t)
+    store.ask("busy-b", ["b"], now=t)
+    assert store.ask("late", ["a", "b"], now=t)[0] == "queued"  # its place lasts until t + QUEUE_LEASE
+    for busy, node in (("busy-a", "a"), ("busy-b", "b")):  # a's slot is handed to it, b's is left free
+        store.release_script(args=[KEYS.prefix, t + 1_000, QUEUE_LEASE, busy, node, "anonymous", "0", 1])
+    answer = store.ask("late", ["a", "b"], dequeue=True, now=t + QUEUE_LEASE + 1)  # a new arrival now
+    assert answer[0] == "reserved"
+    assert store.held("a") + store.held("b") == ["late"]  # one slot, on one node
