@@ -377,7 +377,8 @@ local function pass_on(prefix, nodes, now, lease)
     local cap, slots = tonumber(f[1]), tonumber(f[4])
     local free = 0
     if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', prefix .. 'drained', node) == 0 then
-      free = cap - redis.call('ZCOUNT', prefix .. 'resv:' .. node, now, '+inf')
+      -- (a lease ending at `now` is over, as hand_over drops it)
+      free = cap - redis.call('ZCOUNT', prefix .. 'resv:' .. node, '(' .. now, '+inf')
     end
     if free > 0 then
       if waiting == nil then

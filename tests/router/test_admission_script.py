@@ -609,3 +609,13 @@ def test_a_waiter_whose_place_lapsed_keeps_no_slot_handed_to_it(store: Store) ->
     answer = store.ask("late", ["a", "b"], dequeue=True, now=t + QUEUE_LEASE + 1)  # a new arrival now
     assert answer[0] == "reserved"
     assert store.held("a") + store.held("b") == ["late"]  # one slot, on one node
+
+
+def test_a_lease_ending_now_is_over_also_for_a_waiter_passing_on_held_back_slots(store: Store) -> None:
+    store.node("a", 1)
+    t = now_ms()
+    store.ask("busy", ["a"], now=t - LEASE)  # its lease ends at t
+    assert store.ask("single", ["a"], now=t - 10)[0] == "queued"
+    store.events()
+    store.leave_script(args=[KEYS.prefix, t, QUEUE_LEASE, "pair", "a"])  # a waiter of two generations leaves
+    assert store.events() == ["granted single a 1"]
