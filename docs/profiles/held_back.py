@@ -17,7 +17,6 @@ capacity), the requests served, timed out and refused, and the median queue wait
 from __future__ import annotations
 
 import heapq
-import importlib.util
 import random
 import statistics
 import sys
@@ -29,6 +28,9 @@ from typing import Any
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from script_cost import contract_of
+
 from macpool.redis_server import RedisServer
 
 MEAN_S = 10.0
@@ -36,15 +38,6 @@ QUEUE_SIZE = 64
 QUEUE_TIMEOUT_MS = 30_000
 RECHECK_MS = 500
 LEASE_MS = 10_000_000  # nothing expires in this run
-
-
-def contract_of(tree: str) -> ModuleType:
-    path = Path(tree) / "macpool" / "contract.py"
-    spec = importlib.util.spec_from_file_location(f"contract_{abs(hash(tree))}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
