@@ -15,7 +15,7 @@ from simulator.settings import DEFAULT_PRESET, SimSettings
 # llama-server flags an agent may pass that mean nothing to the simulator: name -> takes a value
 IGNORED_FLAGS: dict[str, bool] = {
     "--no-webui": False, "--cont-batching": False, "-cb": False, "--no-cont-batching": False,
-    "--jinja": False, "--flash-attn": False, "-fa": False, "--no-mmap": False, "--mlock": False,
+    "--jinja": False, "--no-mmap": False, "--mlock": False,
     "--verbose": False, "-v": False, "--log-disable": False, "--embedding": False, "--embeddings": False,
     "--slots": False, "--no-slots": False, "--no-warmup": False,
     "-t": True, "--threads": True, "-tb": True, "--threads-batch": True, "-ngl": True, "--n-gpu-layers": True,
@@ -23,6 +23,7 @@ IGNORED_FLAGS: dict[str, bool] = {
     "--timeout": True, "-to": True, "--threads-http": True, "--cache-type-k": True, "-ctk": True,
     "--cache-type-v": True, "-ctv": True, "--chat-template": True, "--reasoning-format": True,
     "--seed": True, "-s": True, "-n": True, "--n-predict": True, "--keep": True, "--api-key": True,
+    "--flash-attn": True, "-fa": True,  # on, off or auto
 }
 
 

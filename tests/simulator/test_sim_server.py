@@ -145,7 +145,8 @@ def test_loading_then_ready(spawn: SpawnFactory) -> None:
 def test_llama_server_flags_and_model_name(sim: SimFactory) -> None:
     server = sim(
         "--host", "127.0.0.1", "-np", "3", "-c", "6000", "--metrics", "-m", "/models/qwen-14b-q4.gguf",
-        "--no-webui", "--cont-batching", "-t", "4", "-ngl", "99", "--jinja", preset="m5max-128g-14b-q4",
+        "--no-webui", "--cont-batching", "-t", "4", "-ngl", "99", "--jinja", "-fa", "on",
+        preset="m5max-128g-14b-q4",
     )
     props = httpx.get(server.url + "/props").json()
     assert props["total_slots"] == 3 and props["default_generation_settings"]["n_ctx"] == 2000
