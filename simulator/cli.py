@@ -85,8 +85,11 @@ def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
         "parallel": args.parallel, "ctx_size": args.ctx_size, "model": args.model, "alias": args.alias,
         "metrics": args.metrics, "speed": args.speed, "load_seconds": args.load_seconds,
     }
+    given = {k: v for k, v in values.items() if v is not None}
+    if "preset" in given or "machine" in given:  # one choice: the flag's wins over the other's variable
+        given = {"preset": None, "machine": None, **given}
     try:
-        settings = SimSettings(**{k: v for k, v in values.items() if v is not None})
+        settings = SimSettings(**given)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise UsageError(f"--{'-'.join(str(p) for p in first['loc'])}: {first['msg']}") from exc

@@ -202,3 +202,15 @@ def test_every_flag_has_its_environment_variable(monkeypatch: pytest.MonkeyPatch
     settings, _ = parse_settings([])
     assert settings.load_machine().name == load_preset("m2pro-32g-8b-q4").name
     assert (settings.ctx_size, settings.load_seconds) == (4096, 0.5)
+
+
+def test_a_machine_flag_wins_over_the_other_ones_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--preset and --machine are one choice: a flag naming one beats the other's variable."""
+    machine = Path(simulator.__file__).parent / "presets" / "m2pro-32g-8b-q4.json"
+    monkeypatch.setenv("MACPOOL_SIM_PRESET", "m4max-64g-32b-q4")
+    settings, _ = parse_settings(["--machine", str(machine)])
+    assert settings.load_machine().name == load_preset(machine.stem).name
+    monkeypatch.delenv("MACPOOL_SIM_PRESET")
+    monkeypatch.setenv("MACPOOL_SIM_MACHINE", str(machine))
+    settings, _ = parse_settings(["--preset", "m4max-64g-32b-q4"])
+    assert settings.load_machine().name == load_preset("m4max-64g-32b-q4").name
