@@ -152,6 +152,11 @@ def read_calibration(path: Path) -> dict[str, Any]:
 def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> AgentSettings:
     """Merge the three sources (flags win, then ``MACPOOL_*``, then the file) and check the result."""
     settings = load_layered(AgentSettings, flags, config_file, "agent")
+    for mode, other in (("upstream", "llama_server"), ("llama_server", "upstream")):
+        if flags.get(mode) is not None and flags.get(other) is None:
+            # one choice: --upstream or --llama-server on the command line wins over the other's setting in
+            # the environment or the file (attaching to a test server with the Mac's usual config file)
+            settings = settings.model_copy(update={other: None})
     if settings.calibration is not None:
         settings.check()
         calibrated = read_calibration(settings.calibration)

@@ -29,6 +29,23 @@ def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.Mo
     assert load_settings({"token": "flag"}, config).token == "flag"
 
 
+def test_the_mode_flag_wins_over_the_other_mode_from_the_file_or_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--upstream and --llama-server are one choice: a flag naming one beats the other's key or variable."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    config = tmp_path / "agent.toml"
+    config.write_text(f'llama_server = "true"\nmodel = "{model}"\n')
+    settings = load_settings({"upstream": "http://127.0.0.1:1"}, config)
+    assert (settings.upstream, settings.supervise) == ("http://127.0.0.1:1", False)
+    monkeypatch.setenv("MACPOOL_UPSTREAM", "http://127.0.0.1:1")
+    settings = load_settings({"llama_server": "true", "model": model})
+    assert (settings.upstream, settings.llama_command) == (None, ["true"])
+    with pytest.raises(ConfigError, match="exactly one"):
+        load_settings({}, config)
+
+
 def test_calibration_file_sets_the_calibrated_terms(tmp_path: Path) -> None:
     result = tmp_path / "cal.json"
     result.write_text(json.dumps({"recommended_cap": 8, "per_request_gb": 2.6, "rows": []}))
