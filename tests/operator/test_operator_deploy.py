@@ -442,7 +442,8 @@ def documented_commands(path: Path) -> list[list[str]]:
     return commands
 
 
-@pytest.mark.parametrize("guide", ["docs/operations.md", "deploy/macos/README.md", "README.md"])
+@pytest.mark.parametrize("guide", ["docs/operations.md", "docs/router.md", "docs/agent.md",
+                                   "docs/simulator.md", "deploy/macos/README.md", "README.md"])
 def test_guides_run_real_subcommands_with_real_flags(guide: str) -> None:
     commands = documented_commands(ROOT / guide)
     assert commands
@@ -499,3 +500,69 @@ def test_the_docs_name_metrics_with_their_real_labels() -> None:
             for label in re.findall(r"(\w+)\s*(?:=|,|$)", inside):
                 assert label in labels[name], f"{doc.name}: {name} has no label {label}"
     assert seen >= 5
+
+
+def documented_settings(guide: str, heading: str) -> list[tuple[str, str, str]]:
+    """A guide's configuration table: (flag, env or key, default) per row."""
+    section = (ROOT / "docs" / guide).read_text().split(heading, 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| (.*?) \| (.*?) \| (.*?) \| (.*?) \|$", section, re.M)[1:]  # past the head
+    return [(flag, key, default) for flag, key, default, _ in rows]
+
+
+def default_matches(field: Any, documented: str) -> bool:
+    """A concrete default must be the code's; a setting unset by default (or computed at start) may say what
+    that means ("unset", "host name", "`/props` total_slots")."""
+    computed = field.default_factory not in (None, list)  # the router id, the host name
+    value = None if computed else field.get_default(call_default_factory=True)
+    documented = documented.strip("`")
+    if value is None or value == "":
+        return not re.fullmatch(r"[\d.]+|on|off", documented)
+    if isinstance(value, bool):
+        return documented == ("on" if value else "off")
+    if isinstance(value, int | float):
+        return re.fullmatch(r"[\d.]+", documented) is not None and float(documented) == value
+    return documented == str(value)
+
+
+def test_the_router_configuration_table_is_every_setting_with_its_flag_env_and_default() -> None:
+    from router.cli import parser
+
+    table = documented_settings("router.md", "## Configuration")
+    flags = {option for action in parser()._actions for option in action.option_strings} - {"-h", "--help"}
+    names = set()
+    for column, env, default in table:
+        flag = column.strip("`")
+        name = "affinity" if flag == "--no-affinity" else flag[2:].replace("-", "_")
+        names.add(name)
+        assert flag in flags, f"docs/router.md documents {flag}, which `macpool router` does not take"
+        assert env.strip("`").split("=")[0] == f"MACPOOL_{name.upper()}", f"docs/router.md, {flag}: {env}"
+        field = RouterSettings.model_fields.get(name)
+        assert field is not None, f"docs/router.md documents {flag}: no such router setting"
+        assert default_matches(field, default), f"docs/router.md, {flag}: default {default} in the docs"
+    assert names == set(RouterSettings.model_fields), "docs/router.md's table misses a router setting"
+    undocumented = flags - {column.strip("`") for column, _, _ in table} - {"--config"}
+    assert not undocumented, f"`macpool router` flags missing from docs/router.md: {undocumented}"
+
+
+def test_the_agent_configuration_table_is_every_setting_with_its_flag_key_and_default() -> None:
+    from node_agent.cli import _run_parser
+
+    table = documented_settings("agent.md", "## Configuration reference")
+    dests = {option: action.dest for action in _run_parser()._actions for option in action.option_strings}
+    keys = set()
+    for column, key_env, default in table:
+        if column.startswith("`--config"):
+            continue
+        key = re.findall(r"`(\w+)`", key_env)[-1]
+        keys.add(key)
+        field = AgentSettings.model_fields.get(key)
+        assert field is not None, f"docs/agent.md documents the key {key}: no such agent setting"
+        for env in re.findall(r"`(MACPOOL_\w+)`", key_env):
+            assert env in env_names(AgentSettings), f"docs/agent.md, {key}: the agent does not read {env}"
+        for flag in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", column.split("`")[1] if "`" in column else ""):
+            if flag != "--":
+                assert dests.get(flag) == key, f"docs/agent.md: {flag} is not `macpool agent run`'s {key}"
+        assert default_matches(field, default), f"docs/agent.md, {key}: default {default} in the docs"
+    assert keys == set(AgentSettings.model_fields), "docs/agent.md's table misses an agent setting"
+    undocumented = {dest for dest in dests.values() if dest not in keys} - {"help", "config"}
+    assert not undocumented, f"`macpool agent run` flags missing from docs/agent.md: {undocumented}"
