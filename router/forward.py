@@ -43,6 +43,7 @@ _STREAMED, _TOKEN = (STREAM_HEADER.encode(), b"1"), TOKEN_HEADER.encode()
 # the last bytes of a stream only (node_agent/gateway.py ProxyResponse)
 _AGENT_MIDSTREAM = b'"upstream_midstream"'
 _TAIL = 512
+_DONE = b"data: [DONE]\n\n"  # an OpenAI stream's last event
 
 
 def new_transport() -> HTTP11Transport:
@@ -373,6 +374,7 @@ class Relay(Response):
         self.streaming = content_type.startswith("text/event-stream")
         self.outcome = str(upstream.status_code)
         self.ended = True  # the last chunk relayed closed its SSE event
+        self.done = False  # the stream's last event is relayed: a client may go without waiting for the end
         self.background = None
         self.phase: Literal["read", "send"] = "send"  # what the relay is waiting for
         self.progress_at = time.monotonic()  # when it last made progress
@@ -414,7 +416,7 @@ class Relay(Response):
             finally:
                 guard.finish()
                 timers[0].cancel()
-            if guard.reason == "client_closed":
+            if guard.reason == "client_closed" and not self.done:
                 self.outcome = "client_closed"
             elif guard.reason == "read":
                 with contextlib.suppress(TimeoutError):
@@ -444,6 +446,7 @@ class Relay(Response):
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             self.ended = self.first.endswith(b"\n\n")
+            self.done = self.streaming and self.first.endswith(_DONE)
         while True:
             self.phase, self.progress_at = "read", time.monotonic()
             try:
@@ -456,6 +459,9 @@ class Relay(Response):
             self.phase, self.progress_at = "send", time.monotonic()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.ended = chunk.endswith(b"\n\n")
+            # the OpenAI SDK closes the connection once it reads [DONE], often before the node's end of the
+            # body reaches the router: that stream was served whole, not left early
+            self.done = self.streaming and chunk.endswith(_DONE)
             last = chunk
         self.phase, self.progress_at = "send", time.monotonic()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import httpx
@@ -9,8 +10,9 @@ import pytest
 import redis
 
 from macpool.contract import Keys, now_ms
-from tests.conftest import metric
-from tests.router.conftest import Pool, wait_until
+from macpool.redis_server import free_port
+from tests.conftest import SpawnFactory, metric
+from tests.router.conftest import AGENT_TOKEN, Pool, wait_until
 
 LEASE_S = 2.0
 
@@ -67,3 +69,26 @@ def test_disconnect_renewal_and_crash(pool: Pool, redis_url: str) -> None:
             wait_until(lambda: live() == 0, timeout=LEASE_S + 10)
             assert time.monotonic() - killed <= LEASE_S + 5
     store.close()
+
+
+def test_a_client_leaving_after_done_was_served(pool: Pool, spawn: SpawnFactory, redis_url: str) -> None:
+    """The OpenAI SDK closes the connection once it reads `data: [DONE]`, often before the end of the body
+    reaches the router: that stream was served whole - counted with its status, not as `client_closed`."""
+    port = free_port()
+    upstream = spawn(argv=[sys.executable, "-m", "tests.router.lingering_upstream", "--port", str(port)],
+                     port=port, name="lingering")
+    spawn("agent", "run", "--upstream", upstream.url, "--redis-url", redis_url, "--node-id", "n1",
+          "--token", AGENT_TOKEN, name="agent-n1")
+    router = pool.router()
+    pool.wait_ready(router, nodes=1)
+    body = {"model": "lingering", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        for _ in range(2):
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                assert "data: [DONE]" in lines  # read up to it, then leave as the SDK does
+    served = 'macpool_requests_total{model="lingering",node="n1",status="200"}'
+    wait_until(lambda: metric(router.url, served) == 2, timeout=5)
+    closed = 'macpool_requests_total{model="lingering",node="n1",status="client_closed"}'
+    assert metric(router.url, closed) == 0
