@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
@@ -365,8 +366,20 @@ def with_cors(app: ASGIApp, origins: str) -> ASGIApp:
     allowed = origin_list(origins)
     if not allowed:
         return app
-    return CORSMiddleware(app, allow_origins=allowed, allow_methods=["GET", "POST"], allow_headers=["*"],
-                          expose_headers=CORS_EXPOSED, max_age=600)
+    return _Cors(app, allow_origins=allowed, allow_methods=["GET", "POST"], allow_headers=["*"],
+                 expose_headers=CORS_EXPOSED, max_age=600)
+
+
+class _Cors(CORSMiddleware):
+    """Starlette's CORS, refusing a preflight with the router's JSON error rather than plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        headers = {k: v for k, v in response.headers.items() if k not in ("content-length", "content-type")}
+        # "Disallowed CORS origin, method"
+        return error_response(400, bytes(response.body).decode(), "cors_disallowed", headers=headers)
 
 
 def _model(name: str) -> dict[str, Any]:

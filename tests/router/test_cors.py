@@ -42,6 +42,7 @@ def test_a_browser_on_an_allowed_origin_can_call_the_router_and_read_every_answe
     assert preflight(router.url, "http://localhost:5173").status_code == 200
     refused = preflight(router.url, "https://evil.example.com")
     assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    assert refused.json()["error"]["code"] == "cors_disallowed"  # JSON, as every error
 
     browser = {"Origin": ORIGIN, "Authorization": "Bearer browser-key"}
     with httpx.Client(timeout=30) as client:
