@@ -85,6 +85,9 @@ class Pool:
             if self._closed:
                 raise DemoError("stopped while starting")
             child = Child(macpool_argv(*args), name=name, log_path=self.log_dir / f"{name}.log")
+            # the demo is what its flags say: a MACPOOL_* setting left in this shell (a router's keys file,
+            # an agent's cap) would change the pool it starts and the snippets it prints
+            child.env = {key: value for key, value in child.env.items() if not key.startswith("MACPOOL_")}
             self.children.append(child)
             return child.start()
 

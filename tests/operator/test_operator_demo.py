@@ -14,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from macpool.demo import DemoSettings, Pool
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
 
@@ -89,3 +90,22 @@ def test_demo_serves_a_stream_and_stopping_it_stops_every_child(stop: str) -> No
         for p in descendants:
             if p.is_running():
                 p.kill()
+
+
+def test_the_demo_is_what_its_flags_say_whatever_macpool_settings_the_shell_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-from-the-shell\n")
+    monkeypatch.setenv("MACPOOL_API_KEYS_FILE", str(keys))  # the router's
+    monkeypatch.setenv("MACPOOL_CAP", "1")  # the agent's
+    monkeypatch.setenv("MACPOOL_SIM_PARALLEL", "1")  # the simulator's
+    pool = Pool(DemoSettings(nodes=1, port=free_port()), tmp_path)
+    try:
+        pool.start(lambda line: None)
+        body = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        answer = httpx.post(pool.router_url + "/v1/chat/completions", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text  # no key: the snippets the demo prints work
+        assert httpx.get(pool.router_url + "/api/pool", timeout=10).json()["pool"]["capacity"] > 1
+    finally:
+        pool.stop()
