@@ -92,7 +92,9 @@ def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
         settings = SimSettings(**given)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise UsageError(f"--{'-'.join(str(p) for p in first['loc'])}: {first['msg']}") from exc
+        name = str(first["loc"][0])
+        source = f"--{name.replace('_', '-')}" if name in given else f"MACPOOL_SIM_{name.upper()}"
+        raise UsageError(f"{source}={first['input']!r}: {first['msg']}") from exc
     return settings, args.log_level
 
 

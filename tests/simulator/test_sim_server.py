@@ -14,7 +14,7 @@ import pytest
 
 import simulator
 from macpool.procs import macpool_argv
-from simulator.cli import parse_settings
+from simulator.cli import UsageError, parse_settings
 from simulator.machine import load_preset
 from tests.conftest import Server, SpawnFactory
 
@@ -183,6 +183,14 @@ def test_bad_flags_exit_2_with_one_line() -> None:
         assert result.returncode == 2, args
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_bad_value_is_named_where_it_was_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UsageError, match=r"^--load-seconds=-1\.0: "):
+        parse_settings(["--load-seconds", "-1"])
+    monkeypatch.setenv("MACPOOL_SIM_SPEED", "0")
+    with pytest.raises(UsageError, match=r"^MACPOOL_SIM_SPEED='0': "):
+        parse_settings([])
 
 
 def test_environment_fills_the_flags_not_given(sim: SimFactory) -> None:
