@@ -32,6 +32,9 @@ from macpool.redis_server import RedisServer, RedisServerError, free_port
 # A heterogeneous pool: the seed's big Mac, a mid-size one with a larger model, a small one.
 PRESETS = ("m5max-128g-14b-q4", "m4max-64g-32b-q4", "m2pro-32g-8b-q4")
 DEMO_MODEL = "macpool-demo"  # every simulated Mac serves it, so the whole pool shares the load
+# keys and channel of the demo's pool: on a Redis given with --redis-url that a real pool uses, the demo's
+# Macs would take real traffic, and the node ids mac-1... of real Macs
+DEMO_PREFIX = "macpool-demo:"
 READY_TIMEOUT_S = 90.0  # generous: seven Python processes start at once on a small machine
 
 
@@ -113,13 +116,13 @@ class Pool:
         for i, (sim_port, port) in enumerate(zip(sims, agents, strict=True)):
             self.spawn(
                 f"agent-{i + 1}", "agent", "run", "--upstream", f"http://127.0.0.1:{sim_port}",
-                "--redis-url", redis_url, "--node-id", f"mac-{i + 1}", "--port", str(port),
-                "--advertise-url", f"http://127.0.0.1:{port}", f"--token={s.agent_token}",
-                "--heartbeat-interval", str(s.heartbeat_interval),
+                "--redis-url", redis_url, "--key-prefix", DEMO_PREFIX, "--node-id", f"mac-{i + 1}",
+                "--port", str(port), "--advertise-url", f"http://127.0.0.1:{port}",
+                f"--token={s.agent_token}", "--heartbeat-interval", str(s.heartbeat_interval),
             )
         self.spawn(
-            "router", "router", "--redis-url", redis_url, "--host", s.host, "--port", str(s.port),
-            f"--admin-key={s.admin_key}", f"--agent-token={s.agent_token}",
+            "router", "router", "--redis-url", redis_url, "--key-prefix", DEMO_PREFIX, "--host", s.host,
+            "--port", str(s.port), f"--admin-key={s.admin_key}", f"--agent-token={s.agent_token}",
             "--shutdown-timeout", "3",  # Ctrl-C ends a demo's long streams soon, with an SSE error event
         )
         urls = [f"http://127.0.0.1:{p}/health" for p in sims + agents] + [f"{self.router_url}/health"]
@@ -326,7 +329,8 @@ def parse(argv: list[str]) -> DemoSettings:
     p.add_argument("--nodes", type=int, default=3, help="simulated Macs (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="router port (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="router address (default %(default)s)")
-    p.add_argument("--redis-url", default="", help="use this Redis instead of the embedded one")
+    p.add_argument("--redis-url", default="",
+                   help=f"use this Redis instead of the embedded one (the demo's keys start {DEMO_PREFIX})")
     p.add_argument("--load", action="store_true", help="drive traffic above capacity so queueing/503s show")
     p.add_argument(
         "--load-seconds", type=float, default=300.0, help="how long --load runs, s (default %(default)s)"

@@ -17,6 +17,7 @@ import pytest
 from macpool.demo import DemoSettings, Pool
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
+from tests.conftest import SpawnFactory
 
 
 @pytest.mark.slow
@@ -107,5 +108,25 @@ def test_the_demo_is_what_its_flags_say_whatever_macpool_settings_the_shell_hold
         answer = httpx.post(pool.router_url + "/v1/chat/completions", json=body, timeout=30)
         assert answer.status_code == 200, answer.text  # no key: the snippets the demo prints work
         assert httpx.get(pool.router_url + "/api/pool", timeout=10).json()["pool"]["capacity"] > 1
+    finally:
+        pool.stop()
+
+
+def test_a_demo_on_a_pools_redis_stays_apart_from_the_pool(
+    tmp_path: Path, redis_url: str, spawn: SpawnFactory
+) -> None:
+    """`--redis-url` of a Redis a real pool uses: the demo's mac-1 must not take a real mac-1's node id (nor
+    the demo's Macs the pool's traffic)."""
+    sim = spawn("sim", "--preset", "m2pro-32g-8b-q4", name="sim")
+    real = spawn("agent", "run", "--upstream", sim.url, "--redis-url", redis_url, "--node-id", "mac-1",
+                 "--heartbeat-interval", "0.2", name="agent")
+    settings = DemoSettings(nodes=1, port=free_port(), redis_url=redis_url, heartbeat_interval=0.2)
+    pool = Pool(settings, tmp_path)
+    try:
+        pool.start(lambda line: None)
+        time.sleep(1.0)  # heartbeats of both mac-1s
+        assert httpx.get(real.url + "/status", timeout=10).json()["superseded_by"] is None
+        nodes = httpx.get(pool.router_url + "/api/pool", timeout=10).json()["nodes"]
+        assert [node["url"] for node in nodes] != [real.url] and len(nodes) == 1
     finally:
         pool.stop()
