@@ -527,9 +527,10 @@ if me == nil and key_limit > 0 then
   if n >= key_limit then return {'limited', '', n, ''} end
 end
 
--- waiting requests queued ahead of this one for the same model
+-- waiting requests queued ahead of this one for the same model; and, asking for another name (or none),
+-- those ahead of it running several generations, who may hold slots back on the nodes it could go to
 local mine = {rid = rid, prio = prio, tenant = tenant, enq = me and me.enq or now}
-local ahead, waiting, waiting_batch, last_batch = {}, 0, 0, nil
+local ahead, others, waiting, waiting_batch, last_batch = {}, {}, 0, 0, nil
 for _, e in ipairs(entries) do
   if e.mark == '' and e.rid ~= rid then
     waiting = waiting + 1
@@ -537,7 +538,11 @@ for _, e in ipairs(entries) do
       waiting_batch = waiting_batch + 1
       if last_batch == nil or before(prefix, now, last_batch, e) then last_batch = e end
     end
-    if e.model == model and before(prefix, now, e, mine) then ahead[#ahead + 1] = e end
+    if e.model == model then
+      if before(prefix, now, e, mine) then ahead[#ahead + 1] = e end
+    elseif e.gens > 1 and before(prefix, now, e, mine) then
+      others[#others + 1] = e
+    end
   end
 end
 
@@ -559,10 +564,17 @@ for i = 20 + n_hashes, #ARGV, 3 do
   end
 end
 
+-- the models candidate `c` serves, read only for a waiter asking for another name than this request
+local mods = {}
+local function models_of(c)
+  if mods[c] == nil then mods[c] = redis.call('HGET', prefix .. 'node:' .. ids[c], 'models') or '' end
+  return mods[c]
+end
+
 -- whether queue entry `e` could run on candidate `c` (it needs k slots there)
 local function runs_on(e, c)
   local k = need(e.gens, slots[c])
-  return k <= caps[c] and not declined(e, ids[c]), k
+  return k <= caps[c] and not declined(e, ids[c]) and (e.model == model or serves(models_of(c), e.model)), k
 end
 
 -- the node a request running several generations waits on when it fits on none now: of those it could run
@@ -593,7 +605,7 @@ end
 -- the request is not counted among those ahead taking the other nodes' free slots. (An older router's entry
 -- has no `hold`: it holds back every node it could run on.) Slots held back for one are not room for those
 -- behind it, so they are looked at in queue order.
-local several = {}
+local several = others
 for _, e in ipairs(ahead) do
   if e.gens > 1 then several[#several + 1] = e end
 end

@@ -23,8 +23,8 @@ Checked after every call:
   moving to another node): on that node, the first waiter that takes or holds back its free slots needs
   more than are free, and nobody may pass it for affinity - unless a later step of the same call reordered
   the queue (another hand-over, or the caller's own reservation);
-- a request reserving by itself takes no slots held back for a waiter ahead of it, and leaves free slots
-  enough for the waiters ahead of it that could run where it went;
+- a request reserving by itself takes no slots held back for a waiter ahead of it (whatever model name it
+  asked for), and leaves free slots enough for the waiters ahead of it that could run where it went;
 and, once every live waiter has re-checked until nothing changes (with no waiter of a dead or stalled router
 left), that no node has free slots its first waiter fits in.
 """
@@ -651,22 +651,24 @@ class Fuzz:
 
     def check_no_jump(self, before: View, req: Request, direct: bool) -> None:
         """A request reserving by itself (not taking slots handed to it) took no slots held back for a waiter
-        ahead of it (on the node that waiter waits on), and left free slots on its candidates enough for the
-        waiters ahead of it that could run on its node (those of its model: the scripts order each model's
-        queue). A waiter running several generations that fits on none of them - counting no slots held
-        back for one ahead of it - waits for one node to free, and is not counted among those taking slots."""
+        ahead of it (on the node that waiter waits on, whatever name it asked for), and left free slots on its
+        candidates enough for the waiters ahead of it that could run on its node (those of its model: the
+        scripts order each model's queue). A waiter running several generations that fits on none of them -
+        counting no slots held back for one ahead of it - waits for one node to free, and is not counted among
+        those taking slots."""
         if not direct or req.state != "running":
             return
         node, slots = req.node, before.nodes[req.node].slots
         me = before.entries.get(req.rid)
         mine = Entry(req.rid, req.priority, req.tenant, req.model, me.enq if me else before.now, "", "", 0,
                      req.excluded, req.gens, "")
-        everyone = [e for e in before.entries.values() if e.rid != req.rid and e.model == req.model
-                    and e.mark == "" and before.order(e) < before.order(mine)]
-        ahead = [e for e in everyone if before.eligible(e, node)]
-        for e in ahead:
-            if slots_needed(e.gens, slots) > 1 and e.hold in ("", node) and not before.fits(e, self.nodes):
+        everyone = [e for e in before.entries.values()
+                    if e.rid != req.rid and e.mark == "" and before.order(e) < before.order(mine)]
+        for e in everyone:  # whatever name (or none) each asked for
+            if (before.eligible(e, node) and slots_needed(e.gens, slots) > 1 and e.hold in ("", node)
+                    and not before.fits(e, self.nodes)):
                 raise AssertionError(f"{req.rid} took {req.slots} slots on {node} held back for {e}")
+        ahead = [e for e in everyone if e.model == req.model and before.eligible(e, node)]
         held: set[str] = set()
         waiting_on = set()
         for e in sorted((e for e in everyone if e.gens > 1), key=before.order):

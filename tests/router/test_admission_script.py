@@ -458,6 +458,22 @@ def test_a_waiter_needing_several_slots_holds_back_only_the_node_it_waits_on(sto
     assert store.events() == ["granted pair a 2"]
 
 
+@pytest.mark.parametrize("model", ["", "alias"])
+def test_slots_held_back_for_a_waiter_are_kept_from_arrivals_naming_another_name_or_none(
+        store: Store, model: str) -> None:
+    # a serves the model as "m" and "alias"; the pair asked for "m" and waits on a, whose one free slot is
+    # held back for it: a request naming no model, or the alias, must not take that slot either
+    store.node("a", 2, models="m\nalias")
+    store.ask("busy-a", ["a"])
+    assert store.ask("pair", ["a"], generations=2)[0] == "queued"
+    time.sleep(0.005)  # arrives after the pair
+    assert store.ask("late", ["a"], model=model)[0] == "queued"
+    assert store.held("a") == ["busy-a"]
+    store.events()
+    store.release("busy-a", "a")
+    assert store.events() == ["granted pair a 2"]
+
+
 def _pair_waiting_on_a_with_a_single_behind(store: Store, b_busy: tuple[int, ...] = (1, 1)) -> None:
     """a has one slot free, held back for the pair queued ahead of the single; b is full (its requests
     running ``b_busy`` generations each)."""
