@@ -57,6 +57,13 @@ FLAGS: dict[str, tuple[type, str]] = {
     "log-format": (str, "text, or json: one JSON object per line (uvicorn's lines too)"),
     "shutdown-timeout": (int, "on SIGTERM, seconds in-flight requests may take to finish; streams still "
                               "open then end with an SSE error event (router_shutdown)"),
+    "scale-target-utilisation": (float, "the scale hint asks for more Macs when demand passes this share of "
+                                        "the pool's capacity"),
+    "scale-low-utilisation": (float, "...and for fewer when demand would fit under this share of fewer Macs"),
+    "scale-up-delay": (float, "seconds demand must stay over the target before the hint goes up"),
+    "scale-down-delay": (float, "seconds demand must stay under the low share before the hint goes down"),
+    "scale-min-nodes": (int, "the fewest Macs the scale hint asks for"),
+    "scale-max-nodes": (int, "the most Macs the scale hint asks for"),
     "scale-webhook": (str, "POST the scale hint (GET /api/pool/scale) here when desired_nodes changes"),
 }
 
@@ -74,9 +81,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="TOML file (top-level keys or a [router] table)")
     for flag, (type_, help_) in FLAGS.items():
         p.add_argument(f"--{flag}", type=type_, help=help_ + _default(flag))
-    p.add_argument("--access-log", action="store_true", default=None, help="log every request")
-    p.add_argument("--no-affinity", dest="affinity", action="store_false", default=None,
-                   help="route by load only (no prompt-prefix affinity)")
+    # both ways, so a flag can undo what the file or the environment set
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
+                   help="log every request (default off)")
+    p.add_argument("--affinity", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefer the node holding the prompt's prefix; --no-affinity routes by load only "
+                        "(default on)")
     return p
 
 

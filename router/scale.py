@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from router.settings import Settings
+
 log = logging.getLogger("macpool.router.scale")
 
 PoolSource = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
@@ -51,24 +53,17 @@ class ScaleConfig:
     history_s: float = 600.0
 
     @classmethod
-    def from_settings(cls, settings: Any) -> ScaleConfig:
-        """Pick the ``scale_*`` fields the router's settings carry; the rest keep their defaults."""
-        names = {
-            "target_utilisation": "scale_target_utilisation",
-            "low_utilisation": "scale_low_utilisation",
-            "up_delay_s": "scale_up_delay",
-            "down_delay_s": "scale_down_delay",
-            "min_nodes": "scale_min_nodes",
-            "max_nodes": "scale_max_nodes",
-            "webhook_url": "scale_webhook",
-            "webhook_debounce_s": "scale_webhook_debounce",
-        }
-        values: dict[str, Any] = {}
-        for ours, theirs in names.items():
-            value = getattr(settings, theirs, None)
-            if value is not None:
-                values[ours] = str(value) if ours == "webhook_url" else value
-        return cls(**values)
+    def from_settings(cls, settings: Settings) -> ScaleConfig:
+        """The hint's knobs from the router's settings (``--scale-*``); the rest keep their defaults."""
+        return cls(
+            target_utilisation=settings.scale_target_utilisation,
+            low_utilisation=settings.scale_low_utilisation,
+            up_delay_s=settings.scale_up_delay,
+            down_delay_s=settings.scale_down_delay,
+            min_nodes=settings.scale_min_nodes,
+            max_nodes=settings.scale_max_nodes,
+            webhook_url=settings.scale_webhook,
+        )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from macpool.contract import DEFAULT_PREFIX
@@ -73,8 +73,26 @@ class Settings(BaseSettings):
     # browser applications on these origins may call the API (CORS); "*" any, "" none (no CORS headers)
     cors_origins: Origins = ""
 
-    # scale hint (router/scale.py): POST it here when desired_nodes changes
+    # scale hint (router/scale.py): the Macs demand needs, between min and max, up when it passes the target
+    # utilisation for up_delay seconds, down when it fits under the low one for down_delay; POSTed to the
+    # webhook when it changes
+    scale_target_utilisation: float = Field(default=0.8, gt=0, le=1)
+    scale_low_utilisation: float = Field(default=0.5, gt=0, le=1)
+    scale_up_delay: float = Field(default=10.0, ge=0)
+    scale_down_delay: float = Field(default=120.0, ge=0)
+    scale_min_nodes: int = Field(default=1, ge=0)
+    scale_max_nodes: int = Field(default=64, ge=1)
     scale_webhook: str = ""
+
+    @model_validator(mode="after")
+    def _scale_bands(self) -> Settings:
+        if self.scale_low_utilisation > self.scale_target_utilisation:
+            raise ValueError(f"scale_low_utilisation ({self.scale_low_utilisation}) is over "
+                             f"scale_target_utilisation ({self.scale_target_utilisation})")
+        if self.scale_min_nodes > self.scale_max_nodes:
+            raise ValueError(f"scale_min_nodes ({self.scale_min_nodes}) is over scale_max_nodes "
+                             f"({self.scale_max_nodes})")
+        return self
 
     # process
     shutdown_timeout: int = Field(default=15, ge=0)

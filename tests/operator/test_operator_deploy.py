@@ -532,7 +532,7 @@ def test_the_router_configuration_table_is_every_setting_with_its_flag_env_and_d
     names = set()
     for column, env, default in table:
         flag = column.strip("`")
-        name = "affinity" if flag == "--no-affinity" else flag[2:].replace("-", "_")
+        name = flag[2:].replace("-", "_")
         names.add(name)
         assert flag in flags, f"docs/router.md documents {flag}, which `macpool router` does not take"
         assert env.strip("`").split("=")[0] == f"MACPOOL_{name.upper()}", f"docs/router.md, {flag}: {env}"
@@ -540,7 +540,9 @@ def test_the_router_configuration_table_is_every_setting_with_its_flag_env_and_d
         assert field is not None, f"docs/router.md documents {flag}: no such router setting"
         assert default_matches(field, default), f"docs/router.md, {flag}: default {default} in the docs"
     assert names == set(RouterSettings.model_fields), "docs/router.md's table misses a router setting"
-    undocumented = flags - {column.strip("`") for column, _, _ in table} - {"--config"}
+    documented = {column.strip("`") for column, _, _ in table}
+    switches = {f"--no-{flag[2:]}" for flag in documented}  # an on/off flag's other way (--no-affinity)
+    undocumented = flags - documented - switches - {"--config"}
     assert not undocumented, f"`macpool router` flags missing from docs/router.md: {undocumented}"
 
 

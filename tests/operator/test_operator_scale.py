@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from macpool.redis_server import free_port
 from router.scale import ScaleAdvisor, ScaleConfig, ScaleWatch
+from router.settings import ConfigError
 from tests.operator.helpers import Pool, wait_until
 
 
@@ -125,10 +126,26 @@ def test_router_serves_the_hint_and_posts_it_to_its_webhook(
     pool: Callable[..., Pool], receiver: tuple[str, list[dict[str, Any]]]
 ) -> None:
     url, received = receiver
-    running = pool(nodes=1, router_args=("--scale-webhook", url))
+    # (at least two Macs asked for, whatever the demand: the --scale-* flags reach the hint)
+    running = pool(nodes=1, router_args=("--scale-webhook", url, "--scale-min-nodes", "2"))
     hint = httpx.get(f"{running.router.url}/api/pool/scale", timeout=10).json()
     assert hint["current_nodes"] == 1
-    assert hint["desired_nodes"] >= 1
+    assert hint["desired_nodes"] == 2
     assert set(hint) >= {"current_nodes", "desired_nodes", "saturation", "reason"}
     wait_until(lambda: bool(received), 60, "the first scale document at the webhook")
     assert received[0]["desired_nodes"] == hint["desired_nodes"]
+
+
+def test_the_scale_knobs_come_from_the_routers_settings_and_must_make_sense(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from router.cli import build_settings
+
+    monkeypatch.setenv("MACPOOL_SCALE_MAX_NODES", "6")
+    settings = build_settings(["--scale-target-utilisation", "0.9", "--scale-down-delay", "30"])
+    config = ScaleConfig.from_settings(settings)
+    assert (config.target_utilisation, config.down_delay_s, config.max_nodes) == (0.9, 30.0, 6)
+    with pytest.raises(ConfigError, match="scale_low_utilisation"):
+        build_settings(["--scale-target-utilisation", "0.4"])  # under the low share's 0.5
+    with pytest.raises(ConfigError, match="scale_min_nodes"):
+        build_settings(["--scale-min-nodes", "8", "--scale-max-nodes", "4"])

@@ -21,6 +21,18 @@ def test_flags_beat_env_beat_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert (settings.queue_size, settings.queue_timeout, settings.lease_seconds) == (5, 3.0, 12.0)
 
 
+def test_an_on_off_flag_undoes_what_the_file_or_environment_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text("affinity = false\n")
+    monkeypatch.setenv("MACPOOL_ACCESS_LOG", "true")
+    settings = build_settings(["--config", str(config)])
+    assert (settings.affinity, settings.access_log) == (False, True)
+    settings = build_settings(["--config", str(config), "--affinity", "--no-access-log"])
+    assert (settings.affinity, settings.access_log) == (True, False)
+
+
 def test_bad_value_names_key_and_value() -> None:
     with pytest.raises(ConfigError, match=r"queue_size=-1"):
         build_settings(["--queue-size", "-1"])
