@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, get_args
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, ValidationError
@@ -50,13 +50,18 @@ def _origins(value: str) -> str:
 Origins = Annotated[str, AfterValidator(_origins)]
 
 
+# a path a person wrote: ``~`` is their home directory, wherever it was given (a config file, the environment,
+# a flag written --model=~/x, which no shell expands); load_layered anchors a config file's relative paths
+UserPath = Annotated[Path, AfterValidator(Path.expanduser)]
+
+
 def origin_list(value: str) -> list[str]:
     return [o for o in (o.strip() for o in value.split(",")) if o]
 
 
 def load_layered(cls: type[S], flags: dict[str, Any], config_file: Path | None, section: str) -> S:
     """Build ``cls`` from the flags, the environment and the ``[section]`` of ``config_file``."""
-    file_values = read_toml_section(config_file, section) if config_file else {}
+    file_values = _anchored(cls, read_toml_section(config_file, section), config_file) if config_file else {}
     try:
         return layered(cls, flags, file_values)
     except ValidationError as exc:
@@ -82,6 +87,23 @@ def layered(cls: type[S], flags: dict[str, Any], file_values: dict[str, Any]) ->
 
     merged = _Layered(**{key: value for key, value in flags.items() if value is not None})
     return cls.model_validate(merged.model_dump())
+
+
+def _anchored(cls: type[BaseSettings], values: dict[str, Any], config_file: Path) -> dict[str, Any]:
+    """A config file's relative paths are relative to the file, as its reader expects (not to wherever the
+    process was started: launchd starts it in /)."""
+    out = dict(values)
+    for key, value in values.items():
+        field = cls.model_fields.get(key)
+        if field is not None and isinstance(value, str) and value and _is_path(field.annotation):
+            path = Path(value).expanduser()
+            out[key] = str(path if path.is_absolute() else config_file.parent / path)
+    return out
+
+
+def _is_path(annotation: Any) -> bool:
+    """Whether a field's type is a path (Path, UserPath, either or None)."""
+    return annotation is Path or any(_is_path(arg) for arg in get_args(annotation))
 
 
 def read_toml_section(path: Path, section: str) -> dict[str, Any]:

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import socket
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AfterValidator, AliasChoices, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
     SettingsConfigDict,
 )
 
 from macpool.contract import DEFAULT_PREFIX
-from macpool.settings import ConfigError, RedisUrl, first_error, load_layered
+from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_layered
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
 
@@ -30,12 +31,12 @@ class AgentSettings(BaseSettings):
 
     # where llama-server is: attach to a running one, or supervise our own
     upstream: str | None = None
-    llama_server: str | None = None
-    model: Path | None = None
+    llama_server: Annotated[str, AfterValidator(os.path.expanduser)] | None = None  # a path, or on PATH
+    model: UserPath | None = None
     parallel: int = Field(default=4, ge=1)
     ctx_per_slot: int = Field(default=4096, ge=16)
     llama_args: list[str] = Field(default_factory=list)
-    llama_log: Path | None = None
+    llama_log: UserPath | None = None
 
     # the pool
     redis_url: RedisUrl = "redis://127.0.0.1:6379/0"
@@ -55,7 +56,7 @@ class AgentSettings(BaseSettings):
 
     # honest capacity
     cap: int | None = Field(default=None, ge=0)
-    calibration: Path | None = None
+    calibration: UserPath | None = None
     calibrated_cap: int | None = Field(default=None, ge=0)
     calibrated_per_request_gb: float | None = Field(default=None, gt=0)
     headroom_gb: float = Field(default=2.0, ge=0)

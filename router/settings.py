@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from macpool.contract import DEFAULT_PREFIX
-from macpool.settings import ConfigError, Origins, RedisUrl, load_layered
+from macpool.settings import ConfigError, Origins, RedisUrl, UserPath, load_layered
 
 __all__ = ["ConfigError", "Settings", "load_settings"]
 
@@ -68,7 +68,7 @@ class Settings(BaseSettings):
     circuit_cooldown: float = Field(default=5.0, ge=0)
 
     # auth
-    api_keys_file: Path | None = None
+    api_keys_file: UserPath | None = None
     admin_key: str = ""
     # browser applications on these origins may call the API (CORS); "*" any, "" none (no CORS headers)
     cors_origins: Origins = ""

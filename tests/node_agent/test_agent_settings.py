@@ -46,6 +46,31 @@ def test_the_mode_flag_wins_over_the_other_mode_from_the_file_or_environment(
         load_settings({}, config)
 
 
+def test_a_config_files_paths_are_relative_to_it_and_tilde_is_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home, etc, elsewhere = tmp_path / "home", tmp_path / "etc", tmp_path / "elsewhere"
+    for directory in (home, etc, elsewhere):
+        directory.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)  # launchd starts the agent in /, not beside its file
+    binary = home / "llama.cpp" / "llama-server"
+    binary.parent.mkdir()
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    (home / "models").mkdir()
+    (home / "models" / "m.gguf").write_bytes(b"GGUF")
+    config = etc / "agent.toml"
+    config.write_text('llama_server = "~/llama.cpp/llama-server"\nmodel = "~/models/m.gguf"\n'
+                      'llama_log = "logs/llama-server.log"\n')
+    settings = load_settings({}, config)
+    assert settings.llama_server == str(home / "llama.cpp" / "llama-server")
+    assert settings.model == home / "models" / "m.gguf"
+    assert settings.llama_log == etc / "logs" / "llama-server.log"
+    # given as a flag, a relative path is the working directory's, as on any command line
+    assert load_settings({"llama_log": "x.log"}, config).llama_log == Path("x.log")
+
+
 def test_calibration_file_sets_the_calibrated_terms(tmp_path: Path) -> None:
     result = tmp_path / "cal.json"
     result.write_text(json.dumps({"recommended_cap": 8, "per_request_gb": 2.6, "rows": []}))

@@ -33,6 +33,17 @@ def test_an_on_off_flag_undoes_what_the_file_or_environment_set(
     assert (settings.affinity, settings.access_log) == (True, False)
 
 
+def test_the_api_keys_file_named_in_a_config_file_is_found_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "keys.txt").write_text("sk-one\n")
+    (tmp_path / "etc" / "router.toml").write_text('api_keys_file = "keys.txt"\n')
+    monkeypatch.chdir(tmp_path)
+    settings = build_settings(["--config", "etc/router.toml"])
+    assert settings.api_keys_file is not None and settings.api_keys_file.read_text() == "sk-one\n"
+
+
 def test_bad_value_names_key_and_value() -> None:
     with pytest.raises(ConfigError, match=r"queue_size=-1"):
         build_settings(["--queue-size", "-1"])
