@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import anyio
 from redis.asyncio import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from macpool.contract import (
     LEAVE_QUEUE,
@@ -59,6 +60,8 @@ QUEUE_LEASE_MS = 3_000
 # under overload the reject path then costs no Redis round trip at all.
 FULL_MEMO_S = 0.05
 FULL_MESSAGE = "every node is at capacity and the queue is full"
+# how often a reservation that may have been made after its call timed out is given back, until Redis answers
+UNDO_RETRY_S = 1.0
 
 
 class Rejected(Exception):
@@ -178,6 +181,9 @@ class Admission:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
             self._renewer = None
+        for task in list(self._undoing):  # (give-backs still waiting for Redis: their leases expire)
+            task.cancel()
+        await asyncio.gather(*self._undoing, return_exceptions=True)
         self._pipelined.close()
 
     # --- acquire / release -------------------------------------------------------------------------
@@ -317,7 +323,8 @@ class Admission:
         finally:
             self._releasing -= 1
 
-    async def _release_in_redis(self, lease: Lease, node_id: str, failed: bool) -> None:
+    async def _release_in_redis(self, lease: Lease, node_id: str, failed: bool, warn: bool = True) -> bool:
+        """Run RELEASE; False when Redis did not answer."""
         with anyio.move_on_after(5, shield=True):
             try:
                 args: list[str | int] = [
@@ -325,18 +332,39 @@ class Admission:
                     "1" if failed else "0", lease.slots,
                 ]
                 await self._release(args=args)
+                return True
             except Exception as exc:  # the lease expires on its own
-                log.warning("release of %s on %s failed (%s); the lease will expire", lease.request_id,
-                            node_id, type(exc).__name__, extra={"node": node_id, "lease": lease.request_id})
+                if warn:
+                    ids = {"node": node_id, "lease": lease.request_id}
+                    log.warning("release of %s on %s failed (%s); the lease will expire", lease.request_id,
+                                node_id, type(exc).__name__, extra=ids)
+        return False
 
-    def _undo(self, request_id: str, node_ids: list[str], tenant: str) -> None:
-        """Release whatever ``request_id`` holds on ``node_ids`` (a release of nothing changes nothing)."""
+    def _undo(self, request_id: str, node_ids: list[str], tenant: str, dropped: bool = False) -> None:
+        """Release whatever ``request_id`` holds on ``node_ids`` (a release of nothing changes nothing).
+
+        ``dropped``: the call being undone went on a connection given up for lost (a timeout), so its script
+        may reach Redis after this release, on another connection: the release is tried every second until
+        Redis answers, then once more a second later, and no longer than the lease it would undo.
+        """
+        passes = 2 if dropped else 1
+        deadline = time.monotonic() + self.lease_ms / 1000
 
         async def undo() -> None:
             try:
-                for node_id in node_ids:
-                    lease = Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant, slots=0)
-                    await self._release_in_redis(lease, node_id, failed=False)
+                left, done, warn = list(node_ids), 0, True
+                while True:
+                    for node_id in list(left):
+                        lease = Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant, slots=0)
+                        if await self._release_in_redis(lease, node_id, failed=False, warn=warn):
+                            left.remove(node_id)
+                    warn = False  # (one line per give-back, not one per retry)
+                    if not left:
+                        done += 1
+                        left = list(node_ids)
+                    if done == passes or not dropped or time.monotonic() >= deadline:
+                        return
+                    await asyncio.sleep(UNDO_RETRY_S)
             finally:
                 self._releasing -= 1
                 self._undoing.discard(task)
@@ -475,6 +503,10 @@ class Admission:
             raise
         except Exception as exc:
             log.warning("reservation failed: %s: %s", type(exc).__name__, exc)
+            if isinstance(exc, RedisTimeoutError):
+                # written, but Redis did not answer in time: the script may still run once Redis goes on (its
+                # connection dropped, so the give-back waits for Redis and goes twice: see _undo)
+                self._undo(request_id, [doc.node_id for doc in docs], ticket.tenant, dropped=True)
             if self.pool.redis_ok:
                 # one failed call is not an outage (the pool view's refresh decides that, every second):
                 # admitting past Redis now would let replicas over-fill a node they cannot see

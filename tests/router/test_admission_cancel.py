@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+
+import pytest
+from redis.asyncio import Redis
 
 from macpool.contract import Keys, now_ms
-from router.admission import Ticket
+from macpool.redis_server import RedisServer
+from router.admission import Admission, Rejected, Ticket
+from router.metrics import RouterMetrics
+from router.pool import PoolView
 from router.settings import Settings
 from tests.router.test_admission_memo import NODE, one_node_pool
 
@@ -36,3 +44,45 @@ def test_a_reservation_made_for_a_request_cancelled_meanwhile_is_given_back(redi
             await admission.release(lease)
 
     asyncio.run(scenario())
+
+
+def test_a_reservation_whose_answer_timed_out_is_given_back() -> None:
+    """Redis stalls past the socket timeout: the request is refused (pool_unavailable), and the reservation
+    the script makes once Redis goes on - its bytes were in Redis's socket already - is given back, not held
+    by nobody for the whole lease."""
+
+    async def scenario(server: RedisServer) -> None:
+        settings = Settings(redis_url=server.url, queue_size=0)
+        redis = Redis.from_url(server.url, socket_timeout=0.3)
+        keys = Keys()
+        pool = PoolView(settings, redis, keys)
+        pool.redis_ok = True
+        admission = Admission(settings, redis, keys, pool, RouterMetrics())
+        await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
+        try:
+            await admission.release(await admission.acquire(lambda: [NODE], Ticket(model="m")))
+            assert server.process is not None
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(Rejected) as refused:
+                    await admission.acquire(lambda: [NODE], Ticket(model="m"))
+                assert refused.value.reason == "pool_unavailable"
+                await asyncio.sleep(0.5)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            slots = keys.reservations("a")
+            await asyncio.sleep(0.2)  # (the stalled script runs as soon as Redis goes on)
+            for _ in range(150):  # given back within a couple of seconds (without it: the 30 s lease)
+                if await redis.zcount(slots, now_ms(), "+inf") == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert await redis.zcount(slots, now_ms(), "+inf") == 0
+            # and the node's one slot is there for the next request
+            lease = await admission.acquire(lambda: [NODE], Ticket(model="m"))
+            await admission.release(lease)
+        finally:
+            await admission.stop()
+            await redis.aclose()
+
+    with RedisServer() as server:
+        asyncio.run(scenario(server))
