@@ -319,12 +319,15 @@ class Admission:
         node_id = lease.node.node_id
         self._releasing += 1
         try:
-            await self._release_in_redis(lease, node_id, failed)
+            if not await self._release_in_redis(lease, node_id, failed):
+                # Redis did not answer: the release may never have reached it (its connection was dropped)
+                self._undo(lease.request_id, [node_id], lease.tenant, dropped=True, warn=False)
         finally:
             self._releasing -= 1
 
     async def _release_in_redis(self, lease: Lease, node_id: str, failed: bool, warn: bool = True) -> bool:
         """Run RELEASE; False when Redis did not answer."""
+        failure = "TimeoutError"
         with anyio.move_on_after(5, shield=True):
             try:
                 args: list[str | int] = [
@@ -333,32 +336,36 @@ class Admission:
                 ]
                 await self._release(args=args)
                 return True
-            except Exception as exc:  # the lease expires on its own
-                if warn:
-                    ids = {"node": node_id, "lease": lease.request_id}
-                    log.warning("release of %s on %s failed (%s); the lease will expire", lease.request_id,
-                                node_id, type(exc).__name__, extra=ids)
+            except Exception as exc:
+                failure = type(exc).__name__
+        if warn:
+            ids = {"node": node_id, "lease": lease.request_id}
+            log.warning("release of %s on %s failed (%s); retried until Redis answers, or the lease expires",
+                        lease.request_id, node_id, failure, extra=ids)
         return False
 
-    def _undo(self, request_id: str, node_ids: list[str], tenant: str, dropped: bool = False) -> None:
+    def _undo(
+        self, request_id: str, node_ids: list[str], tenant: str, dropped: bool = False, warn: bool = True
+    ) -> None:
         """Release whatever ``request_id`` holds on ``node_ids`` (a release of nothing changes nothing).
 
         ``dropped``: the call being undone went on a connection given up for lost (a timeout), so its script
         may reach Redis after this release, on another connection: the release is tried every second until
-        Redis answers, then once more a second later, and no longer than the lease it would undo.
+        Redis answers, then once more a second later, and no longer than the lease it would undo. ``warn``:
+        its first failure is logged (not when the caller's own release has just been).
         """
         passes = 2 if dropped else 1
         deadline = time.monotonic() + self.lease_ms / 1000
 
         async def undo() -> None:
             try:
-                left, done, warn = list(node_ids), 0, True
+                left, done, warned = list(node_ids), 0, not warn
                 while True:
                     for node_id in list(left):
                         lease = Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant, slots=0)
-                        if await self._release_in_redis(lease, node_id, failed=False, warn=warn):
+                        if await self._release_in_redis(lease, node_id, failed=False, warn=not warned):
                             left.remove(node_id)
-                    warn = False  # (one line per give-back, not one per retry)
+                    warned = True  # (one line per give-back, not one per retry)
                     if not left:
                         done += 1
                         left = list(node_ids)

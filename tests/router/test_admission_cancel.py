@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -46,21 +48,41 @@ def test_a_reservation_made_for_a_request_cancelled_meanwhile_is_given_back(redi
     asyncio.run(scenario())
 
 
+@contextlib.asynccontextmanager
+async def impatient_pool(url: str) -> AsyncIterator[tuple[Redis, Admission]]:
+    """Admission over one node ``a`` of capacity 1, on a Redis client that gives a call up after 0.3 s."""
+    settings = Settings(redis_url=url, queue_size=0)
+    redis = Redis.from_url(url, socket_timeout=0.3)
+    keys = Keys()
+    pool = PoolView(settings, redis, keys)
+    pool.redis_ok = True
+    admission = Admission(settings, redis, keys, pool, RouterMetrics())
+    await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
+    try:
+        # once through, so Redis knows the scripts
+        await admission.release(await admission.acquire(lambda: [NODE], Ticket(model="m")))
+        yield redis, admission
+    finally:
+        await admission.stop()
+        await redis.aclose()
+
+
+async def given_back(redis: Redis) -> bool:
+    """Whether node ``a`` holds no live reservation within 3 s (a lease left behind: 30 s)."""
+    for _ in range(150):
+        if await redis.zcount(Keys().reservations("a"), now_ms(), "+inf") == 0:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def test_a_reservation_whose_answer_timed_out_is_given_back() -> None:
     """Redis stalls past the socket timeout: the request is refused (pool_unavailable), and the reservation
     the script makes once Redis goes on - its bytes were in Redis's socket already - is given back, not held
     by nobody for the whole lease."""
 
     async def scenario(server: RedisServer) -> None:
-        settings = Settings(redis_url=server.url, queue_size=0)
-        redis = Redis.from_url(server.url, socket_timeout=0.3)
-        keys = Keys()
-        pool = PoolView(settings, redis, keys)
-        pool.redis_ok = True
-        admission = Admission(settings, redis, keys, pool, RouterMetrics())
-        await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
-        try:
-            await admission.release(await admission.acquire(lambda: [NODE], Ticket(model="m")))
+        async with impatient_pool(server.url) as (redis, admission):
             assert server.process is not None
             os.kill(server.process.pid, signal.SIGSTOP)
             try:
@@ -70,19 +92,26 @@ def test_a_reservation_whose_answer_timed_out_is_given_back() -> None:
                 await asyncio.sleep(0.5)
             finally:
                 os.kill(server.process.pid, signal.SIGCONT)
-            slots = keys.reservations("a")
             await asyncio.sleep(0.2)  # (the stalled script runs as soon as Redis goes on)
-            for _ in range(150):  # given back within a couple of seconds (without it: the 30 s lease)
-                if await redis.zcount(slots, now_ms(), "+inf") == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert await redis.zcount(slots, now_ms(), "+inf") == 0
+            assert await given_back(redis)
             # and the node's one slot is there for the next request
             lease = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             await admission.release(lease)
-        finally:
-            await admission.stop()
-            await redis.aclose()
 
     with RedisServer() as server:
         asyncio.run(scenario(server))
+
+
+def test_a_release_whose_answer_timed_out_is_tried_again(redis_url: str) -> None:
+    """A release Redis did not answer in time (it held every write, and dropped the call with its
+    connection) is tried again until Redis answers: the slot does not wait for its lease to end."""
+
+    async def scenario() -> None:
+        async with impatient_pool(redis_url) as (redis, admission):
+            lease = await admission.acquire(lambda: [NODE], Ticket(model="m"))
+            await redis.execute_command("CLIENT", "PAUSE", 800, "WRITE")
+            await admission.release(lease)  # given up after 0.3 s
+            assert await redis.zcount(Keys().reservations("a"), now_ms(), "+inf") == 1
+            assert await given_back(redis)
+
+    asyncio.run(scenario())
