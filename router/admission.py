@@ -321,7 +321,7 @@ class Admission:
         try:
             if not await self._release_in_redis(lease, node_id, failed):
                 # Redis did not answer: the release may never have reached it (its connection was dropped)
-                self._undo(lease.request_id, [node_id], lease.tenant, dropped=True, warn=False)
+                self._undo(lease.request_id, [node_id], lease.tenant, dropped=True, warn=False, failed=failed)
         finally:
             self._releasing -= 1
 
@@ -345,14 +345,16 @@ class Admission:
         return False
 
     def _undo(
-        self, request_id: str, node_ids: list[str], tenant: str, dropped: bool = False, warn: bool = True
+        self, request_id: str, node_ids: list[str], tenant: str, dropped: bool = False, warn: bool = True,
+        failed: bool = False,
     ) -> None:
         """Release whatever ``request_id`` holds on ``node_ids`` (a release of nothing changes nothing).
 
         ``dropped``: the call being undone went on a connection given up for lost (a timeout), so its script
         may reach Redis after this release, on another connection: the release is tried every second until
         Redis answers, then once more a second later, and no longer than the lease it would undo. ``warn``:
-        its first failure is logged (not when the caller's own release has just been).
+        its first failure is logged (not when the caller's own release has just been). ``failed``: the node
+        failed the request (its slots are not handed to a waiter, as in ``release``).
         """
         passes = 2 if dropped else 1
         deadline = time.monotonic() + self.lease_ms / 1000
@@ -363,7 +365,7 @@ class Admission:
                 while True:
                     for node_id in list(left):
                         lease = Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant, slots=0)
-                        if await self._release_in_redis(lease, node_id, failed=False, warn=not warned):
+                        if await self._release_in_redis(lease, node_id, failed, warn=not warned):
                             left.remove(node_id)
                     warned = True  # (one line per give-back, not one per retry)
                     if not left:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from macpool.contract import Keys, now_ms
+from macpool.contract import RESERVE_OR_ENQUEUE, Keys, now_ms, reserve_argv
 from macpool.redis_server import RedisServer
 from router.admission import Admission, Rejected, Ticket
 from router.metrics import RouterMetrics
@@ -113,5 +113,32 @@ def test_a_release_whose_answer_timed_out_is_tried_again(redis_url: str) -> None
             await admission.release(lease)  # given up after 0.3 s
             assert await redis.zcount(Keys().reservations("a"), now_ms(), "+inf") == 1
             assert await given_back(redis)
+
+    asyncio.run(scenario())
+
+
+def test_a_release_tried_again_still_says_the_node_failed(redis_url: str) -> None:
+    """The retried release of a request its node failed does not hand the slot to a waiter (who would only
+    meet the same failure): the waiter is told the slot is free, and chooses among the nodes it trusts."""
+
+    async def scenario() -> None:
+        async with impatient_pool(redis_url) as (redis, admission):
+            lease = await admission.acquire(lambda: [NODE], Ticket(model="m"))
+            # another router's request waits for node a's one slot
+            args = reserve_argv(Keys(), "other:w", 60_000, [("a", 0)], queue_size=8, enqueue=True, model="m",
+                                queue_lease_ms=3_000)
+            assert (await redis.eval(RESERVE_OR_ENQUEUE, 0, *args))[0] == b"queued"
+            events = redis.pubsub()
+            await events.subscribe(Keys().events)
+            await redis.execute_command("CLIENT", "PAUSE", 800, "WRITE")
+            await admission.release(lease, failed=True)  # given up after 0.3 s, tried again
+            assert await given_back(redis)
+            seen = []
+            for _ in range(10):  # (None for the subscription's own message, too)
+                message = await events.get_message(ignore_subscribe_messages=True, timeout=0.1)
+                if message is not None:
+                    seen.append(message["data"])
+            await events.aclose()
+            assert seen == [b"freed a"]  # not "granted other:w a 1"
 
     asyncio.run(scenario())
