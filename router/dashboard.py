@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from router.scale import PoolSource, ScaleConfig, ScaleWatch
+from router.settings import Settings
 
 log = logging.getLogger("macpool.router.dashboard")
 
@@ -76,7 +77,7 @@ class Dashboard:
 
 
 def routes(
-    pool_json: PoolSource, settings: Any, watch: ScaleWatch | None = None,
+    pool_json: PoolSource, settings: Settings, watch: ScaleWatch | None = None,
     stopping: Callable[[], bool] = lambda: False,
 ) -> list[BaseRoute]:
     """GET /dashboard, /static/..., /api/pool/stream (SSE) and /api/pool/scale.

@@ -15,6 +15,7 @@ from starlette.applications import Starlette
 
 from macpool.redis_server import free_port
 from router.dashboard import Dashboard, routes
+from router.settings import Settings
 
 SpawnFactory = Callable[..., Any]
 
@@ -27,7 +28,7 @@ VIEW: dict[str, Any] = {
 
 
 def test_stream_pushes_frames_and_stops_when_the_client_disconnects() -> None:
-    table = routes(lambda: VIEW, settings=object())
+    table = routes(lambda: VIEW, settings=Settings())
     dashboard = next(r.endpoint.__self__ for r in table if getattr(r, "path", "") == "/api/pool/stream")  # type: ignore[attr-defined]
     assert isinstance(dashboard, Dashboard)
 
