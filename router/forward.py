@@ -188,7 +188,11 @@ class Forwarder:
             except Limited as limited:
                 return self.limited(limited, call)
             except NoNodes as exc:
-                return self.rejection(self.admission.reject("no_nodes", str(exc)), call)
+                # a model no node serves is only the client's word: labelled by it, each new name would be a
+                # new series, kept for good
+                served = any(call.model in doc.models for doc in self.pool.fresh_nodes())
+                refused = self.admission.reject("no_nodes", str(exc))
+                return self.rejection(refused, call, model=call.model if served else "")
             except ModelNotFound:
                 self.metrics.requests.labels(model="", node="", status="404").inc()
                 message = f"model {call.model!r} is not served by any node"
@@ -235,10 +239,11 @@ class Forwarder:
                    f"in the pool runs more than {max(sizes)}")
         return error_response(400, message, "too_many_generations")
 
-    def rejection(self, rejected: Rejected, call: Call) -> Response:
+    def rejection(self, rejected: Rejected, call: Call, model: str | None = None) -> Response:
         self.pool.rejections.mark()
         self.metrics.rejections.labels(reason=rejected.reason).inc()
-        self.metrics.requests.labels(model=call.model, node="", status="503").inc()
+        label = call.model if model is None else model
+        self.metrics.requests.labels(model=label, node="", status="503").inc()
         headers = {"Retry-After": str(rejected.retry_after), "X-Macpool-Reason": rejected.reason,
                    "X-Request-ID": call.request_id}
         return error_response(503, str(rejected), rejected.reason, headers=headers)

@@ -187,3 +187,14 @@ def test_a_non_streamed_answer_may_take_longer_than_the_first_byte_timeout(pool:
         assert answer.status_code == 200, answer.text
         assert time.monotonic() - started > 0.5  # it did outlast the first-byte timeout
         assert answer.json()["usage"]["completion_tokens"] == 120
+
+
+def test_a_model_no_node_serves_is_not_a_metric_label(pool: Pool) -> None:
+    # with no node in the pool, any model name gets 503 no_nodes: counted under its name, each new name would
+    # be a new series kept for good (a client could grow the router's memory and /metrics at will)
+    router = pool.router()
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        for name in ("made-up-1", "made-up-2"):
+            _error(client.post("/v1/chat/completions", json={"model": name}), 503, "no_nodes")
+        assert "made-up" not in client.get("/metrics").text
+    assert metric(router.url, 'macpool_requests_total{model="",node="",status="503"}') == 2
