@@ -30,6 +30,9 @@ class DirectPosts(Starlette):
     def __init__(self, direct: Mapping[str, Endpoint], on_error: ErrorHandler | None = None,
                  on_shutdown: Callable[[Request], Response] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # Starlette's router redirects a path to its spelling with a slash (GET /static to /static/, a Mount)
+        # on the host the client named; __call__ takes trailing slashes off instead
+        self.router.redirect_slashes = False
         self.direct = dict(direct)
         self.on_error = on_error
         self.on_shutdown = on_shutdown
@@ -42,7 +45,8 @@ class DirectPosts(Starlette):
             # redirected by path alone (its relative links need the right base), anything else is served
             raw: bytes | None = scope.get("raw_path")
             path = scope["path"].rstrip("/") or "/"
-            if scope["method"] in ("GET", "HEAD"):
+            # (a slash spelled %2F is served: redirected, the client would be sent to the same target again)
+            if scope["method"] in ("GET", "HEAD") and (raw is None or raw.endswith(b"/")):
                 query = scope.get("query_string", b"").decode("latin-1")
                 target = (raw.rstrip(b"/").decode("latin-1") or "/") if raw else path
                 target = "/" + target.lstrip("/")  # "//host/x" would be another host

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 from starlette.types import Message
 
@@ -62,6 +62,18 @@ def test_direct_posts_and_routed_requests_answer_as_before() -> None:
              "query_string": b"", "headers": [], "root_path": ""}
     asyncio.run(app()(scope, receive, send))
     assert (sent[0]["status"], dict(sent[0]["headers"])[b"location"]) == (307, b"/evil.example/x")
+
+
+def test_no_redirect_to_the_host_named_or_to_the_same_path() -> None:
+    routes = [Route("/other", routed, methods=["GET"]), Mount("/files", routes=[Route("/a", routed)])]
+    with TestClient(DirectPosts({}, routes=routes)) as client:
+        # Starlette would redirect to the mount's path with a slash, on the host the client named
+        mount = client.get("/files", headers={"host": "evil.example"}, follow_redirects=False)
+        assert mount.status_code == 404 and "location" not in mount.headers
+        assert client.get("/files/a").json() == {"routed": "GET"}
+        # a percent-encoded trailing slash: served, not redirected to the same target again and again
+        encoded = client.get("/other%2F", follow_redirects=False)
+        assert (encoded.status_code, encoded.json()) == (200, {"routed": "GET"})
 
 
 def test_an_error_in_a_direct_endpoint_is_answered_then_raised() -> None:
