@@ -97,6 +97,8 @@ class GuardedProtocol(CorkedProtocol):
     _since_body = 0  # bytes received after the head without a byte of body: a chunked body's trailer, if many
     _refused = False  # answered and ending: what the client still sends is dropped
     _linger: asyncio.TimerHandle | None = None
+    _offered = False  # the current request offers an upgrade (h2c, WebSocket): it is served without it
+    _upgrade_at: int | None = None  # where, in the bytes just parsed, the parser stopped for that upgrade
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -110,6 +112,9 @@ class GuardedProtocol(CorkedProtocol):
         # (its bytes in this read go uncounted, so a bound may be passed by at most one read)
         self._head_size += len(fits)
         super().data_received(fits)
+        if self._upgrade_at is not None:
+            self._serve_without_upgrade(data)
+            return
         if len(fits) == len(data) or self._refused or self.transport.is_closing():
             return
         if self._head_in or self._head_size < self.limits.head_bytes:
@@ -123,6 +128,9 @@ class GuardedProtocol(CorkedProtocol):
         # head's: they count against the same bound. A read that carries body bytes does not count.
         self._since_body += len(data)
         super().data_received(data)
+        if self._upgrade_at is not None:  # a request pipelined behind this body offers one
+            self._serve_without_upgrade(data)
+            return
         if self._head_in and self._since_body > self.limits.head_bytes and not self._refused:
             message = f"Trailer fields over {self.limits.head_bytes} bytes"
             self._refuse(Refusal(431, "headers_too_large", message))
@@ -137,6 +145,11 @@ class GuardedProtocol(CorkedProtocol):
         # a head with many fields small
         if len(self.headers) > self.limits.fields:
             raise Refusal(431, "headers_too_large", f"More than {self.limits.fields} request header fields")
+        if self.parser.should_upgrade() and self.parser.get_method() != b"CONNECT":
+            # llhttp stops at the end of an upgrade's head, taking its body for the new protocol's bytes:
+            # no request yet - it is parsed again without the offer (_serve_without_upgrade)
+            self._offered = True
+            return
         self._head_in, self._since_body = True, 0
         super().on_headers_complete()
 
@@ -146,7 +159,41 @@ class GuardedProtocol(CorkedProtocol):
 
     def on_message_complete(self) -> None:
         self._head_in, self._head_size = False, 0
-        super().on_message_complete()
+        if not self._offered:
+            super().on_message_complete()
+
+    # The router and the agent serve HTTP/1.1 only. A request offering an upgrade - to h2c, as curl --http2,
+    # Java's and Ktor's clients do on every request, or to WebSocket - is served as if it had not (RFC 9110
+    # 7.8), as llama-server does: uvicorn's WebSocket protocol would take it (a POST then never answered,
+    # past every bound here), and its HTTP protocol would lose the request's body to the upgrade.
+
+    def _should_upgrade(self) -> bool:
+        return False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # called by uvicorn as it handles the parser's stop at the upgrade (nothing to warn about)
+        error = sys.exc_info()[1]
+        if self._offered and isinstance(error, httptools.HttpParserUpgrade):
+            self._upgrade_at = error.args[0]
+
+    def _serve_without_upgrade(self, data: bytes) -> None:
+        """Parse the request the parser stopped at again, without its upgrade offer, with what follows its
+        head in ``data`` (its body, and any requests after it) and the bytes still to come."""
+        assert self._upgrade_at is not None
+        rest = data[self._upgrade_at:]
+        version = self.parser.get_http_version().encode()
+        head = [self.parser.get_method(), b" ", self.url, b" HTTP/", version, b"\r\n"]
+        for name, value in self.headers:
+            if name == b"connection":
+                value = b",".join(t for t in value.split(b",") if t.strip().lower() != b"upgrade")
+                if not value.strip():
+                    continue
+            if name != b"upgrade":
+                head += [name, b": ", value, b"\r\n"]
+        head.append(b"\r\n")
+        self._offered, self._upgrade_at, self._head_size = False, None, 0
+        self.parser = httptools.HttpRequestParser(self)
+        self.data_received(b"".join(head) + rest)
 
     def send_400_response(self, msg: str) -> None:
         # uvicorn calls this while handling the parser's error, which says why (a Refusal is its context)

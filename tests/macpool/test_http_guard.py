@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -131,6 +132,36 @@ def test_parser_refusals_are_answered_400_in_json(port: int, request_bytes: byte
     error = reply.error()
     assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
     assert reason in error["message"]
+
+
+H2C = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA")
+
+
+def test_an_upgrade_offer_is_served_over_http_1_1_with_its_body(port: int) -> None:
+    # as if it had not been made (RFC 9110 7.8): llhttp stops at the end of an upgrade's head, and uvicorn
+    # answered the request as if it had no body, then read the body as the next request
+    body = b"x" * 1000
+    sized = head("/", *H2C, f"Content-Length: {len(body)}", method="POST")
+    chunked = head("/", *H2C, "Transfer-Encoding: chunked", method="POST")
+    chunked += b"3e8\r\n" + body + b"\r\n0\r\n\r\n"
+    with connect(port) as sock:
+        sock.sendall(sized + body + chunked + head("/"))  # pipelined
+        answers = b""
+        while answers.count(b'{"body"') < 3:
+            chunk = sock.recv(65536)
+            assert chunk, f"the connection closed after {answers!r}"
+            answers += chunk
+        assert re.findall(rb'"body": (\d+)', answers) == [b"1000", b"1000", b"0"]
+        sock.sendall(sized)
+        time.sleep(0.1)
+        sock.sendall(body)  # the body in a write of its own (Ktor's clients)
+        reply = read_reply(sock)
+        # the offer is gone: Host, Connection (HTTP2-Settings), HTTP2-Settings, Content-Length
+        assert json.loads(reply.body) == {"body": 1000, "fields": 4}
+    websocket = ("Connection: Upgrade", "Upgrade: websocket", "Sec-WebSocket-Version: 13",
+                 "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==", "Content-Length: 5")
+    reply = exchange(port, head("/", *websocket, method="POST") + b"hello")
+    assert reply.status == 200 and json.loads(reply.body)["body"] == 5
 
 
 def test_a_client_still_sending_reads_the_answer(port: int) -> None:

@@ -33,6 +33,11 @@ def test_the_agent_bounds_request_heads_and_answers_refusals_in_json(
     negative = head("/v1/chat/completions", "Content-Length: -1", method="POST")
     reply = exchange(port, negative, then_closed=True)
     assert reply.status == 400 and reply.error()["code"] == "invalid_http_request"
+    # an upgrade is ignored (RFC 9110 7.8): served over HTTP/1.1, not by uvicorn's WebSocket protocol
+    upgrade = head("/health", "Connection: Upgrade", "Upgrade: websocket", "Sec-WebSocket-Version: 13",
+                   "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==")
+    reply = exchange(port, upgrade)
+    assert reply.status == 200 and json.loads(reply.body) == {"status": "ok"}
 
 
 def test_the_agent_cuts_off_a_request_that_is_not_sent_in_time(

@@ -44,3 +44,13 @@ def test_the_router_bounds_request_heads_and_answers_refusals_in_json(pool: Pool
     error = reply.error()
     assert reply.status == 400 and error["code"] == "invalid_http_request"
     assert error["type"] == "invalid_request_error" and "method" in error["message"]
+
+    # an upgrade to WebSocket is ignored (RFC 9110 7.8): the request is answered over HTTP/1.1 (uvicorn's
+    # WebSocket protocol answered it in plain text, and a POST never, holding the connection past every bound)
+    upgrade = ["Connection: Upgrade", "Upgrade: websocket", "Sec-WebSocket-Version: 13",
+               "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="]
+    reply = exchange(port, head("/v1/models", *upgrade))
+    assert reply.status == 200 and json.loads(reply.body)["object"] == "list"
+    reply = exchange(port, head("/v1/chat/completions", *upgrade, f"Content-Length: {len(body)}",
+                                method="POST") + body)
+    assert reply.status == 200 and json.loads(reply.body)["choices"]
