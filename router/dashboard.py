@@ -47,11 +47,10 @@ class Dashboard:
         return JSONResponse(await self.watch.hint(), headers={"Cache-Control": "no-store"})
 
     async def stream(self, request: Request) -> Response:
-        return StreamingResponse(
-            self._frames(request),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        if request.method == "HEAD":  # the head alone: the stream never ends, and nothing would read it
+            return Response(media_type="text/event-stream", headers=headers)
+        return StreamingResponse(self._frames(request), media_type="text/event-stream", headers=headers)
 
     async def _frames(self, request: Request) -> AsyncIterator[bytes]:
         self.viewers += 1

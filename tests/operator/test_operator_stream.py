@@ -96,3 +96,35 @@ def test_an_open_dashboard_does_not_hold_up_the_routers_shutdown(redis_url: str,
     assert ended < 3 and stopped < 5, f"stream ended after {ended:.1f}s, router stopped after {stopped:.1f}s"
     log = router.child.log_path.read_text() if router.child.log_path else ""
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-2000:]
+
+
+def test_a_head_request_gets_the_streams_head_and_no_stream() -> None:
+    # the stream never ends: sent for a HEAD, its frames were generated and dropped for as long as the
+    # connection lasted, and a next request on that connection waited behind it for ever
+    table = routes(lambda: VIEW, settings=object())
+    dashboard = next(r.endpoint.__self__ for r in table if getattr(r, "path", "") == "/api/pool/stream")  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        port = free_port()
+        config = uvicorn.Config(Starlette(routes=table), port=port, log_level="warning",
+                                timeout_graceful_shutdown=1)
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve())
+        try:
+            for _ in range(500):
+                if server.started:
+                    break
+                await asyncio.sleep(0.01)
+            limits = httpx.Limits(max_connections=1)  # one connection: the second request follows the HEAD
+            async with httpx.AsyncClient(timeout=5, limits=limits) as client:
+                head = await client.head(f"http://127.0.0.1:{port}/api/pool/stream")
+                assert head.status_code == 200
+                assert head.headers["content-type"].startswith("text/event-stream")
+                scale = await client.get(f"http://127.0.0.1:{port}/api/pool/scale")
+                assert scale.json()["current_nodes"] == 1
+                assert dashboard.viewers == 0
+        finally:
+            server.should_exit = True
+            await serving
+
+    asyncio.run(scenario())
