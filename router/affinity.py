@@ -14,8 +14,9 @@ The model name seeds the chain (the same text sent to two models shares no cache
 :data:`MIN_PREFIX_BYTES` are not hashed (too cheap to prefill to be worth steering for; the router does not
 even parse them out of a request body shorter than that). At most
 :data:`MAX_PREFIXES` hashes are kept per request: the two shortest (a shared system prompt) and the
-longest ones (the conversation so far). Admission (``macpool.contract.RESERVE_OR_ENQUEUE``) looks them
-up longest first in Redis, shared by every router replica, and records them for the node it picks.
+longest ones (the conversation so far), of the first :data:`MAX_PARTS` messages or blocks. Admission
+(``macpool.contract.RESERVE_OR_ENQUEUE``) looks them up longest first in Redis, shared by every router
+replica, and records them for the node it picks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import json
 from typing import Any
 
 MAX_PREFIXES = 16
+# messages or blocks hashed: a longer prompt keeps its node by its first ones. Each costs a json.dumps or a
+# hash, on the event loop: 250,000 tiny messages (an 8 MB body) held it 2 s, for 16 hashes kept
+MAX_PARTS = 256
 # prefixes shorter than this (~100 tokens) are not worth steering for: their prefill is cheap, and pinning
 # every short identical prompt to one node would only skew the load
 MIN_PREFIX_BYTES = 400
@@ -62,7 +66,7 @@ def _messages(messages: Any) -> list[bytes]:
     if not isinstance(messages, list):
         return []
     # surrogatepass: a lone surrogate is a valid JSON escape; the body is forwarded as sent either way
-    return [_canonical(m).encode(errors="surrogatepass") for m in messages]
+    return [_canonical(m).encode(errors="surrogatepass") for m in messages[:MAX_PARTS]]
 
 
 def _canonical(message: Any) -> str:
@@ -73,9 +77,11 @@ def _blocks(prompt: Any) -> list[bytes]:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]  # OpenAI's batched form with a single prompt
     if isinstance(prompt, str):
-        data = prompt.encode(errors="surrogatepass")
+        data = prompt[:BLOCK_BYTES * MAX_PARTS].encode(errors="surrogatepass")[:BLOCK_BYTES * MAX_PARTS]
         return [data[i:i + BLOCK_BYTES] for i in range(0, len(data) - BLOCK_BYTES + 1, BLOCK_BYTES)]
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return [json.dumps(prompt[i:i + BLOCK_TOKENS]).encode()
-                for i in range(0, len(prompt) - BLOCK_TOKENS + 1, BLOCK_TOKENS)]
+    if isinstance(prompt, list):
+        tokens = prompt[:BLOCK_TOKENS * MAX_PARTS]
+        if all(isinstance(t, int) for t in tokens):
+            return [json.dumps(tokens[i:i + BLOCK_TOKENS]).encode()
+                    for i in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS)]
     return []
