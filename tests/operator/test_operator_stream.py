@@ -101,7 +101,7 @@ def test_an_open_dashboard_does_not_hold_up_the_routers_shutdown(redis_url: str,
 def test_a_head_request_gets_the_streams_head_and_no_stream() -> None:
     # the stream never ends: sent for a HEAD, its frames were generated and dropped for as long as the
     # connection lasted, and a next request on that connection waited behind it for ever
-    table = routes(lambda: VIEW, settings=object())
+    table = routes(lambda: VIEW, settings=Settings())
     dashboard = next(r.endpoint.__self__ for r in table if getattr(r, "path", "") == "/api/pool/stream")  # type: ignore[attr-defined]
 
     async def scenario() -> None:
