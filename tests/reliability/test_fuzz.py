@@ -155,12 +155,19 @@ def test_fuzz_bodies(target: tuple[Rig, Node, str]) -> None:
     after(rig, node, url)
 
 
-def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> tuple[int | None, dict[str, str], bytes]:
-    """Send raw bytes; (status or None if the server closed without answering, headers, body)."""
+def raw_exchange(
+    port: int, data: bytes, timeout: float = 10.0, hang_up: bool = False
+) -> tuple[int | None, dict[str, str], bytes]:
+    """Send raw bytes; (status or None if the server closed without answering, headers, body).
+
+    ``hang_up``: close our side once sent (a client gone before its answer: the server may take the request
+    for abandoned); else wait, as a client does, for the answer and the server's close (Connection: close).
+    """
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         try:
             sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)
+            if hang_up:
+                sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
         chunks = []
@@ -258,7 +265,8 @@ def test_fuzz_surface(target: tuple[Rig, Node, str]) -> None:
             lines.append("Transfer-Encoding: chunked")
             payload = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
         data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", errors="replace") + payload
-        status, reply_headers, reply_body = raw_exchange(port, data)
+        # a body shorter than its Content-Length: the client hangs up (else the server waits for the rest)
+        status, reply_headers, reply_body = raw_exchange(port, data, hang_up=length == "long")
         if method == "HEAD":
             reply_body = b""
         check(status, reply_headers, reply_body, node)
