@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from macpool.contract import Keys, now_ms
+from macpool.redis_server import RedisServer
 from tests.conftest import Node as Node
 from tests.conftest import Server, SpawnFactory
 from tests.conftest import chat as chat
@@ -177,3 +178,13 @@ class Rig:
 @pytest.fixture
 def rig(spawn: SpawnFactory, redis_url: str) -> Iterator[Rig]:
     yield Rig(spawn, redis_url)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Redis on a fixed port, so the restarted (empty) server is where everyone expects it."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,16 +35,6 @@ REQUESTS = 120
 CLIENTS = 12
 JSON = {"content-type": "application/json"}
 LEAVES = ("stays", "before_body", "queued", "first_byte", "mid_stream")
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A Redis on a fixed port, so the restarted (empty) server is where everyone expects it."""
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def counted(spawn: SpawnFactory, *args: str, name: str, port: int | None = None) -> Server:

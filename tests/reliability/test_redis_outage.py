@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,16 +17,6 @@ pytestmark = pytest.mark.slow
 
 CAP = 2
 OUTAGE_S = 10.0
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A Redis on a fixed port, so the restarted (empty) server is where everyone expects it."""
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def test_redis_outage_and_recovery(spawn: SpawnFactory, own_redis: RedisServer) -> None:

@@ -14,8 +14,6 @@ from redis.asyncio import Redis
 from macpool.contract import RESERVE_OR_ENQUEUE, Keys, now_ms, reserve_argv
 from macpool.redis_server import RedisServer
 from router.admission import Admission, Rejected, Ticket
-from router.metrics import RouterMetrics
-from router.pool import PoolView
 from router.settings import Settings
 from tests.router.test_admission_memo import NODE, one_node_pool
 
@@ -51,20 +49,10 @@ def test_a_reservation_made_for_a_request_cancelled_meanwhile_is_given_back(redi
 @contextlib.asynccontextmanager
 async def impatient_pool(url: str) -> AsyncIterator[tuple[Redis, Admission]]:
     """Admission over one node ``a`` of capacity 1, on a Redis client that gives a call up after 0.3 s."""
-    settings = Settings(redis_url=url, queue_size=0)
-    redis = Redis.from_url(url, socket_timeout=0.3)
-    keys = Keys()
-    pool = PoolView(settings, redis, keys)
-    pool.redis_ok = True
-    admission = Admission(settings, redis, keys, pool, RouterMetrics())
-    await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
-    try:
+    async with one_node_pool(Settings(redis_url=url, queue_size=0), socket_timeout=0.3) as (redis, admission):
         # once through, so Redis knows the scripts
         await admission.release(await admission.acquire(lambda: [NODE], Ticket(model="m")))
         yield redis, admission
-    finally:
-        await admission.stop()
-        await redis.aclose()
 
 
 async def given_back(redis: Redis) -> bool:

@@ -19,9 +19,12 @@ NODE = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready",
 
 
 @contextlib.asynccontextmanager
-async def one_node_pool(settings: Settings) -> AsyncIterator[tuple[Redis, Admission]]:
-    """Admission over a pool of one node ``a`` of capacity 1 serving model ``m`` (stopped at the end)."""
-    redis = Redis.from_url(settings.redis_url)
+async def one_node_pool(
+    settings: Settings, socket_timeout: float | None = None
+) -> AsyncIterator[tuple[Redis, Admission]]:
+    """Admission over a pool of one node ``a`` of capacity 1 serving model ``m`` (stopped at the end), on a
+    Redis client that gives a call up after ``socket_timeout`` (None: never)."""
+    redis = Redis.from_url(settings.redis_url, socket_timeout=socket_timeout)
     keys = Keys()
     pool = PoolView(settings, redis, keys)
     pool.redis_ok = True
