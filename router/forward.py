@@ -44,6 +44,8 @@ _STREAMED, _TOKEN = (STREAM_HEADER.encode(), b"1"), TOKEN_HEADER.encode()
 _AGENT_MIDSTREAM = b'"upstream_midstream"'
 _TAIL = 512
 _DONE = b"data: [DONE]\n\n"  # an OpenAI stream's last event
+# an agent saying node_full is asked again (5 ms apart, doubling) for up to 0.5 s before another node is tried
+_CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
 
 
 def new_transport() -> HTTP11Transport:
@@ -262,12 +264,7 @@ class Forwarder:
         upstream: httpx.Response | None = None
         try:
             async with asyncio.timeout(self._first_byte_timeout(call)):
-                upstream = await self.transport.post(url, headers, call.body, self._timeouts)
-                self.pool.connected(node.node_id)
-                if upstream.status_code == 503:
-                    kind = await _node_full_kind(upstream)
-                    self._upstream_error(node.node_id, kind)
-                    raise _Retry(kind)
+                upstream = await self._post(node.node_id, url, headers, call.body)
                 # the transport's byte stream itself: Response.aiter_raw would add two generator layers and a
                 # context manager per chunk (the response is still closed by aclose, as ever)
                 chunks = aiter(cast(httpx.AsyncByteStream, upstream.stream))
@@ -310,6 +307,29 @@ class Forwarder:
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
             return error_response(502, "the node refused the router's agent token", "upstream_auth")
         return Relay(self, call, lease, upstream, first, chunks)
+
+    async def _post(
+        self, node_id: str, url: httpx.URL, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> httpx.Response:
+        """The agent's answer; a 503 raises _Retry (a node_full once the agent has had a moment to catch up).
+
+        Redis has just reserved this slot, so an agent calling itself full has most often not yet seen a
+        request end whose slot Redis already gave on (its client gone, the router's release first): asked
+        again a few ms later, it takes the request. Only a refusal that lasts fails over to another node.
+        """
+        pause, deadline = _CATCH_UP_PAUSE, time.monotonic() + _CATCH_UP_S
+        while True:
+            upstream = await self.transport.post(url, headers, body, self._timeouts)
+            self.pool.connected(node_id)
+            if upstream.status_code != 503:
+                return upstream
+            kind = await _node_full_kind(upstream)
+            await _close(upstream)
+            if kind != "node_full" or time.monotonic() + pause > deadline:
+                self._upstream_error(node_id, kind)
+                raise _Retry(kind)
+            await asyncio.sleep(pause)
+            pause *= 2
 
     def _first_byte_timeout(self, call: Call) -> float:
         """A stream's first byte comes with its first token; a non-streamed answer's with its last."""

@@ -122,3 +122,29 @@ def test_a_full_node_then_an_unreachable_one_is_a_503_to_retry_not_a_502(pool: P
     assert answer.status_code == 503, answer.text
     assert answer.headers["x-macpool-reason"] == "pool_full" and int(answer.headers["retry-after"]) >= 1
     assert answer.json()["error"]["code"] == "pool_full"
+
+
+def test_an_agent_that_has_not_yet_seen_a_slot_freed_is_asked_again_before_the_request_fails_over(
+        pool: Pool) -> None:
+    # Redis gives a slot on as soon as the router releases it, often before the agent has seen that request
+    # end (its client gone): the agent's brief "full" must not turn the next request into a 503
+    node = pool.node("a", cap=1, speed=1)
+    router = pool.router("--queue-size", "0")
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+    refusals = 'macpool_agent_rejections_total{reason="node_full"}'
+    answers: list[httpx.Response] = []
+    with httpx.Client(timeout=60) as client:
+        # the node's only slot taken behind the router's back (Redis sees it free), given back a moment later
+        with client.stream("POST", node.agent.url + "/v1/chat/completions", json=chat(model, 4000),
+                           headers={"x-macpool-token": AGENT_TOKEN}) as direct:
+            direct_chunks = direct.iter_raw()  # kept: a dropped iterator closes the stream
+            next(direct_chunks)
+            sent = threading.Thread(target=lambda: answers.append(
+                client.post(router.url + "/v1/chat/completions", json=chat(model, 4, stream=False))))
+            sent.start()
+            wait_until(lambda: metric(node.agent.url, refusals) >= 1, timeout=5)
+        sent.join(timeout=30)
+    assert answers and answers[0].status_code == 200, answers[0].text if answers else answers
+    assert answers[0].headers["x-macpool-node"] == "a"
+    assert not metric(router.url, 'macpool_upstream_errors_total{kind="node_full",node="a"}')
