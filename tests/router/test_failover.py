@@ -143,7 +143,7 @@ def test_an_agent_that_has_not_yet_seen_a_slot_freed_is_asked_again_before_the_r
             sent = threading.Thread(target=lambda: answers.append(
                 client.post(router.url + "/v1/chat/completions", json=chat(model, 4, stream=False))))
             sent.start()
-            wait_until(lambda: metric(node.agent.url, refusals) >= 1, timeout=5)
+            wait_until(lambda: metric(node.agent.url, refusals) >= 1, timeout=5, interval=0.01)
         sent.join(timeout=30)
     assert answers and answers[0].status_code == 200, answers[0].text if answers else answers
     assert answers[0].headers["x-macpool-node"] == "a"
