@@ -323,8 +323,10 @@ class Forwarder:
             self.pool.connected(node_id)
             if upstream.status_code != 503:
                 return upstream
-            kind = await _node_full_kind(upstream)
-            await _close(upstream)
+            try:
+                kind = await _node_full_kind(upstream)
+            finally:
+                await _close(upstream)
             if kind != "node_full" or time.monotonic() + pause > deadline:
                 self._upstream_error(node_id, kind)
                 raise _Retry(kind)
