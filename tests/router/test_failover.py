@@ -140,8 +140,9 @@ def test_an_agent_that_has_not_yet_seen_a_slot_freed_is_asked_again_before_the_r
                            headers={"x-macpool-token": AGENT_TOKEN}) as direct:
             direct_chunks = direct.iter_raw()  # kept: a dropped iterator closes the stream
             next(direct_chunks)
+            short = chat(model, 4, stream=False)
             sent = threading.Thread(target=lambda: answers.append(
-                client.post(router.url + "/v1/chat/completions", json=chat(model, 4, stream=False))))
+                httpx.post(router.url + "/v1/chat/completions", json=short, timeout=60)))
             sent.start()
             wait_until(lambda: metric(node.agent.url, refusals) >= 1, timeout=5, interval=0.01)
         sent.join(timeout=30)
