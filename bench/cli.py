@@ -12,7 +12,7 @@ from types import FrameType
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "sweep": ("bench.sweep", "step concurrency up against one server and record the curve"),
     "seed-table": ("bench.seed_table", "reproduce the seed's measured table on the simulated M5 Max"),
-    "overload": ("bench.overload", "2x overload with the router's admission control vs straight at the Macs"),
+    "overload": ("bench.overload", "1x-10x the pool's capacity, admission control vs straight at the Macs"),
     "overhead": ("bench.overhead", "added TTFT/latency of router + agent vs straight to the simulator"),
     "relay": ("bench.relay", "SSE chunks/s and requests/s one router core relays; CPU per 1,000 requests"),
     "reject": ("bench.reject", "503s per second one router core returns when the pool is full, and p99"),

@@ -35,6 +35,7 @@ class RequestRecord:
     tokens: int  # generated tokens (usage when reported, else content chunks)
     retry_after: str | None = None
     error: str | None = None
+    reason: str | None = None  # X-Macpool-Reason of a refusal (pool_full, queue_timeout, ...)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +93,7 @@ async def stream_request(
                     client_id, response.status_code, started, None, time.monotonic() - started, 0,
                     retry_after=response.headers.get("retry-after"),
                     error=response.text[:200] if response.status_code not in (429, 503) else None,
+                    reason=response.headers.get("x-macpool-reason"),
                 )
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

@@ -1,14 +1,19 @@
-"""``macpool bench overload``: the pool under 2x overload, with the router's admission control and without.
+"""``macpool bench overload``: the pool over its capacity, with the router's admission control and without.
 
 Starts a real Redis-protocol server, two simulated ``m5max-128g-14b-q4`` Macs with ``--parallel 16`` (so
 llama-server alone would accept the overload), an agent per Mac capped at 8 (the calibrated knee), and the
-router; drives 32 closed-loop streaming clients (``--clients``) with ~4K-token prompts. Then the same load
-straight at two fresh simulators with no admission control; and, for reference, 8 clients at one fresh
-simulator (the single-node knee). Every figure is in simulated time.
+router; drives closed-loop streaming clients with ~4K-token prompts: ``--levels`` times the pool's capacity
+(2 x ``--cap`` slots; default 2x, 32 clients), each level on a fresh pool, or exactly ``--clients``. At each
+level the same load then goes straight at two fresh simulators with no admission control (unless
+``--no-direct``); and, for reference, ``--cap`` clients at one fresh simulator (the single-node knee).
+Throughput, TTFT and latency are in simulated time; how long a refusal took is in wall-clock ms (the router's
+own time, queue wait included).
 
-Prints both runs side by side and writes JSON with ``goodput_tok_s``, ``knee_tok_s`` (2 x the single-node
-knee), ``goodput_ratio``, ``direct_tok_s``, ``rejected_503``, ``retry_after_present`` (fraction of 503s
-carrying the header) and ``errors_non_503``.
+Prints every run and writes JSON: ``levels``, one entry per level with ``goodput_tok_s``, ``goodput_ratio``
+(goodput / ``knee_tok_s``, 2 x the single-node knee), ``direct_tok_s``, the admitted requests' TTFT and
+latency p50/p99, the refusals' latency p50/p99 (also per ``X-Macpool-Reason``), ``rejected_503``,
+``retry_after_present`` (fraction of 503s carrying the header) and ``errors_non_503``; the top-level keys of
+the same names are the highest level's.
 """
 
 from __future__ import annotations
@@ -30,16 +35,20 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import ClosedLoop, RequestRecord, SimClock, chat_body
+from bench.perfkit import ms, pct
 from macpool.procs import Child, macpool_argv
 from macpool.redis_server import RedisServer, free_port
 
 PRESET = "m5max-128g-14b-q4"
+NODES = 2
 WARMUP = 0.2  # share of each run left out of the throughput figure (the start-up burst)
 
 
 @dataclass
 class Conditions:
-    clients: int = 32
+    levels: tuple[float, ...] = (2.0,)  # clients as multiples of the pool's capacity (NODES x cap)
+    clients: int | None = None  # instead of levels: one run of exactly this many clients
+    direct: bool = True  # also each level straight at the Macs
     prompt_tokens: int = 4096
     max_tokens: int = 256
     duration_s: float = 90.0  # simulated seconds of load per run
@@ -49,6 +58,15 @@ class Conditions:
     cap: int = 8
     queue_size: int = 64
     queue_timeout: float = 2.0
+
+    @property
+    def capacity(self) -> int:
+        return NODES * self.cap
+
+    def client_counts(self) -> list[int]:
+        if self.clients is not None:
+            return [self.clients]
+        return [max(1, round(level * self.capacity)) for level in self.levels]
 
 
 @dataclass
@@ -62,8 +80,13 @@ class Run:
     rejected_503: int
     retry_after_present: float | None
     errors_non_503: int
-    ttft_p50_s: float | None
+    ttft_p50_s: float | None  # of the requests that completed
+    ttft_p99_s: float | None
     latency_p50_s: float | None
+    latency_p99_s: float | None
+    reject_p50_ms: float | None  # wall-clock, from sending the request to its 503 (queue wait included)
+    reject_p99_ms: float | None
+    reasons: dict[str, dict[str, float | None]]  # per X-Macpool-Reason: count, p50_ms, p99_ms
     worst_state: str | None
 
 
@@ -154,6 +177,12 @@ def summarise(name: str, clients: int, records: list[RequestRecord], throughput:
     rejected = [r for r in records if r.status == 503]
     order = ["healthy", "near_ceiling", "paging", "collapsed"]
     worst = max((str(s.get("worst_state", "healthy")) for s in stats), key=order.index, default=None)
+    ttfts = [r.ttft_s * scale for r in ok if r.ttft_s is not None]
+    latencies = [r.latency_s * scale for r in ok]
+    waits = [r.latency_s for r in rejected]
+    by_reason: dict[str, list[float]] = {}
+    for r in rejected:
+        by_reason.setdefault(r.reason or "-", []).append(r.latency_s)
     return Run(
         name=name,
         clients=clients,
@@ -164,24 +193,67 @@ def summarise(name: str, clients: int, records: list[RequestRecord], throughput:
             round(sum(1 for r in rejected if r.retry_after) / len(rejected), 4) if rejected else None
         ),
         errors_non_503=sum(1 for r in records if not r.ok and r.status != 503),
-        ttft_p50_s=_median([r.ttft_s * scale for r in ok if r.ttft_s is not None]),
-        latency_p50_s=_median([r.latency_s * scale for r in ok]),
+        ttft_p50_s=_round(pct(ttfts, 50)),
+        ttft_p99_s=_round(pct(ttfts, 99)),
+        latency_p50_s=_round(pct(latencies, 50)),
+        latency_p99_s=_round(pct(latencies, 99)),
+        reject_p50_ms=ms(pct(waits, 50), 2),
+        reject_p99_ms=ms(pct(waits, 99), 2),
+        reasons={
+            reason: {"count": len(values), "p50_ms": ms(pct(values, 50), 2), "p99_ms": ms(pct(values, 99), 2)}
+            for reason, values in sorted(by_reason.items())
+        },
         worst_state=worst,
     )
 
 
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[len(ordered) // 2], 3)
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def run(conditions: Conditions, log_dir: Path, console: Console) -> dict[str, Any]:
     c = conditions
+    console.print(f"pool: {NODES} x {PRESET} (--parallel {c.parallel}), agents capped at {c.cap} "
+                  f"(capacity {c.capacity}), router")
+    runs: list[Run] = []
+    levels: list[dict[str, Any]] = []
+    for clients in c.client_counts():
+        tag = f"{clients / c.capacity:g}x"
+        console.print(f"router run, {tag}: {clients} clients for {c.duration_s:g} simulated s ...")
+        routed = routed_run(c, log_dir, clients, f"router {tag}")
+        direct = None
+        if c.direct:
+            console.print(f"direct run, {tag}: {clients} clients straight at {NODES} fresh simulators ...")
+            direct = direct_run(c, log_dir, clients, f"direct {tag}")
+        runs += [routed] if direct is None else [routed, direct]
+        levels.append(level_summary(c, routed, direct))
+    with stack(c, log_dir) as processes:
+        sim = processes.sim("knee-sim")
+        console.print(f"knee: {c.cap} clients at one fresh simulator ...")
+        knee = asyncio.run(drive("knee (1 node)", [sim], [sim], c, c.cap))
+    runs.append(knee)
+    knee_tok_s = round(NODES * knee.throughput_tok_s, 1)
+    for level in levels:
+        level["goodput_ratio"] = round(level["goodput_tok_s"] / knee_tok_s, 4) if knee_tok_s else None
+    top = levels[-1]
+    return {
+        "goodput_tok_s": top["goodput_tok_s"],
+        "knee_tok_s": knee_tok_s,
+        "goodput_ratio": top["goodput_ratio"],
+        "direct_tok_s": top["direct_tok_s"],
+        "rejected_503": top["rejected_503"],
+        "retry_after_present": top["retry_after_present"],
+        "errors_non_503": top["errors_non_503"],
+        "levels": levels,
+        "conditions": asdict(c) | {"capacity": c.capacity, "clients": c.client_counts()},
+        "runs": [asdict(r) for r in runs],
+    }
+
+
+def routed_run(c: Conditions, log_dir: Path, clients: int, name: str) -> Run:
+    """``clients`` through the router to a fresh pool: Redis, the simulated Macs and their agents."""
     with RedisServer() as redis, stack(c, log_dir) as processes:
-        console.print(f"pool: 2 x {PRESET} (--parallel {c.parallel}), agents capped at {c.cap}, router")
-        sims = [processes.sim(f"sim-{i}") for i in range(2)]
+        sims = [processes.sim(f"sim-{i}") for i in range(NODES)]
         for i, sim in enumerate(sims):
             processes.start(
                 f"agent-{i}", "agent", "run", "--upstream", sim, "--redis-url", redis.url,
@@ -191,28 +263,38 @@ def run(conditions: Conditions, log_dir: Path, console: Console) -> dict[str, An
             "router", "router", "--redis-url", redis.url, "--queue-size", str(c.queue_size),
             "--queue-timeout", str(c.queue_timeout),
         )
-        _wait_nodes(router, 2)
-        console.print(f"router run: {c.clients} clients for {c.duration_s:g} simulated s ...")
-        routed = asyncio.run(drive("router", [router], sims, c, c.clients))
+        _wait_nodes(router, NODES)
+        return asyncio.run(drive(name, [router], sims, c, clients))
+
+
+def direct_run(c: Conditions, log_dir: Path, clients: int, name: str) -> Run:
+    """The same load straight at fresh simulators: nothing in front of them refuses anything."""
     with stack(c, log_dir) as processes:
-        sims = [processes.sim(f"direct-sim-{i}") for i in range(2)]
-        console.print(f"direct run: {c.clients} clients straight at 2 fresh simulators ...")
-        direct = asyncio.run(drive("direct", sims, sims, c, c.clients))
-    with stack(c, log_dir) as processes:
-        sim = processes.sim("knee-sim")
-        console.print(f"knee: {c.cap} clients at one fresh simulator ...")
-        knee = asyncio.run(drive("knee (1 node)", [sim], [sim], c, c.cap))
-    knee_tok_s = round(2 * knee.throughput_tok_s, 1)
+        sims = [processes.sim(f"direct-sim-{i}") for i in range(NODES)]
+        return asyncio.run(drive(name, sims, sims, c, clients))
+
+
+def level_summary(c: Conditions, routed: Run, direct: Run | None) -> dict[str, Any]:
+    """One load level's figures (``goodput_ratio`` is filled in once the knee is known)."""
     return {
+        "level": round(routed.clients / c.capacity, 3),
+        "clients": routed.clients,
         "goodput_tok_s": routed.throughput_tok_s,
-        "knee_tok_s": knee_tok_s,
-        "goodput_ratio": round(routed.throughput_tok_s / knee_tok_s, 4) if knee_tok_s else None,
-        "direct_tok_s": direct.throughput_tok_s,
+        "goodput_ratio": None,
+        "direct_tok_s": None if direct is None else direct.throughput_tok_s,
+        "admitted_ttft_p50_s": routed.ttft_p50_s,
+        "admitted_ttft_p99_s": routed.ttft_p99_s,
+        "admitted_latency_p50_s": routed.latency_p50_s,
+        "admitted_latency_p99_s": routed.latency_p99_s,
+        "completed": routed.completed,
         "rejected_503": routed.rejected_503,
+        "reject_p50_ms": routed.reject_p50_ms,
+        "reject_p99_ms": routed.reject_p99_ms,
+        "reasons": routed.reasons,
         "retry_after_present": routed.retry_after_present,
         "errors_non_503": routed.errors_non_503,
-        "conditions": asdict(c),
-        "runs": [asdict(routed), asdict(direct), asdict(knee)],
+        "worst_state": routed.worst_state,
+        "direct_worst_state": None if direct is None else direct.worst_state,
     }
 
 
@@ -228,30 +310,54 @@ def _wait_nodes(router: str, count: int, timeout: float = 30.0) -> None:
 
 def table(result: dict[str, Any]) -> Table:
     c = result["conditions"]
-    t = Table(title=f"overload: {c['clients']} streaming clients, {c['prompt_tokens']}-token prompts, "
-                    "2 simulated M5 Max (simulated time)")
-    for column in ("run", "clients", "tok/s", "completed", "503", "with Retry-After", "other errors",
-                   "TTFT p50 s", "latency p50 s", "worst memory"):
+    t = Table(title=f"overload: {NODES} simulated M5 Max, capacity {c['capacity']} slots, "
+                    f"{c['prompt_tokens']}-token prompts (simulated time; 503 latency wall-clock)")
+    for column in ("run", "clients", "tok/s", "completed", "TTFT p50/p99 s", "latency p50/p99 s", "503",
+                   "with Retry-After", "503 p50/p99 ms", "other errors", "worst memory"):
         t.add_column(column, justify="left" if column == "run" else "right")
     for r in result["runs"]:
         t.add_row(
             r["name"], str(r["clients"]), f"{r['throughput_tok_s']:.1f}", str(r["completed"]),
+            _pair(r["ttft_p50_s"], r["ttft_p99_s"]), _pair(r["latency_p50_s"], r["latency_p99_s"]),
             str(r["rejected_503"]),
             "-" if r["retry_after_present"] is None else f"{100 * r['retry_after_present']:.0f}%",
-            str(r["errors_non_503"]), _fmt(r["ttft_p50_s"]), _fmt(r["latency_p50_s"]),
+            _pair(r["reject_p50_ms"], r["reject_p99_ms"], "{:.1f}"), str(r["errors_non_503"]),
             r["worst_state"] or "-",
         )
     return t
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def levels_table(result: dict[str, Any]) -> Table:
+    t = Table(title=f"admission control by load level (knee {result['knee_tok_s']:.1f} tok/s)")
+    for column in ("load", "clients", "goodput tok/s", "/ knee", "direct tok/s", "admitted TTFT p50/p99 s",
+                   "503", "503 p50/p99 ms", "other errors"):
+        t.add_column(column, justify="right")
+    for level in result["levels"]:
+        ratio, direct = level["goodput_ratio"], level["direct_tok_s"]
+        t.add_row(
+            f"{level['level']:g}x", str(level["clients"]), f"{level['goodput_tok_s']:.1f}",
+            "-" if ratio is None else f"{ratio:.3f}", "-" if direct is None else f"{direct:.1f}",
+            _pair(level["admitted_ttft_p50_s"], level["admitted_ttft_p99_s"]), str(level["rejected_503"]),
+            _pair(level["reject_p50_ms"], level["reject_p99_ms"], "{:.1f}"), str(level["errors_non_503"]),
+        )
+    return t
+
+
+def _pair(p50: float | None, p99: float | None, spec: str = "{:.2f}") -> str:
+    return "-" if p50 is None or p99 is None else f"{spec.format(p50)} / {spec.format(p99)}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = Conditions()
     p = argparse.ArgumentParser(prog="macpool bench overload", description=__doc__.splitlines()[0])
-    p.add_argument("--clients", type=int, default=d.clients)
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--levels", type=_levels, default=d.levels,
+                      help="load levels as multiples of the pool's capacity (2 x --cap), e.g. 1,2,4,10; "
+                           "each on a fresh pool (default: 2)")
+    load.add_argument("--clients", type=int,
+                      help="one run of exactly this many clients (instead of --levels)")
+    p.add_argument("--no-direct", dest="direct", action="store_false",
+                   help="skip the runs straight at the Macs (without admission control)")
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--duration", type=float, default=d.duration_s, help="simulated seconds of load per run")
@@ -264,12 +370,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _levels(text: str) -> tuple[float, ...]:
+    try:
+        levels = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        message = f"--levels takes numbers separated by commas, not {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if any(not level > 0 for level in levels):
+        raise argparse.ArgumentTypeError(f"--levels must all be above 0, not {text!r}")
+    return levels
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     conditions = Conditions(
-        clients=args.clients, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-        duration_s=args.duration, speed=args.speed, cap=args.cap, queue_size=args.queue_size,
-        queue_timeout=args.queue_timeout,
+        levels=args.levels, clients=args.clients, direct=args.direct, prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens, duration_s=args.duration, speed=args.speed, cap=args.cap,
+        queue_size=args.queue_size, queue_timeout=args.queue_timeout,
     )
     console = Console(width=None if sys.stdout.isatty() else 140)
     with contextlib.ExitStack() as exits:
@@ -278,8 +395,9 @@ def main(argv: list[str]) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         result = run(conditions, log_dir, Console(stderr=True))
     console.print(table(result))
-    summary = {k: v for k, v in result.items() if k not in ("conditions", "runs")}
+    summary = {k: v for k, v in result.items() if k not in ("conditions", "runs", "levels")}
     console.print_json(json.dumps(summary))
+    console.print(levels_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

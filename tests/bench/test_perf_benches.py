@@ -96,17 +96,36 @@ def test_overhead_paced(tmp_path: Path) -> None:
 
 
 def test_overload(tmp_path: Path) -> None:
-    """The 2-Mac pool over its capacity with no queue: admitted streams complete, the rest get 503s."""
-    data = run_bench(tmp_path, "overload", "--clients", "8", "--cap", "2", "--queue-size", "0",
+    """The 2-Mac pool at 1x and 2x its capacity with no queue: admitted streams complete, the rest get 503s."""
+    data = run_bench(tmp_path, "overload", "--levels", "1,2", "--cap", "2", "--queue-size", "0",
                      "--duration", "20", "--speed", "20", "--prompt-tokens", "256", "--max-tokens", "16")
-    assert [run["name"] for run in data["runs"]] == ["router", "direct", "knee (1 node)"]
-    assert [run["clients"] for run in data["runs"]] == [8, 8, 2]
-    routed, direct, _ = data["runs"]
-    assert routed["completed"] > 0 and routed["rejected_503"] > 0 and data["errors_non_503"] == 0
-    assert data["retry_after_present"] == 1.0
-    assert direct["rejected_503"] == 0 and direct["completed"] > 0  # nothing in front of the Macs refuses
-    for key in ("goodput_tok_s", "knee_tok_s", "goodput_ratio"):
-        assert positive(data[key]), (key, data)
+    names = ["router 1x", "direct 1x", "router 2x", "direct 2x", "knee (1 node)"]
+    assert [run["name"] for run in data["runs"]] == names
+    assert [run["clients"] for run in data["runs"]] == [4, 4, 8, 8, 2]
+    assert [level["level"] for level in data["levels"]] == [1.0, 2.0]
+    for level in data["levels"]:
+        assert level["completed"] > 0 and level["errors_non_503"] == 0
+        assert positive(level["goodput_tok_s"]) and positive(level["goodput_ratio"])
+        assert 0 < level["admitted_ttft_p50_s"] <= level["admitted_ttft_p99_s"]
+        assert 0 < level["admitted_latency_p50_s"] <= level["admitted_latency_p99_s"]
+    over = data["levels"][1]
+    assert over["rejected_503"] > 0 and over["retry_after_present"] == 1.0
+    assert 0 < over["reject_p50_ms"] <= over["reject_p99_ms"]
+    assert set(over["reasons"]) == {"pool_full"}  # no queue: every refusal is immediate
+    assert over["reasons"]["pool_full"]["count"] == over["rejected_503"]
+    # the top-level figures are the highest level's
+    assert data["goodput_tok_s"] == over["goodput_tok_s"] and data["rejected_503"] == over["rejected_503"]
+    for run in data["runs"]:
+        if run["name"].startswith("direct"):
+            assert run["rejected_503"] == 0 and run["completed"] > 0  # nothing in front of the Macs refuses
+    assert positive(data["knee_tok_s"])
+
+
+def test_overload_takes_an_exact_client_count(tmp_path: Path) -> None:
+    data = run_bench(tmp_path, "overload", "--clients", "3", "--cap", "1", "--no-direct", "--duration", "10",
+                     "--speed", "20", "--prompt-tokens", "256", "--max-tokens", "16")
+    assert [run["name"] for run in data["runs"]] == ["router 1.5x", "knee (1 node)"]
+    assert data["levels"][0]["clients"] == 3 and data["levels"][0]["direct_tok_s"] is None
 
 
 def test_scale(tmp_path: Path) -> None:
