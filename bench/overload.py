@@ -22,10 +22,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,10 @@ from macpool.redis_server import RedisServer, free_port
 PRESET = "m5max-128g-14b-q4"
 NODES = 2
 WARMUP = 0.2  # share of each run left out of the throughput figure (the start-up burst)
+# clients per load process: one event loop driving 160 clients (a 503 every few ms, each retried 50 ms later)
+# spent a whole core and fell behind, and its lag was in every latency it measured (a refusal's p50 ~115 ms)
+CLIENTS_PER_PROCESS = 32
+START_DELAY_S = 2.0  # the load processes are started (~0.5 s here), then all begin together
 
 
 @dataclass
@@ -147,21 +153,23 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
             clocks.append(clock)
         for clock in clocks:
             await clock.reset()
-        n = len(targets)
-        share = [clients // n + (1 if i < clients % n else 0) for i in range(n)]
         duration = c.duration_s / c.speed
-        loops = [
-            ClosedLoop(url, k, chat_body(c.prompt_tokens, c.max_tokens), requests_per_client=None,
-                       duration_s=duration)
-            for url, k in zip(targets, share, strict=True)
-        ]
-        started = time.monotonic()
-        running = asyncio.gather(*(loop.run() for loop in loops))
-        await asyncio.sleep(duration * WARMUP)
-        first = [await clock.stats() for clock in clocks]
-        await asyncio.sleep(max(0.0, started + duration - time.monotonic()))
-        last = [await clock.stats() for clock in clocks]
-        results = await running
+        jobs = [(url, k) for url, n in zip(targets, _split(clients, len(targets)), strict=True)
+                for k in _split(n, max(1, -(-n // CLIENTS_PER_PROCESS))) if k]
+        start_at = time.time() + START_DELAY_S
+        loop = asyncio.get_running_loop()
+        with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+            running = asyncio.gather(*(
+                loop.run_in_executor(pool, _load, url, k, c.prompt_tokens, c.max_tokens, duration, start_at)
+                for url, k in jobs
+            ))
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            started = time.monotonic()
+            await asyncio.sleep(duration * WARMUP)
+            first = [await clock.stats() for clock in clocks]
+            await asyncio.sleep(max(0.0, started + duration - time.monotonic()))
+            last = [await clock.stats() for clock in clocks]
+            results = await running
         final = [await clock.stats() for clock in clocks]
     records = [record for batch in results for record in batch]
     pairs = list(zip(first, last, strict=True))
@@ -169,6 +177,20 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
     sim_s = sum(float(b["sim_time_s"]) - float(a["sim_time_s"]) for a, b in pairs) / len(pairs)
     scale = sim_s / (duration * (1 - WARMUP))  # simulated seconds per wall second, as measured
     return summarise(name, clients, records, tokens / sim_s if sim_s > 0 else 0.0, scale, final)
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` shares as equal as can be."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def _load(
+    url: str, clients: int, prompt_tokens: int, max_tokens: int, duration_s: float, start_at: float
+) -> list[RequestRecord]:
+    """Some of the clients, in a process of their own, from ``start_at`` (``time.time()``) on."""
+    time.sleep(max(0.0, start_at - time.time()))
+    body = chat_body(prompt_tokens, max_tokens)
+    return asyncio.run(ClosedLoop(url, clients, body, requests_per_client=None, duration_s=duration_s).run())
 
 
 def summarise(name: str, clients: int, records: list[RequestRecord], throughput: float, scale: float,
@@ -219,12 +241,14 @@ def run(conditions: Conditions, log_dir: Path, console: Console) -> dict[str, An
     levels: list[dict[str, Any]] = []
     for clients in c.client_counts():
         tag = f"{clients / c.capacity:g}x"
+        logs = log_dir / tag  # each level's processes keep their own logs
+        logs.mkdir(exist_ok=True)
         console.print(f"router run, {tag}: {clients} clients for {c.duration_s:g} simulated s ...")
-        routed = routed_run(c, log_dir, clients, f"router {tag}")
+        routed = routed_run(c, logs, clients, f"router {tag}")
         direct = None
         if c.direct:
             console.print(f"direct run, {tag}: {clients} clients straight at {NODES} fresh simulators ...")
-            direct = direct_run(c, log_dir, clients, f"direct {tag}")
+            direct = direct_run(c, logs, clients, f"direct {tag}")
         runs += [routed] if direct is None else [routed, direct]
         levels.append(level_summary(c, routed, direct))
     with stack(c, log_dir) as processes:
@@ -343,6 +367,57 @@ def levels_table(result: dict[str, Any]) -> Table:
     return t
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Goodput by load level with and without admission control; the admitted TTFT and refusal latency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = result["levels"]
+    xs = [level["level"] for level in levels]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 5.0))
+    ax1.plot(xs, [level["goodput_tok_s"] for level in levels], "o-", label="router (admission control)")
+    direct = [(level["level"], level["direct_tok_s"]) for level in levels if level["direct_tok_s"]]
+    if direct:
+        ax1.plot([d[0] for d in direct], [d[1] for d in direct], "s--", color="tab:red",
+                 label="straight at the Macs")
+    ax1.axhline(result["knee_tok_s"], color="grey", lw=0.8, ls=":", label="knee (2 x one Mac at its cap)")
+    ax1.axhline(0.9 * result["knee_tok_s"], color="green", lw=0.8, ls=":", label="90 % of the knee")
+    ticks = [f"{x:g}x" for x in xs]
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(xs, ticks)
+    ax1.set_ylim(bottom=0)
+    ax1.set_xlabel("load (x the pool's capacity)")
+    ax1.set_ylabel("tok/s (simulated)")
+    ax1.set_title("goodput")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    for key, label, style in (("admitted_ttft_p50_s", "admitted TTFT p50", "o-"),
+                              ("admitted_ttft_p99_s", "admitted TTFT p99", "o--")):
+        ax2.plot(xs, [level[key] for level in levels], style, color="tab:blue", label=label)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(xs, ticks)
+    ax2.set_ylim(bottom=0)
+    ax2.set_xlabel("load (x the pool's capacity)")
+    ax2.set_ylabel("admitted TTFT, s (simulated)")
+    handles, labels = ax2.get_legend_handles_labels()
+    refusals = [(level["level"], level) for level in levels if level["reject_p50_ms"] is not None]
+    if refusals:
+        right = ax2.twinx()
+        for key, label, style in (("reject_p50_ms", "503 p50", "s-"), ("reject_p99_ms", "503 p99", "s--")):
+            right.plot([r[0] for r in refusals], [r[1][key] for r in refusals], style, color="tab:orange",
+                       label=label)
+        right.set_yscale("log")
+        right.set_ylabel("503 latency, ms (wall-clock, queue wait included)")
+        more = right.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax2.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4)
+    ax2.set_title("admitted TTFT and refusal latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _pair(p50: float | None, p99: float | None, spec: str = "{:.2f}") -> str:
     return "-" if p50 is None or p99 is None else f"{spec.format(p50)} / {spec.format(p99)}"
 
@@ -366,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-size", type=int, default=d.queue_size)
     p.add_argument("--queue-timeout", type=float, default=d.queue_timeout)
     p.add_argument("--json", type=Path, help="write the result as JSON here")
+    p.add_argument("--plot", type=Path, help="write a PNG plot of the load levels here")
     p.add_argument("--logs", type=Path, help="keep the processes' logs in this directory")
     return p
 
@@ -400,4 +476,6 @@ def main(argv: list[str]) -> int:
     console.print(levels_table(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot(result, args.plot)
     return 0
