@@ -96,9 +96,11 @@ def test_overhead_paced(tmp_path: Path) -> None:
 
 
 def test_overload(tmp_path: Path) -> None:
-    """The 2-Mac pool at 1x and 2x its capacity with no queue: admitted streams complete, the rest get 503s."""
+    """The 2-Mac pool at 1x and 2x its capacity, no queue: admitted streams complete, the rest get 503s."""
+    figure = tmp_path / "overload.png"
     data = run_bench(tmp_path, "overload", "--levels", "1,2", "--cap", "2", "--queue-size", "0",
-                     "--duration", "20", "--speed", "20", "--prompt-tokens", "256", "--max-tokens", "16")
+                     "--duration", "20", "--speed", "20", "--prompt-tokens", "256", "--max-tokens", "16",
+                     "--plot", str(figure))
     names = ["router 1x", "direct 1x", "router 2x", "direct 2x", "knee (1 node)"]
     assert [run["name"] for run in data["runs"]] == names
     assert [run["clients"] for run in data["runs"]] == [4, 4, 8, 8, 2]
@@ -119,6 +121,7 @@ def test_overload(tmp_path: Path) -> None:
         if run["name"].startswith("direct"):
             assert run["rejected_503"] == 0 and run["completed"] > 0  # nothing in front of the Macs refuses
     assert positive(data["knee_tok_s"])
+    assert figure.read_bytes().startswith(b"\x89PNG")
 
 
 def test_overload_takes_an_exact_client_count(tmp_path: Path) -> None:
