@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import ClosedLoop, RequestRecord, SimClock, chat_body
-from bench.perfkit import ms, pct
+from bench.perfkit import ms, pct, shares
 from macpool.procs import Child, macpool_argv
 from macpool.redis_server import RedisServer, free_port
 
@@ -154,8 +154,8 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
         for clock in clocks:
             await clock.reset()
         duration = c.duration_s / c.speed
-        jobs = [(url, k) for url, n in zip(targets, _split(clients, len(targets)), strict=True)
-                for k in _split(n, max(1, -(-n // CLIENTS_PER_PROCESS))) if k]
+        jobs = [(url, k) for url, n in zip(targets, shares(clients, len(targets)), strict=True)
+                for k in shares(n, max(1, -(-n // CLIENTS_PER_PROCESS))) if k]
         start_at = time.time() + START_DELAY_S
         loop = asyncio.get_running_loop()
         with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -177,11 +177,6 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
     sim_s = sum(float(b["sim_time_s"]) - float(a["sim_time_s"]) for a, b in pairs) / len(pairs)
     scale = sim_s / (duration * (1 - WARMUP))  # simulated seconds per wall second, as measured
     return summarise(name, clients, records, tokens / sim_s if sim_s > 0 else 0.0, scale, final)
-
-
-def _split(total: int, parts: int) -> list[int]:
-    """``total`` in ``parts`` shares as equal as can be."""
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 def _load(

@@ -40,6 +40,7 @@ from bench.perfkit import (
     pin_self,
     pinned,
     raw_load,
+    shares,
     summarize,
     take_turns,
     tree_cpu_seconds,
@@ -223,7 +224,7 @@ def ttft_run(
 
         return make
 
-    shares = [level // len(targets) + (1 if i < level % len(targets) else 0) for i in range(len(targets))]
+    split = shares(level, len(targets))
 
     async def warm() -> None:  # the first requests through a cold proxy (LiteLLM: seconds) are not measured
         for port, path in targets:
@@ -234,7 +235,7 @@ def ttft_run(
         parts = await asyncio.gather(
             *(
                 raw_load(port, maker(path), n, duration_s=seconds, warmup_s=args.warmup)
-                for (port, path), n in zip(targets, shares, strict=True)
+                for (port, path), n in zip(targets, split, strict=True)
                 if n
             )
         )

@@ -65,6 +65,11 @@ def med(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def shares(total: int, parts: int) -> list[int]:
+    """``total`` (clients, streams) in ``parts`` shares as equal as can be."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
 # --- the fast upstream ------------------------------------------------------------------------------
 
 

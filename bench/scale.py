@@ -39,6 +39,7 @@ from bench.perfkit import (
     ms,
     pct,
     raw_load,
+    shares,
     wait_nodes,
 )
 from macpool import contract
@@ -123,9 +124,7 @@ class ReservationWatch:
 
 async def drive(ports: list[int], concurrency: int, duration: float, events: int) -> list[Any]:
     raw = build_request("/v1/chat/completions", chat_json(stream=True, max_tokens=events))
-    share = [
-        concurrency // len(ports) + (1 if i < concurrency % len(ports) else 0) for i in range(len(ports))
-    ]
+    share = shares(concurrency, len(ports))
     results = await asyncio.gather(
         *(raw_load(port, lambda _: raw, n, duration_s=duration) for port, n in zip(ports, share, strict=True))
     )
