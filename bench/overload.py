@@ -38,6 +38,7 @@ from rich.table import Table
 
 from bench.load import ClosedLoop, RequestRecord, SimClock, chat_body
 from bench.perfkit import ms, pct, shares
+from macpool import plotting
 from macpool.procs import Child, macpool_argv
 from macpool.redis_server import RedisServer, free_port
 
@@ -364,10 +365,7 @@ def levels_table(result: dict[str, Any]) -> Table:
 
 def plot(result: dict[str, Any], path: Path) -> None:
     """Goodput by load level with and without admission control; the admitted TTFT and refusal latency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     levels = result["levels"]
     xs = [level["level"] for level in levels]
@@ -454,6 +452,8 @@ def _levels(text: str) -> tuple[float, ...]:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.plot:
+        plotting.check()
     conditions = Conditions(
         levels=args.levels, clients=args.clients, direct=args.direct, prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens, duration_s=args.duration, speed=args.speed, cap=args.cap,

@@ -910,10 +910,9 @@ def cpu_window(pid: int) -> Iterator[dict[str, float]]:
 
 def plot(folder: Path, out: Path) -> None:
     """One figure from the JSON files the benches wrote into ``folder`` (whichever exist)."""
-    import matplotlib
+    from macpool import plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     def load(name: str) -> dict[str, Any] | None:
         path = folder / f"{name}.json"

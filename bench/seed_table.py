@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.sweep import Row, SweepConfig, plot, rows_json, run_sweep
+from macpool import plotting
 from macpool.procs import Child, ProcessError, macpool_argv
 from macpool.redis_server import free_port
 from simulator.machine import load_preset
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.plot:
+        plotting.check()
     conditions = Conditions(speed=args.speed)
     console = Console(width=None if sys.stdout.isatty() else 132)
     started = time.monotonic()

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from bench.load import ClosedLoop, RequestRecord, SimClock, chat_body
+from macpool import plotting
 from simulator.machine import STATE_ORDER
 
 ROW_KEYS = [
@@ -169,10 +170,7 @@ def rows_json(rows: list[Row]) -> list[dict[str, Any]]:
 
 def plot(rows: list[Row], path: Path, title: str, seed: list[tuple[int, float]] | None = None,
          wired_limit_gb: float | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     xs = [r.concurrency for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -233,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.plot:
+        plotting.check()
     config = SweepConfig(
         target=args.target.rstrip("/"), concurrency=args.concurrency, prompt_tokens=args.prompt_tokens,
         max_tokens=args.max_tokens, requests_per_client=args.requests, duration_s=args.duration,

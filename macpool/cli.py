@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from macpool.plotting import PlotUnavailable
+
 # subcommand -> (module with ``main(argv) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.cli", "run the router (the pool's single OpenAI-compatible endpoint)"),
@@ -39,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"macpool: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(entry[0])
-    result: int = module.main(args[1:])
+    try:
+        result: int = module.main(args[1:])
+    except PlotUnavailable as exc:  # an optional extra is missing: a one-line answer, not a traceback
+        print(f"macpool: {exc}", file=sys.stderr)
+        return 2
     return result
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from macpool import plotting
+
 from .loadgen import Clock, Level, LevelResult
 
 NEAR_LIMIT = 0.85  # pinned at this share of the wired limit "nears" it
@@ -209,10 +211,7 @@ def write_config(path: Path, knee: Knee) -> None:
 
 
 def plot(path: Path, rows: list[LevelResult], knee: Knee) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plotting.pyplot()
 
     xs = [r.concurrency for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))

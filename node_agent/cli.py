@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from macpool import logs
+from macpool import logs, plotting
 from macpool.settings import ConfigError
 
 from .settings import load_settings
@@ -158,6 +158,8 @@ def _check_calibrate_args(a: argparse.Namespace, levels: list[int]) -> None:
             raise ConfigError(f"{flag} {str(path)!r}: {str(folder)!r} is not a writable directory")
         if path.exists() and (path.is_dir() or not os.access(path, os.W_OK)):
             raise ConfigError(f"{flag} {str(path)!r}: not a writable file")
+    if a.plot is not None:
+        plotting.check()
     if a.write_config is not None and a.write_config.exists():
         try:  # the calibrated keys are placed by its tables: a file that does not parse must say so now
             tomllib.loads(a.write_config.read_text())
