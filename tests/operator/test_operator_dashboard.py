@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
+from macpool import dev
 from tests.operator.helpers import ADMIN_KEY, HEARTBEAT_S, Pool, wait_until
 
-CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -25,11 +24,13 @@ CHROMIUM_ARGS = [
 
 @pytest.fixture
 def page(tmp_path: Path) -> Iterator[Any]:
-    """A Chromium page through playwright; in CI a missing browser fails, locally it skips."""
-    if not Path(CHROMIUM).is_file() or shutil.which("chromium") is None:
+    """A page in the installed Chromium or Chrome through playwright; in CI a missing browser fails,
+    locally it skips."""
+    browser = dev.find_browser()
+    if browser is None:
         if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} missing in CI (macpool dev test installs it)")
-        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
+            pytest.fail(dev.browser_missing())
+        pytest.skip(dev.browser_missing())
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -38,7 +39,7 @@ def page(tmp_path: Path) -> Iterator[Any]:
         pytest.skip("playwright not installed (pip install playwright)")
     with sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True,
+            str(tmp_path / "chromium-profile"), executable_path=str(browser), headless=True,
             args=CHROMIUM_ARGS, viewport={"width": 1400, "height": 820},
         )
         try:
