@@ -1,81 +1,111 @@
-"""ASGI pieces shared by the router and the agent: a Starlette application whose hot POST endpoints skip
-Starlette's routing and middleware, and the guard that ends a request when its client goes away."""
+"""ASGI pieces shared by the router and the agent: the trailing-slash rule, read bounds on a request's
+body, the answer to a request cancelled by the server's shutdown, and the guard that ends a request when
+its client goes away."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Literal
 
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
-ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
 
 
-class DirectPosts(Starlette):
-    """Starlette, except that a POST to one of ``direct``'s paths goes straight to its endpoint.
+class TrailingSlash:
+    """A trailing slash names the same path: ``/v1/models/`` is ``/v1/models``.
 
-    Those endpoints relay streamed responses chunk by chunk, and Starlette's routing and middleware wrap
-    every send of every chunk (docs/profiles/router-findings.md, finding 3). Everything else - other
-    methods on those paths included - is routed by Starlette as usual. An exception from a direct
-    endpoint is answered like Starlette's ``ServerErrorMiddleware`` does: ``on_error``'s response (when
-    given), then re-raised for the server to log; one cancelled by the server's shutdown, with
-    ``on_shutdown``'s response (when given).
+    Starlette's router (``redirect_slashes``, switched off by the apps) would answer with a 307 to the
+    other spelling built from the client's own Host header - an open redirect, and plain http behind a TLS
+    proxy - and a POST client that does not follow redirects (the OpenAI SDK) would fail. Here a page (GET,
+    HEAD) is redirected by path alone, so its relative links get the right base; any other request is
+    served under the path without the slash.
     """
 
-    def __init__(self, direct: Mapping[str, Endpoint], on_error: ErrorHandler | None = None,
-                 on_shutdown: Callable[[Request], Response] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        # Starlette's router redirects a path to its spelling with a slash (GET /static to /static/, a Mount)
-        # on the host the client named; __call__ takes trailing slashes off instead
-        self.router.redirect_slashes = False
-        self.direct = dict(direct)
-        self.on_error = on_error
-        self.on_shutdown = on_shutdown
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and len(scope["path"]) > 1 and scope["path"].endswith("/"):
-            # a trailing slash names the same path. Starlette would answer with a 307 to the other spelling
-            # built from the client's own Host header (an open redirect, and plain http behind a TLS proxy),
-            # and a POST client that does not follow redirects (the OpenAI SDK's) would fail: a page is
-            # redirected by path alone (its relative links need the right base), anything else is served
-            raw: bytes | None = scope.get("raw_path")
-            path = scope["path"].rstrip("/") or "/"
-            # (a slash spelled %2F is served: redirected, the client would be sent to the same target again)
-            if scope["method"] in ("GET", "HEAD") and (raw is None or raw.endswith(b"/")):
-                query = scope.get("query_string", b"").decode("latin-1")
-                target = (raw.rstrip(b"/").decode("latin-1") or "/") if raw else path
-                target = "/" + target.lstrip("/")  # "//host/x" would be another host
-                await RedirectResponse(target + ("?" + query if query else ""), 307)(scope, receive, send)
-                return
-            scope = {**scope, "path": path, "raw_path": raw.rstrip(b"/") or b"/" if raw else path.encode()}
-        endpoint = self.direct.get(scope["path"]) if scope["type"] == "http" else None
-        if endpoint is None or scope["method"] != "POST" or scope.get("root_path"):
-            await super().__call__(scope, receive, send)
+        path: str = scope.get("path", "")
+        if scope["type"] != "http" or len(path) < 2 or not path.endswith("/"):
+            await self.app(scope, receive, send)
             return
-        scope["app"] = self
-        request = Request(scope, receive, send)
+        raw: bytes | None = scope.get("raw_path")
+        # a slash spelled %2F is served: redirected, the client would be sent to the same target again
+        if scope["method"] in ("GET", "HEAD") and (raw is None or raw.endswith(b"/")):
+            query = scope.get("query_string", b"").decode("latin-1")
+            target = (raw.rstrip(b"/").decode("latin-1") or "/") if raw else path.rstrip("/")
+            target = "/" + target.lstrip("/")  # "//host/x" would name another host
+            await RedirectResponse(target + ("?" + query if query else ""), 307)(scope, receive, send)
+            return
+        stripped = path.rstrip("/") or "/"
+        raw_stripped = (raw.rstrip(b"/") or b"/") if raw else stripped.encode()
+        await self.app({**scope, "path": stripped, "raw_path": raw_stripped}, receive, send)
+
+
+class BodyTooLarge(Exception):
+    """A request body over its bound (answered 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body over the {limit}-byte limit")
+
+
+class UpgradeWithBody(Exception):
+    """A request offering a protocol upgrade (``Upgrade: h2c``, ``websocket``) with a body (answered 400)."""
+
+    def __init__(self) -> None:
+        super().__init__("a request offering a protocol upgrade (Upgrade header) cannot carry a body here: "
+                         "send it without the offer")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's whole body; BodyTooLarge past ``limit`` bytes, before reading it when it says so.
+
+    A client may trickle a body in and hold a handler meanwhile: callers bound the read in time as well
+    (``asyncio.timeout``, 408).
+
+    uvicorn's httptools parser stops at the end of a head that offers an upgrade, and what follows is lost
+    to the request: such a request with a body is refused (UpgradeWithBody) rather than served with an
+    empty one. The fronting proxy drops the offer (deploy/haproxy/haproxy.cfg), so it never gets here.
+    """
+    headers = request.headers
+    declared = headers.get("content-length")
+    if "upgrade" in headers and (declared not in (None, "0") or "transfer-encoding" in headers):
+        raise UpgradeWithBody
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    parts = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def answering_shutdown(endpoint: Endpoint, answer: Callable[[Request], Response]) -> Endpoint:
+    """``endpoint``, answering with ``answer(request)`` when the server cancels it at its shutdown timeout
+    before its response began (rather than uvicorn's plain-text 500 and a logged traceback).
+
+    Cancellations a :class:`Guard` sends are taken back inside the endpoint: one that reaches this far is
+    the server's. A response already being sent handles its own (an SSE error event).
+    """
+
+    async def endpoint_answering_shutdown(request: Request) -> Response:
         try:
-            response = await endpoint(request)
+            return await endpoint(request)
         except asyncio.CancelledError:
-            # a direct endpoint takes back the cancellations it asked for (Guard): this one is the server's,
-            # stopping past its shutdown timeout before this request's answer began. Answered with
-            # ``on_shutdown``'s response (a 503 to retry) rather than the server's plain-text 500 and a
-            # logged traceback
             task = asyncio.current_task()
-            if self.on_shutdown is None or task is None or not task.cancelling():
+            if task is None or not task.cancelling():
                 raise
             task.uncancel()
-            response = self.on_shutdown(request)
-        except Exception as exc:
-            if self.on_error is not None:
-                await (await self.on_error(request, exc))(scope, receive, send)
-            raise
-        await response(scope, receive, send)
+            return answer(request)
+
+    return endpoint_answering_shutdown
 
 
 class Guard:

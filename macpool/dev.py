@@ -112,6 +112,17 @@ def _ensure_chromium() -> None:
         subprocess.call([sys.executable, "-m", "pip", "install", "-q", "playwright"])
 
 
+def _ensure_haproxy() -> None:
+    """Debian's haproxy for the test of deploy/haproxy/haproxy.cfg in front of a real router."""
+    if shutil.which("haproxy") or Path("/usr/sbin/haproxy").is_file():
+        return
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        print("installing haproxy for the deploy/haproxy test", flush=True)
+        apt = ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get"]
+        subprocess.call([*apt, "update", "-qq"])
+        subprocess.call([*apt, "install", "-y", "-qq", "haproxy"])
+
+
 def run_tests(pytest_args: list[str]) -> int:
     """ruff, mypy, then the whole pytest suite (building llama-server first, cached)."""
     py = sys.executable
@@ -123,6 +134,7 @@ def run_tests(pytest_args: list[str]) -> int:
             return 1
     _ensure_build_tools()
     _ensure_chromium()
+    _ensure_haproxy()
     binary = _ensure_llama_server()
     env = dict(os.environ)
     if binary is not None:

@@ -17,7 +17,7 @@ import httpx
 import uvicorn
 from redis.asyncio import Redis
 
-from macpool.http_guard import AGENT_HEAD_LIMITS, read_bounded_protocol
+from macpool.serving import server_config
 from macpool.settings import ConfigError
 from macpool.transport import HTTP11Transport
 
@@ -156,21 +156,16 @@ class Agent:
             supervisor_state=(supervisor.state if supervisor else lambda: None),
         )
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
-        config = uvicorn.Config(
+        config = server_config(
             create_app(self.runtime),
-            # bounds on each request's head and read time, JSON refusals, a response's head sent with its
-            # first bytes (macpool/http_guard.py, macpool/corked.py)
-            http=read_bounded_protocol(settings.request_read_timeout, limits=AGENT_HEAD_LIMITS),
-            lifespan="off",
-            log_level="warning",
-            log_config=None,  # uvicorn's loggers write through the root logger's format (macpool/logs.py)
-            access_log=False,
-            proxy_headers=False,  # its clients are routers: X-Forwarded-* says nothing it uses
             # longer than the routers keep an idle connection (30 s, router/forward.py), so a router never
             # reuses one the agent is closing
-            timeout_keep_alive=KEEP_ALIVE_S,
-            server_header=False,
-            timeout_graceful_shutdown=1,
+            keep_alive=KEEP_ALIVE_S,
+            graceful_shutdown=1,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,  # its clients are routers: X-Forwarded-* says nothing it uses
         )
         self.server = server = _Server(config)
         self.server_task = asyncio.create_task(server.serve(sockets=[self.sock]))

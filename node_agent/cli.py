@@ -58,7 +58,7 @@ def _run_parser() -> argparse.ArgumentParser:
     gw.add_argument("--drain-timeout", dest="drain_timeout", type=float, help="seconds (default 30)")
     gw.add_argument(
         "--request-read-timeout", dest="request_read_timeout", type=float,
-        help="seconds a client may take to send a whole request, then cut off (default 30)",
+        help="seconds a client may take to send a request's body, then 408 (default 30)",
     )
     gw.add_argument(
         "--connect-timeout", dest="connect_timeout", type=float, help="upstream, seconds (default 5)"

@@ -19,12 +19,13 @@ import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from macpool.asgi import DirectPosts, Guard
+from macpool.asgi import Guard, TrailingSlash, answering_shutdown
 from macpool.contract import generations, slots_needed
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
@@ -217,9 +218,11 @@ class Gateway:
         if refusal is not None:
             return refusal
         try:
-            body = await request.body()
+            body = await self._body(request)
         except ClientDisconnect:
             return self._client_gone(request)
+        except TimeoutError:
+            return self._read_timed_out(request)
         # a body the router found asking for one streamed generation (it parsed it) is passed on as it is
         endpoint: str = request.scope["path"]
         parsed = None if request.headers.get(STREAM_HEADER) == "1" else unstream.parse(endpoint, body)
@@ -262,6 +265,18 @@ class Gateway:
         if streamed is not None and _is_stream(upstream):
             return await self._assembled(upstream, endpoint, parsed or {}, started)
         return ProxyResponse(upstream, self.runtime, started, endpoint, slots=slots)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, bounded in time (TimeoutError): a client trickling it holds no slot, but
+        a handler and a connection."""
+        async with asyncio.timeout(self.runtime.settings.request_read_timeout):
+            return await request.body()
+
+    def _read_timed_out(self, request: Request) -> Response:
+        self.runtime.metrics.requests.labels(request.scope["path"], "408").inc()
+        message = f"the request body was not received within {self.runtime.settings.request_read_timeout:g} s"
+        # the rest of the body is unread: the connection ends with the answer
+        return error_response(408, message, "request_timeout", headers={"Connection": "close"})
 
     def _take_slots(self, slots: int) -> None:
         """Count ``slots`` more (fewer, when negative) against the cap."""
@@ -310,9 +325,11 @@ class Gateway:
         if not self._authorized(request):
             return error_response(401, "missing or wrong agent token", "invalid_agent_token")
         try:
-            upstream = await self._send(request, await request.body())
+            upstream = await self._send(request, await self._body(request))
         except ClientDisconnect:
             return self._client_gone(request)
+        except TimeoutError:
+            return self._read_timed_out(request)
         if isinstance(upstream, Response):
             return upstream
         started, endpoint = time.perf_counter(), request.scope["path"]
@@ -359,7 +376,7 @@ class Gateway:
 
     def shutdown_answer(self, request: Request) -> Response:
         """A request cancelled by the agent's stop (its drain timeout passed) before its answer began: the
-        router tries another node (macpool/asgi.py)."""
+        router tries another node (macpool/asgi.py ``answering_shutdown``)."""
         self.runtime.metrics.requests.labels(request.scope["path"], "503").inc()
         return self._unavailable("node_draining", "this node shut down before answering; retry elsewhere")
 
@@ -399,14 +416,15 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def create_app(runtime: Runtime) -> Starlette:
     """The gateway app over one agent's runtime state."""
     gateway = Gateway(runtime)
-    routes = [Route(path, gateway.generate, methods=["POST"]) for path in PROXIED]
+    generate = answering_shutdown(gateway.generate, gateway.shutdown_answer)
+    routes = [Route(path, generate, methods=["POST"]) for path in PROXIED]
     routes += [
         Route("/v1/models", gateway.passthrough, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
         Route("/status", gateway.status, methods=["GET"]),
         Route("/metrics", gateway.metrics, methods=["GET"]),
     ]
-    # the generation POSTs skip Starlette's routing and per-send middleware wrappers (macpool/asgi.py)
-    direct = dict.fromkeys(PROXIED, gateway.generate)
-    return DirectPosts(direct, on_error=_internal_error, on_shutdown=gateway.shutdown_answer, routes=routes,
-                       exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app = Starlette(routes=routes, middleware=[Middleware(TrailingSlash)],
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+    app.router.redirect_slashes = False  # TrailingSlash's rule instead: no redirect to the client's Host
+    return app

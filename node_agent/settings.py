@@ -52,7 +52,7 @@ class AgentSettings(BaseSettings):
     connect_timeout: float = Field(default=5.0, gt=0)
     read_timeout: float = Field(default=600.0, gt=0)  # longest silence between two upstream chunks
     drain_timeout: float = Field(default=30.0, ge=0)
-    request_read_timeout: float = Field(default=30.0, gt=0)  # to receive a whole request, head and body
+    request_read_timeout: float = Field(default=30.0, gt=0)  # to receive a request's body (408 past it)
 
     # honest capacity
     cap: int | None = Field(default=None, ge=0)

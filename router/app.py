@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import json
@@ -22,13 +23,14 @@ from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
-from macpool.asgi import DirectPosts
+from macpool.asgi import BodyTooLarge, TrailingSlash, UpgradeWithBody, answering_shutdown, read_body
 from macpool.contract import Keys, Priority, generations
 from macpool.errors import error_response
 from macpool.settings import origin_list
@@ -44,7 +46,6 @@ from router.settings import Settings
 log = logging.getLogger("macpool.router")
 
 PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
-_EARLY_HEADERS = frozenset((b"authorization", b"x-macpool-priority", b"x-request-id", b"origin"))
 
 
 class BadRequest(Exception):
@@ -132,15 +133,33 @@ class Router:
             return error_response(401, "invalid or missing API key", "invalid_api_key")
         try:
             priority = self._priority(headers.get("x-macpool-priority"), key)
-            body = await _read_body(request, self.settings.max_body_bytes)
+            body = await self._body(request)
             call = self._call(request.scope["path"], headers.raw, body, key, priority, arrived,
                               headers.get("x-request-id"), affinity=self.settings.affinity)
         except BadRequest as exc:
             self.metrics.requests.labels(model="", node="", status=str(exc.status)).inc()
-            return error_response(exc.status, str(exc), exc.code)
+            # a body refused before its end, or lost to an upgrade offer, leaves bytes unread: the connection
+            # ends with the answer
+            unread = exc.code in ("request_timeout", "upgrade_not_supported")
+            close = {"Connection": "close"} if unread else None
+            return error_response(exc.status, str(exc), exc.code, headers=close)
         except ClientDisconnect:
             return Response(status_code=400)
         return await self.services.forwarder.handle(call, request.receive)
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body, bounded in size (413) and in the time the client takes to send it (408)."""
+        settings = self.settings
+        try:
+            async with asyncio.timeout(settings.request_read_timeout):
+                return await read_body(request, settings.max_body_bytes)
+        except BodyTooLarge as exc:
+            raise BadRequest(413, str(exc), "request_too_large") from None
+        except UpgradeWithBody as exc:
+            raise BadRequest(400, str(exc), "upgrade_not_supported") from None
+        except TimeoutError:
+            message = f"the request body was not received within {settings.request_read_timeout:g} s"
+            raise BadRequest(408, message, "request_timeout") from None
 
     def _call(
         self,
@@ -178,49 +197,11 @@ class Router:
         )
 
     def shutdown_answer(self, request: Request) -> Response:
-        """A request cancelled by the server's shutdown timeout before its answer began (macpool/asgi.py):
+        """A request cancelled by the server's shutdown timeout before its answer began (answering_shutdown):
         it reached no client yet, so it is a 503 to retry - elsewhere, behind a balancer."""
         self.metrics.requests.labels(model="", node="", status="router_shutdown").inc()
         headers = {"Retry-After": "1", "X-Macpool-Reason": "router_shutdown"}
         return error_response(503, "the router is shutting down; retry", "router_shutdown", headers=headers)
-
-    # --- refusals below ASGI (macpool/http_guard.py) -----------------------------------------------
-
-    early_paths = frozenset(path.encode() for path in PROXIED_PATHS)
-
-    @property
-    def max_body_bytes(self) -> int:
-        return self.settings.max_body_bytes
-
-    def armed(self) -> bool:
-        """Whether admission remembers a "full" answer: only then may a request be refused early."""
-        return self._services is not None and self._services.admission.remembers_full()
-
-    def answer(self, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Response | None:
-        """The refusal ``proxy`` would give a complete, valid request without awaiting anything (the model
-        is known full), built by the same code; None for every other request, which ``proxy`` then answers.
-        """
-        services = self._services
-        if services is None:  # shutting down since the request was held
-            return None
-        arrived = time.monotonic()
-        wanted: dict[bytes, str] = {}
-        for name, value in headers:
-            if name in _EARLY_HEADERS and name not in wanted:
-                wanted[name] = value.decode("latin-1")
-        if b"origin" in wanted and self.settings.cors_origins:
-            return None  # a browser's: its answer needs the CORS headers, which the ASGI app adds
-        key = self.api_keys.match(bearer_token(wanted.get(b"authorization")))
-        if (self.api_keys.enabled and key is None) or len(body) > self.settings.max_body_bytes:
-            return None
-        try:
-            priority = self._priority(wanted.get(b"x-macpool-priority"), key)
-            # a refusal never looks at prompt prefixes: they are not hashed here
-            call = self._call(path, headers, body, key, priority, arrived, wanted.get(b"x-request-id"),
-                              affinity=False)
-        except BadRequest:
-            return None
-        return services.forwarder.refusal_from_memory(call)
 
     def _priority(self, header: str | None, key: ApiKey | None) -> Priority:
         if header is None:
@@ -307,7 +288,8 @@ class Router:
     # --- wiring ------------------------------------------------------------------------------------
 
     def routes(self) -> list[BaseRoute]:
-        routes: list[BaseRoute] = [Route(path, self.proxy, methods=["POST"]) for path in PROXIED_PATHS]
+        proxy = answering_shutdown(self.proxy, self.shutdown_answer)
+        routes: list[BaseRoute] = [Route(path, proxy, methods=["POST"]) for path in PROXIED_PATHS]
         routes += [
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -342,16 +324,13 @@ def redis_client(settings: Settings) -> Redis:
 def create_app(settings: Settings) -> Starlette:
     """The router application for ``settings``; services open and close with its lifespan."""
     router = Router(settings)
-    # the proxied POSTs skip Starlette's routing and per-send middleware wrappers (macpool/asgi.py)
-    app = DirectPosts(
-        dict.fromkeys(PROXIED_PATHS, router.proxy),
-        on_error=_internal_error,
-        on_shutdown=router.shutdown_answer,
+    app = Starlette(
         routes=router.routes(),
+        middleware=[Middleware(TrailingSlash)],
         lifespan=router.lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
-    app.state.early_answers = router  # refusals below ASGI (router/cli.py, macpool/http_guard.py)
+    app.router.redirect_slashes = False  # TrailingSlash's rule instead: no redirect to the client's Host
     app.state.begin_shutdown = router.begin_shutdown  # the server's signal handler calls it (router/cli.py)
     return app
 
@@ -398,20 +377,6 @@ def _dashboard_routes(router: Router) -> list[BaseRoute]:
         router.pool_json, router.settings, watch=router.scale, stopping=lambda: router.stopping
     )
     return routes
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequest(413, f"request body over the {limit}-byte limit", "request_too_large")
-    parts = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(413, f"request body over the {limit}-byte limit", "request_too_large")
-        parts.append(chunk)
-    return b"".join(parts)
 
 
 def _usable_request_id(value: str | None) -> str | None:

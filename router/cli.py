@@ -14,6 +14,7 @@ import uvicorn
 from pydantic_core import PydanticUndefined
 
 from macpool import logs
+from macpool.serving import server_config
 from router.settings import ConfigError, Settings, load_settings
 
 # flag -> (type, help); every flag also has a MACPOOL_<NAME> environment variable and a TOML key
@@ -25,7 +26,7 @@ FLAGS: dict[str, tuple[type, str]] = {
     "queue-timeout": (float, "seconds a request may wait in the queue before 503 queue_timeout"),
     "lease-seconds": (float, "reservation lease; live requests renew it, a crashed router's expire"),
     "max-body-bytes": (int, "largest accepted request body (413 above)"),
-    "request-read-timeout": (float, "seconds a client may take to send a whole request, then cut off"),
+    "request-read-timeout": (float, "seconds a client may take to send a request's body, then 408"),
     "api-keys-file": (Path, "client API keys, one per line: plaintext or SHA-256 hex digest, then optional "
                             "name=TENANT priority=interactive|batch max_concurrency=N"),
     "admin-key": (str, "bearer key for /admin/* (admin API disabled when unset)"),
@@ -101,21 +102,18 @@ def serve(settings: Settings) -> None:
 
     logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
-    config = uvicorn.Config(
+    config = server_config(
         with_cors(app, settings.cors_origins),
+        # idle client connections stay open longer than clients keep them (httpx, the OpenAI SDK: 5 s), so
+        # a client never sends a request on a connection the router is closing (it would get no answer)
+        keep_alive=75,
+        graceful_shutdown=settings.shutdown_timeout,
         host=settings.host,
         port=settings.port,
         loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        http=_http_protocol(settings, app.state.early_answers),
         access_log=settings.access_log,
         proxy_headers=settings.access_log,  # a client's address (X-Forwarded-For) is for the access log
         log_level=settings.log_level,
-        log_config=None,  # uvicorn's loggers write through the root logger's format (macpool/logs.py)
-        server_header=False,
-        timeout_graceful_shutdown=settings.shutdown_timeout,
-        # idle client connections stay open longer than clients keep them (httpx, the OpenAI SDK: 5 s), so
-        # a client never sends a request on a connection the router is closing (it would get no answer)
-        timeout_keep_alive=75,
         backlog=4096,
     )
     _Server(config, on_exit=app.state.begin_shutdown).run()
@@ -132,16 +130,6 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         self.on_exit()
-
-
-def _http_protocol(settings: Settings, early: Any) -> Any:
-    """httptools with a bound on reading each request and early refusals (macpool/http_guard.py); h11 if
-    httptools is missing."""
-    if importlib.util.find_spec("httptools") is None:
-        return "h11"
-    from macpool.http_guard import read_bounded_protocol
-
-    return read_bounded_protocol(settings.request_read_timeout, early)
 
 
 def main(argv: list[str]) -> int:

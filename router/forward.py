@@ -154,8 +154,7 @@ class Forwarder:
     def refusal_from_memory(self, call: Call) -> Response | None:
         """The 503 for a request whose model Redis has just called full (admission's memo), else None.
 
-        Decided without awaiting anything, so the router's HTTP protocol can also ask it for a request
-        that has not reached ASGI (macpool/http_guard.py); the same refusal ``_handle`` would give.
+        Decided without awaiting anything: a refusal under overload costs no Redis round trip.
         """
         if not self.admission.known_full(call.model):
             return None

@@ -1,23 +1,26 @@
-"""macpool/asgi.py: direct POST endpoints beside Starlette's routing."""
+"""macpool/asgi.py: the trailing-slash rule, the body bounds and the answer to the server's shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 from starlette.types import Message
 
-from macpool.asgi import DirectPosts
+from macpool.asgi import BodyTooLarge, TrailingSlash, UpgradeWithBody, answering_shutdown, read_body
 
 
 async def echo(request: Request) -> Response:
-    body = await request.body()
-    if body == b"boom":
-        raise RuntimeError("boom")
+    try:
+        body = await read_body(request, 10)
+    except (BodyTooLarge, UpgradeWithBody) as exc:
+        return JSONResponse({"refused": type(exc).__name__}, status_code=400)
     return Response(body, headers={"x-path": request.url.path})
 
 
@@ -25,31 +28,31 @@ async def routed(request: Request) -> Response:
     return JSONResponse({"routed": request.method})
 
 
-async def on_error(request: Request, exc: Exception) -> Response:
-    return JSONResponse({"error": str(exc)}, status_code=500)
+def app(*routes: Route | Mount) -> Starlette:
+    routes = routes or (Route("/v1/x", echo, methods=["POST"]),
+                        Route("/other", routed, methods=["GET", "POST"]))
+    application = Starlette(routes=list(routes), middleware=[Middleware(TrailingSlash)])
+    application.router.redirect_slashes = False
+    return application
 
 
-def app() -> DirectPosts:
-    routes = [Route("/v1/x", echo, methods=["POST"]), Route("/other", routed, methods=["GET", "POST"])]
-    return DirectPosts({"/v1/x": echo}, on_error=on_error, routes=routes)
-
-
-def test_direct_posts_and_routed_requests_answer_as_before() -> None:
+def test_a_trailing_slash_names_the_same_path() -> None:
     with TestClient(app()) as client:
-        response = client.post("/v1/x", content=b"hi")
-        assert (response.status_code, response.content, response.headers["x-path"]) == (200, b"hi", "/v1/x")
-        assert client.get("/v1/x").status_code == 405  # other methods are Starlette's
-        assert client.post("/other").json() == {"routed": "POST"}
-        assert client.get("/missing").status_code == 404
-        # a trailing slash names the same path, for every method, with no redirect
+        # for every method but a page's, with no redirect (the OpenAI SDK does not follow them)
         trailing = client.post("/v1/x/", content=b"hi")
-        assert (trailing.status_code, trailing.headers["x-path"]) == (200, "/v1/x")
-        assert client.post("/other/").json() == {"routed": "POST"}
+        assert (trailing.status_code, trailing.content, trailing.headers["x-path"]) == (200, b"hi", "/v1/x")
+        assert client.post("/other//").json() == {"routed": "POST"}
         # a page is redirected (its relative links need the right base), by path alone: never to the host
         # the client named
-        other = client.get("/other//?a=1", headers={"host": "evil.example"}, follow_redirects=False)
-        assert (other.status_code, other.headers["location"]) == (307, "/other?a=1")
-    # "//evil.example/x/" as the request target: the redirect stays on this host
+        page = client.get("/other//?a=1", headers={"host": "evil.example"}, follow_redirects=False)
+        assert (page.status_code, page.headers["location"]) == (307, "/other?a=1")
+        # a percent-encoded trailing slash: served, not redirected to the same target again and again
+        encoded = client.get("/other%2F", follow_redirects=False)
+        assert (encoded.status_code, encoded.json()) == (200, {"routed": "GET"})
+        assert client.get("/").status_code == 404  # "/" itself is left alone
+
+
+def test_no_redirect_to_another_host_or_a_mount() -> None:
     sent: list[Message] = []
 
     async def send(message: Message) -> None:
@@ -58,27 +61,72 @@ def test_direct_posts_and_routed_requests_answer_as_before() -> None:
     async def receive() -> Message:
         return {"type": "http.request", "body": b""}
 
+    # "//evil.example/x/" as the request target: the redirect stays on this host
     scope = {"type": "http", "method": "GET", "path": "//evil.example/x/", "raw_path": b"//evil.example/x/",
              "query_string": b"", "headers": [], "root_path": ""}
     asyncio.run(app()(scope, receive, send))
     assert (sent[0]["status"], dict(sent[0]["headers"])[b"location"]) == (307, b"/evil.example/x")
-
-
-def test_no_redirect_to_the_host_named_or_to_the_same_path() -> None:
-    routes = [Route("/other", routed, methods=["GET"]), Mount("/files", routes=[Route("/a", routed)])]
-    with TestClient(DirectPosts({}, routes=routes)) as client:
-        # Starlette would redirect to the mount's path with a slash, on the host the client named
+    # Starlette would redirect to the mount's path with a slash, on the host the client named
+    with TestClient(app(Mount("/files", routes=[Route("/a", routed)]))) as client:
         mount = client.get("/files", headers={"host": "evil.example"}, follow_redirects=False)
         assert mount.status_code == 404 and "location" not in mount.headers
         assert client.get("/files/a").json() == {"routed": "GET"}
-        # a percent-encoded trailing slash: served, not redirected to the same target again and again
-        encoded = client.get("/other%2F", follow_redirects=False)
-        assert (encoded.status_code, encoded.json()) == (200, {"routed": "GET"})
 
 
-def test_an_error_in_a_direct_endpoint_is_answered_then_raised() -> None:
-    with TestClient(app(), raise_server_exceptions=False) as client:
-        response = client.post("/v1/x", content=b"boom")
-        assert (response.status_code, response.json()) == (500, {"error": "boom"})
-    with TestClient(app()) as client, pytest.raises(RuntimeError, match="boom"):
-        client.post("/v1/x", content=b"boom")
+def test_read_body_bounds_the_size_before_and_while_reading() -> None:
+    with TestClient(app()) as client:
+        assert client.post("/v1/x", content=b"0123456789").content == b"0123456789"
+        declared = client.post("/v1/x", content=b"01234567890")
+        assert declared.json() == {"refused": "BodyTooLarge"}
+
+        def chunks() -> object:
+            yield b"012345"
+            yield b"678901"
+
+        streamed = client.post("/v1/x", content=chunks())  # chunked: no length to go by
+        assert streamed.json() == {"refused": "BodyTooLarge"}
+        upgrade = client.post("/v1/x", content=b"hi", headers={"connection": "upgrade", "upgrade": "h2c"})
+        assert upgrade.json() == {"refused": "UpgradeWithBody"}
+        assert client.post("/v1/x", headers={"connection": "upgrade", "upgrade": "h2c"}).status_code == 200
+
+
+def test_a_request_cancelled_by_the_servers_shutdown_gets_the_answer() -> None:
+    started = asyncio.Event()
+
+    async def slow(request: Request) -> Response:
+        started.set()
+        await asyncio.sleep(60)
+        return Response("late")
+
+    def shutting_down(request: Request) -> Response:
+        return JSONResponse({"shutdown": True}, status_code=503)
+
+    endpoint = answering_shutdown(slow, shutting_down)
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+
+    async def main() -> None:
+        task = asyncio.create_task(endpoint(request))
+        await started.wait()
+        task.cancel()  # as uvicorn does past its graceful-shutdown timeout
+        response = await task
+        assert response.status_code == 503 and bytes(response.body) == b'{"shutdown":true}'
+        assert not task.cancelled()
+
+    asyncio.run(main())
+
+
+def test_a_cancellation_that_is_not_the_servers_goes_on() -> None:
+    async def taken_back(request: Request) -> Response:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            task.uncancel()  # a Guard's, claimed by the endpoint
+        raise asyncio.CancelledError  # a cancellation of the endpoint's own making, not a cancelled task
+
+    endpoint = answering_shutdown(taken_back, lambda request: Response(status_code=503))
+    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(endpoint(request))

@@ -1,9 +1,9 @@
-"""Refusals below ASGI (macpool/http_guard.py): while Redis's "full" answer is remembered, a valid request
-is refused by the router's HTTP protocol with the very response the application would give, and every
-other request - bad key, bad body, other model, too large - still gets the application's own answer.
+"""Refusals while the pool is full, on the wire: once Redis has said "full", every valid request gets the
+same 503 (from admission's memory of that answer, in the request's handler), however its body arrives, and
+every other request - bad key, bad body, other model, too large - still gets its own answer.
 
-The router runs in this process (uvicorn on a free port, real Redis) so the test can see which requests
-were answered early: ``Router.answer`` is wrapped to record its results.
+The router runs in this process (uvicorn on a free port, with the Config the CLI builds; real Redis) so
+that the memory can be made to outlive the test.
 """
 
 from __future__ import annotations
@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import uvicorn
 from redis.asyncio import Redis
 
 from macpool.contract import RESERVE_OR_ENQUEUE, Keys, NodeDoc, now_ms, reserve_argv, write_heartbeat
-from macpool.http_guard import read_bounded_protocol
 from macpool.redis_server import free_port
+from macpool.serving import server_config
 from router import admission
 from router.app import create_app
 from router.settings import Settings
@@ -51,7 +50,7 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
     return status, headers, body
 
 
-def test_refusals_below_asgi_match_the_applications_own(
+def test_refusals_of_a_full_pool_are_the_same_for_every_valid_request(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the memo outlives the whole test (the real one lasts 50 ms and ends at the next full pool refresh)
@@ -61,19 +60,9 @@ def test_refusals_below_asgi_match_the_applications_own(
     settings = Settings(redis_url=redis_url, queue_size=0, refresh_interval=600.0, api_keys_file=keys_file,
                         max_body_bytes=4096)
     app = create_app(settings)
-    router = app.state.early_answers
-    answered: list[int | None] = []  # what the early path returned, per held request
-    answer = router.answer
-
-    def recording(path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> Any:
-        response = answer(path, headers, body)
-        answered.append(response.status_code if response is not None else None)
-        return response
-
-    router.answer = recording
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            http=read_bounded_protocol(30.0, router), lifespan="on")
+    config = server_config(app, keep_alive=75, graceful_shutdown=1, host="127.0.0.1", port=port,
+                           log_level="warning", access_log=False)
     server = uvicorn.Server(config)
 
     async def scenario() -> None:
@@ -98,32 +87,29 @@ def test_refusals_below_asgi_match_the_applications_own(
             return await read_response(reader)
 
         try:
-            # the first refusal comes from Redis through the application, and arms the memo
+            # the first refusal comes from Redis, and is remembered
             first = await exchange(*request())
-            assert first[0] == 503 and answered == []
-            # the next ones are answered below ASGI - with the same response
-            early = await exchange(*request())
-            assert answered == [503]
-            assert early[0] == 503 and early[2] == first[2]
-            assert json.loads(early[2])["error"]["code"] == "pool_full"
-            assert {k: v for k, v in early[1].items() if k not in ("date", "x-request-id")} == \
+            assert first[0] == 503
+            assert json.loads(first[2])["error"]["code"] == "pool_full"
+            assert first[1]["retry-after"] and first[1]["x-macpool-reason"] == "pool_full"
+            # the next ones get the same response
+            again = await exchange(*request())
+            assert again[0] == 503 and again[2] == first[2]
+            assert {k: v for k, v in again[1].items() if k not in ("date", "x-request-id")} == \
                    {k: v for k, v in first[1].items() if k not in ("date", "x-request-id")}
-            assert early[1]["retry-after"] and early[1]["x-macpool-reason"] == "pool_full"
             named = await exchange(*request(extra="X-Request-ID: req-42\r\n"))
             assert named[0] == 503 and named[1]["x-request-id"] == "req-42"
-            # a body that arrives in two writes is held until it is whole
+            # a body that arrives in two writes, or chunked
             split = await exchange(*request(chunks=2), pause=0.05)
-            assert split[0] == 503 and answered[-1] == 503
-            # and so is a chunked one (the parser hands over the decoded body)
+            assert split[0] == 503 and split[2] == first[2]
             half = len(CHAT) // 2
             chunked = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
                        f"Authorization: Bearer {KEY}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
             for part in (CHAT[:half], CHAT[half:], b""):
                 chunked += b"%x\r\n%s\r\n" % (len(part), part)
-            before = len(answered)
-            assert (await exchange(chunked))[0] == 503 and answered[before:] == [503]
+            assert (await exchange(chunked))[0] == 503
 
-            # everything the application would answer otherwise, it still answers
+            # everything the router would answer otherwise, it still answers
             cases = [
                 (request(key="sk-wrong"), 401, "invalid_api_key"),
                 (request(key=None), 401, "invalid_api_key"),
@@ -133,30 +119,21 @@ def test_refusals_below_asgi_match_the_applications_own(
                 (request(b'{"model": "m", "pad": "' + b"x" * 5000 + b'"}'), 413, "request_too_large"),
             ]
             for parts, status, code in cases:
-                before = len(answered)
                 got = await exchange(*parts)
                 assert (got[0], json.loads(got[2])["error"]["code"]) == (status, code)
-                # declined early (or, for the oversized body, never held), then answered by the application
-                assert all(a is None for a in answered[before:])
 
-            # pipelined requests are answered in order: the first early, the second by the application, and
-            # the third - behind an answer still in the making - by the application too
-            early_before = answered.count(503)
+            # pipelined requests are answered in order
             writer.write(request()[0] + request(b"{not json")[0] + request()[0])
             await writer.drain()
             assert [(await read_response(reader))[0] for _ in range(3)] == [503, 400, 503]
-            assert answered.count(503) == early_before + 1
 
-            registry = router.metrics.registry
-            refused = registry.get_sample_value("macpool_rejections_total", {"reason": "pool_full"})
-            assert refused == 7  # every refusal counted, early or not
-            assert answered.count(503) == 5
+            metrics = await exchange(b"GET /metrics HTTP/1.1\r\nHost: router\r\n\r\n")
+            assert b'macpool_rejections_total{reason="pool_full"} 7.0' in metrics[2]
 
-            # Connection: close is left to the application, which closes after answering
+            # Connection: close is honoured: the router closes after answering
             closing = await exchange(*request(extra="Connection: close\r\n"))
             assert closing[0] == 503 and closing[1].get("connection") == "close"
             assert await asyncio.wait_for(reader.read(), 5) == b""
-            assert answered.count(503) == 5
         finally:
             writer.close()
             server.should_exit = True
