@@ -24,7 +24,6 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 import macpool.corked as corked
-import macpool.transport as transport
 import router.admission as admission
 import router.app as app
 import router.forward as forward
@@ -88,8 +87,7 @@ def instrument() -> None:
     timed_async(admission.Admission, "_try", "reserve")
     timed(admission.Admission, "_lease", "lease")
     timed(forward.Forwarder, "_upstream_headers", "upstream headers")
-    timed_async(transport._Connection, "send", "write upstream")
-    timed_async(transport._Connection, "response_head", "wait for agent")
+    timed_async(forward.Forwarder, "_post", "send upstream, wait for the agent's head")
     timed_async(forward.Relay, "__call__", "relay")
 
 
