@@ -53,14 +53,14 @@ _CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
 IDLE_S = 30.0
 
 
-def new_transport(keepalive_expiry: float = IDLE_S) -> httpx.AsyncBaseTransport:
+def new_transport() -> httpx.AsyncBaseTransport:
     """One pooled transport for every upstream call.
 
     The forwarder sends ``httpx.Request`` objects straight to it, without an ``httpx.AsyncClient`` around
     it: the router needs none of a client's redirects, auth flows or cookie jar (which would even carry one
     agent's cookies into other clients' requests).
     """
-    return upstream.new_transport(keepalive_expiry, max_connections=4096)
+    return upstream.new_transport(IDLE_S, max_connections=4096)
 
 
 @dataclass
