@@ -16,6 +16,30 @@ from httpx_aiohttp import AiohttpTransport
 _NOT_ADDED = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 
+class _Transport(AiohttpTransport):
+    """httpx-aiohttp's transport, its request errors named as httpx's own transport names them.
+
+    httpx-aiohttp turns every aiohttp connection error into ``httpx.ConnectTimeout``: a refused connection
+    and a server that closed without answering too. The router fails over on all of them, but it counts a
+    connect failure against a node's circuit, and the agent and the router log the error's name.
+    """
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except httpx.ConnectTimeout as exc:
+            cause = exc.__cause__
+            if isinstance(cause, aiohttp.ServerTimeoutError):
+                raise  # a timeout indeed
+            if isinstance(cause, aiohttp.ClientConnectorError):
+                raise httpx.ConnectError(str(exc), request=request) from cause
+            if isinstance(cause, aiohttp.ServerDisconnectedError):
+                raise httpx.RemoteProtocolError(str(exc), request=request) from cause
+            if isinstance(cause, aiohttp.ClientOSError):
+                raise httpx.ReadError(str(exc), request=request) from cause
+            raise
+
+
 def new_transport(keepalive_expiry: float, max_connections: int | None = None) -> httpx.AsyncBaseTransport:
     """A pooled transport; an idle connection is given up after ``keepalive_expiry`` seconds.
 
@@ -27,4 +51,4 @@ def new_transport(keepalive_expiry: float, max_connections: int | None = None) -
         return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
                                      skip_auto_headers=_NOT_ADDED, auto_decompress=False)
 
-    return AiohttpTransport(client=session)
+    return _Transport(client=session)

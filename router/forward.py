@@ -272,7 +272,7 @@ class Forwarder:
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.pool.connect_failed(node.node_id)
             self._upstream_error(node.node_id, "connect")
-            log.warning("node %s: connect failed (%s: %s)", node.node_id, type(exc).__name__, exc,
+            log.warning("node %s: connect failed (%s)", node.node_id, type(exc).__name__,
                         extra=_ids(node.node_id, call))
             raise _Retry("connect") from None
         except TimeoutError:
