@@ -38,7 +38,6 @@ from bench.perfkit import (
     raw_load,
     wait_nodes,
 )
-from macpool.transport import HTTP11Transport
 
 TARGET_CHUNKS_PER_S = 20_000
 
@@ -54,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-transports",
         action="store_true",
-        help="also measure httpx transports (default, httpx-aiohttp, macpool's) as an upstream client",
+        help="also measure httpx transports (default, httpx-aiohttp) as an upstream client",
     )
     p.add_argument("--json", type=Path, help="write the result here")
     return p
@@ -113,9 +112,7 @@ async def transport_cost(
     if transport == "aiohttp":
         from httpx_aiohttp import AiohttpTransport
 
-        client = httpx.AsyncClient(transport=AiohttpTransport(), timeout=60.0)
-    elif transport == "macpool":
-        client = httpx.AsyncClient(transport=HTTP11Transport(512), timeout=60.0)
+        client = httpx.AsyncClient(transport=AiohttpTransport(limits=limits), timeout=60.0)
     else:
         client = httpx.AsyncClient(limits=limits, timeout=60.0)
     stream_body, short_body = chat_json(stream=True), chat_json(stream=False)
@@ -157,14 +154,14 @@ async def transport_cost(
 
 
 def compare_transports(args: argparse.Namespace) -> dict[str, Any]:
-    """httpx's default transport (httpcore + h11), httpx-aiohttp's and macpool/transport.py's (what the router
-    uses), each as the upstream client of one process."""
+    """httpx's default transport (httpcore + h11) and httpx-aiohttp's, each as the upstream client of one
+    process."""
     _, other_cpu = core_plan()
     config = UpstreamConfig(events=10**9, interval_s=args.interval_ms / 1000.0, nodes=1)
     out: dict[str, Any] = {}
     with Stack() as stack:
         upstream = stack.upstream("upstream", config, cpu=other_cpu)
-        for transport in ("httpcore", "aiohttp", "macpool"):
+        for transport in ("httpcore", "aiohttp"):
             try:
                 import uvloop
 

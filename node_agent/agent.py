@@ -17,9 +17,9 @@ import httpx
 import uvicorn
 from redis.asyncio import Redis
 
+from macpool import upstream
 from macpool.serving import server_config
 from macpool.settings import ConfigError
-from macpool.transport import HTTP11Transport
 
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
@@ -110,11 +110,9 @@ class Agent:
     async def startup(self) -> None:
         settings = self.settings
         timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        # the C-parser transport (macpool/transport.py): the agent relays every token the router does
-        # idle connections are given up after 4 s, before llama-server (Keep-Alive: timeout=5, honoured too)
-        # or a simulator on uvicorn (5 s) may close them: reusing one as the server closes it fails a request
-        transport = HTTP11Transport(64, UPSTREAM_IDLE_S, fallback=httpx.AsyncHTTPTransport(limits=limits))
+        # idle connections are given up after 4 s, before llama-server (Keep-Alive: timeout=5) or a simulator
+        # on uvicorn (5 s) may close them: reusing one as the server closes it fails a request
+        transport = upstream.new_transport(UPSTREAM_IDLE_S)
         self.runtime.http = httpx.AsyncClient(timeout=timeout, transport=transport)
         self.runtime.upstream_transport = transport
         self.redis = Redis.from_url(

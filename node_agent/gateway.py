@@ -29,7 +29,6 @@ from macpool.asgi import Guard, TrailingSlash, answering_shutdown
 from macpool.contract import generations, slots_needed
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
-from macpool.transport import HTTP11Transport
 
 from . import unstream
 from .runtime import Runtime
@@ -339,13 +338,11 @@ class Gateway:
         runtime = self.runtime
         endpoint: str = request.scope["path"]
         # straight to the client's transport: a relay needs none of the client's redirects, auth flow or
-        # cookie jar, and skipping them is ~10 % of the agent's CPU per request
+        # cookie jar (which would carry one caller's cookies into another's requests)
         url, headers = self._url(endpoint, request.scope["query_string"]), _request_headers(request)
         timeouts = runtime.client().timeout.as_dict()
         transport = runtime.transport()
         try:
-            if request.method == "POST" and isinstance(transport, HTTP11Transport):
-                return await transport.post(url, headers, body, timeouts)  # no httpx.Request to build
             upstream_request = httpx.Request(request.method, url, headers=headers, content=body,
                                              extensions={"timeout": timeouts})
             upstream = await transport.handle_async_request(upstream_request)

@@ -16,11 +16,11 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from macpool import upstream
 from macpool.asgi import Guard
 from macpool.contract import NodeDoc, slots_needed
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER
-from macpool.transport import HTTP11Transport
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
@@ -48,19 +48,19 @@ _DONE = b"data: [DONE]\n\n"  # an OpenAI stream's last event
 _CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
 
 
-def new_transport() -> HTTP11Transport:
-    """One pooled transport for every upstream call; sized for many concurrent streams.
+# an idle pooled connection to an agent is given up after this long, well before the agent closes it
+# (node_agent/agent.py KEEP_ALIVE_S): a request written on a connection as the agent closes it gets no answer
+IDLE_S = 30.0
+
+
+def new_transport() -> httpx.AsyncBaseTransport:
+    """One pooled transport for every upstream call.
 
     The forwarder sends ``httpx.Request`` objects straight to it, without an ``httpx.AsyncClient`` around
     it: the router needs none of a client's redirects, auth flows or cookie jar (which would even carry one
-    agent's cookies into other clients' requests), and skipping them saves ~10 % of its CPU per request.
+    agent's cookies into other clients' requests).
     """
-    # busy streams get as many connections as they need; the idle pool stays modest. An idle connection is
-    # given up after 30 s, well before an agent closes it (60 s, node_agent/agent.py KEEP_ALIVE_S): a request
-    # written on a connection as the agent closes it would fail with no answer
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=64, keepalive_expiry=30.0)
-    # the C-parser transport (macpool/transport.py); https agents go through httpx's default one
-    return HTTP11Transport(64, 30.0, fallback=httpx.AsyncHTTPTransport(limits=limits))
+    return upstream.new_transport(IDLE_S, max_connections=4096)
 
 
 @dataclass
@@ -109,7 +109,7 @@ class Forwarder:
     def __init__(
         self,
         settings: Settings,
-        transport: HTTP11Transport,
+        transport: httpx.AsyncBaseTransport,
         pool: PoolView,
         admission: Admission,
         metrics: RouterMetrics,
@@ -121,7 +121,7 @@ class Forwarder:
         self.metrics = metrics
         # no read timeout: an agent that stops answering mid-stream is the relay watchdog's (idle timeout)
         timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=30.0, pool=30.0)
-        self._timeouts = timeout.as_dict()
+        self._extensions = {"timeout": timeout.as_dict()}
         self._urls: dict[tuple[str, str], httpx.URL] = {}  # (node url, path) -> parsed URL
 
     async def handle(self, call: Call, receive: Receive) -> Response:
@@ -318,7 +318,8 @@ class Forwarder:
         """
         pause, deadline = _CATCH_UP_PAUSE, time.monotonic() + _CATCH_UP_S
         while True:
-            upstream = await self.transport.post(url, headers, body, self._timeouts)
+            request = httpx.Request("POST", url, headers=headers, content=body, extensions=self._extensions)
+            upstream = await self.transport.handle_async_request(request)
             self.pool.connected(node_id)
             if upstream.status_code != 503:
                 return upstream

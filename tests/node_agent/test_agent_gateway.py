@@ -502,3 +502,23 @@ def test_a_folded_request_that_fails_is_counted_with_the_status_it_got(
     assert metric(gateway.url, requests % "500") == 1
     assert metric(gateway.url, requests % "502") == 1
     assert metric(gateway.url, 'macpool_agent_upstream_errors_total{kind="mid_response"}') == 1
+
+
+def test_a_connection_llama_server_closed_while_idle_costs_no_request(
+    spawn: Callable[..., Server], agent: AgentFactory, redis_url: str
+) -> None:
+    """llama-server closes an idle connection after a few seconds: the agent's next request must not be
+    written on it (it would get no answer, and the node would call itself unavailable)."""
+    port = free_port()
+    upstream = spawn(argv=[sys.executable, "-m", "tests.node_agent.impatient_upstream", "--port", str(port)],
+                     port=port, name="impatient")
+    gateway = agent("--upstream", upstream.url, "--cap", "2", "--heartbeat-interval", "5")
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready")
+    body = {"model": "impatient", "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=gateway.url, timeout=10) as client:
+        for _ in range(3):
+            answer = client.post(CHAT, json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["message"]["content"] == "a"
+            time.sleep(1.5)  # the stand-in closes the agent's idle connection meanwhile
+    assert status(gateway.url)["admitting"] is True
