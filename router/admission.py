@@ -39,7 +39,6 @@ from macpool.contract import (
 )
 from router.loops import every
 from router.metrics import RouterMetrics
-from router.pipelined import Pipelined
 from router.pool import PoolView
 from router.settings import Settings
 
@@ -150,12 +149,9 @@ class Admission:
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
         self._full: dict[str, tuple[int, float]] = {}  # model -> (pool version, when) of the last "full"
         self._asking: set[str] = set()  # models whose lapsed "full" one request is asking Redis about again
-        # the reservation, the release and leaving the queue go on one pipelined connection (the request
-        # path's calls); the renewals, batched in a redis-py pipeline, and everything else through redis-py
-        self._pipelined = Pipelined(redis)
-        self._reserve = self._pipelined.register(RESERVE_OR_ENQUEUE)
-        self._release = self._pipelined.register(RELEASE)
-        self._leave = self._pipelined.register(LEAVE_QUEUE)
+        self._reserve = redis.register_script(RESERVE_OR_ENQUEUE)
+        self._release = redis.register_script(RELEASE)
+        self._leave = redis.register_script(LEAVE_QUEUE)
         self._renew = redis.register_script(RENEW)
         self._renewer: asyncio.Task[None] | None = None
         pool.freed_listeners.append(self.wake)
@@ -184,7 +180,6 @@ class Admission:
         for task in list(self._undoing):  # (give-backs still waiting for Redis: their leases expire)
             task.cancel()
         await asyncio.gather(*self._undoing, return_exceptions=True)
-        self._pipelined.close()
 
     # --- acquire / release -------------------------------------------------------------------------
 

@@ -18,17 +18,18 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from macpool.contract import Keys, NodeDoc, PoolSnapshot, now_ms, read_pool
 from router.loops import every
 from router.metrics import RouterMetrics
-from router.pipelined import raw_capable, subscribe
 from router.settings import Settings
 
 log = logging.getLogger("macpool.router")
 
 CircuitState = Literal["closed", "open", "half_open"]
+# while Redis is away, the events channel is subscribed to again after this delay, doubled per failure
+LISTEN_BACKOFF_MIN_S = 0.1
+LISTEN_BACKOFF_MAX_S = 2.0
 
 
 class NoNodes(Exception):
@@ -139,27 +140,29 @@ class PoolView:
                 self._forget(node_id)
 
     async def _listen(self) -> None:
-        raw = raw_capable(self.redis)
+        """Follow the events channel, subscribing again (with backoff) whenever the connection is lost."""
+        delay = LISTEN_BACKOFF_MIN_S
         while True:
             try:
-                if raw:  # its own connection, each message handled as it is read (router/pipelined.py)
-                    subscription = await subscribe(self.redis, self.keys.events, self._on_event)
-                    try:
-                        await subscription.closed
-                    finally:
-                        subscription.close()
-                    raise RedisConnectionError("the events connection was lost")
-                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:  # TLS: redis-py
+                async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.keys.events)
                     while True:
-                        message = await pubsub.get_message(timeout=1.0)
-                        if message is not None:
-                            self.apply(_text(message["data"]))
+                        message = await pubsub.get_message(timeout=None)
+                        if message is None:
+                            continue
+                        if message["type"] == "subscribe":
+                            # subscribed, by this loop or by redis-py after it reconnected on its own: the
+                            # events published while nobody listened are lost, so the pool is read again
+                            delay = LISTEN_BACKOFF_MIN_S
+                            await self.refresh()
+                        elif message["type"] == "message":
+                            self._on_event(message["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._redis_failed("pool events", exc)
-                await asyncio.sleep(0.5)  # then subscribe again; the refresh covers what was missed
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, LISTEN_BACKOFF_MAX_S)
 
     def _redis_failed(self, where: str, exc: Exception) -> None:
         """Redis did not answer: one warning per outage (the refresh and the events retry every second)."""
@@ -175,7 +178,10 @@ class PoolView:
         return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
     def _on_event(self, data: bytes) -> None:
-        self.apply(data.decode())
+        try:
+            self.apply(data.decode())
+        except Exception:  # one message that cannot be applied must not end the subscription
+            log.exception("pool events: a message could not be applied")
 
     # --- events ------------------------------------------------------------------------------------
 
