@@ -22,21 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
-from redis.asyncio import Redis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from macpool.contract import (
-    LEAVE_QUEUE,
-    RELEASE,
-    RENEW,
-    RESERVE_OR_ENQUEUE,
-    Keys,
-    NodeDoc,
-    Priority,
-    now_ms,
-    reserve_argv,
-    slots_needed,
+from macpool.contract import NodeDoc, Priority, slots_needed
+from macpool.store import (
+    ANONYMOUS,
+    AffinityOutcome,
+    Candidate,
+    Release,
+    Reservation,
+    ReserveRequest,
+    Store,
 )
+from macpool.store import Lease as StoredLease
 from router.loops import every
 from router.metrics import RouterMetrics
 from router.pool import PoolView
@@ -45,15 +43,10 @@ from router.settings import Settings
 log = logging.getLogger("macpool.router")
 
 RejectReason = Literal["pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed"]
-AffinityOutcome = Literal["", "hit", "miss", "overridden"]
-ANONYMOUS = "anonymous"  # the tenant of every request when the router has no API keys
 
 # A queued request re-checks on its own this often even if no `freed` message arrives (a message lost
 # during a pub/sub reconnect, or capacity that appeared through a new heartbeat rather than a release).
 SAFETY_RECHECK_S = 0.5
-# Each re-check renews the waiter's place in the queue; a waiter whose router died drops out after this long
-# (and so does a slot handed to it that nobody took).
-QUEUE_LEASE_MS = 3_000
 # After Redis answers "every candidate is full and so is the queue", arrivals for the same model are refused
 # from memory for up to this long, unless an event that may free room arrives first (see PoolView.version):
 # under overload the reject path then costs no Redis round trip at all.
@@ -109,6 +102,10 @@ class Lease:
     affinity: AffinityOutcome = ""
     local: bool = False  # taken while Redis was unreachable: counted by this router only
 
+    def stored(self) -> StoredLease:
+        """What this lease holds in Redis."""
+        return StoredLease(self.request_id, self.node.node_id, self.tenant, self.slots)
+
 
 @dataclass(eq=False)
 class _Waiter:
@@ -117,22 +114,12 @@ class _Waiter:
     woken: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-@dataclass
-class _Attempt:
-    status: str  # reserved, queued, full, shed, limited or offline
-    node_id: str = ""
-    count: int = 0
-    affinity: AffinityOutcome = ""
-    slots: int = 1
-
-
 class Admission:
     def __init__(
-        self, settings: Settings, redis: Redis, keys: Keys, pool: PoolView, metrics: RouterMetrics
+        self, settings: Settings, store: Store, pool: PoolView, metrics: RouterMetrics
     ) -> None:
         self.settings = settings
-        self.redis = redis
-        self.keys = keys
+        self.store = store
         self.pool = pool
         self.metrics = metrics
         self.lease_ms = max(int(settings.lease_seconds * 1000), 1)
@@ -149,10 +136,6 @@ class Admission:
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
         self._full: dict[str, tuple[int, float]] = {}  # model -> (pool version, when) of the last "full"
         self._asking: set[str] = set()  # models whose lapsed "full" one request is asking Redis about again
-        self._reserve = redis.register_script(RESERVE_OR_ENQUEUE)
-        self._release = redis.register_script(RELEASE)
-        self._leave = redis.register_script(LEAVE_QUEUE)
-        self._renew = redis.register_script(RENEW)
         self._renewer: asyncio.Task[None] | None = None
         pool.freed_listeners.append(self.wake)
         pool.waiter_listeners.append(self.wake_request)
@@ -214,15 +197,16 @@ class Admission:
         finally:
             if asking:
                 self._asking.discard(ticket.model)
-        if attempt.status == "full" and ticket.priority == "interactive" and ticket.generations == 1:
+        full = attempt is not None and attempt.status == "full"
+        if full and ticket.priority == "interactive" and ticket.generations == 1:
             # (a batch request's "full" may leave room for an interactive one, which displaces queued batch)
             self._full[ticket.model] = (self.pool.version, time.monotonic())
         elif asking:
             self._full.pop(ticket.model, None)
+        if attempt is None:
+            return self._local_lease(request_id, docs, ticket)
         if attempt.status == "reserved":
             return self._lease(request_id, docs, attempt, ticket)
-        if attempt.status == "offline":
-            return self._local_lease(request_id, docs, ticket)
         self._refuse(attempt, ticket)
         return await self._wait(request_id, candidates, docs, ticket, tried)
 
@@ -251,7 +235,7 @@ class Admission:
                 docs = candidates()
                 waiter.nodes = {doc.node_id for doc in docs}
                 attempt = await self._try(request_id, docs, ticket, tried, dequeue=True)
-                if attempt.status == "offline":
+                if attempt is None:
                     admitted = True
                     return self._local_lease(request_id, docs, ticket)
                 if attempt.status == "reserved":
@@ -290,7 +274,7 @@ class Admission:
         # without this every request arriving meanwhile asked too, a burst of round trips 20 times a second
         return time.monotonic() - when < FULL_MEMO_S or model in self._asking
 
-    def _refuse(self, attempt: _Attempt, ticket: Ticket) -> None:
+    def _refuse(self, attempt: Reservation, ticket: Ticket) -> None:
         """Raise for every outcome but ``queued``."""
         if attempt.status == "full":
             raise self.reject("pool_full", FULL_MESSAGE)
@@ -321,15 +305,12 @@ class Admission:
             self._releasing -= 1
 
     async def _release_in_redis(self, lease: Lease, node_id: str, failed: bool, warn: bool = True) -> bool:
-        """Run RELEASE; False when Redis did not answer."""
+        """Release in Redis; False when Redis did not answer."""
         failure = "TimeoutError"
         with anyio.move_on_after(5, shield=True):
             try:
-                args: list[str | int] = [
-                    self.keys.prefix, now_ms(), QUEUE_LEASE_MS, lease.request_id, node_id, lease.tenant,
-                    "1" if failed else "0", lease.slots,
-                ]
-                await self._release(args=args)
+                release = Release(lease.request_id, node_id, lease.tenant, lease.slots, failed)
+                await self.store.release(release)
                 return True
             except Exception as exc:
                 failure = type(exc).__name__
@@ -457,49 +438,39 @@ class Admission:
         leases = [lease for lease in self.active.values() if not lease.local]
         if not leases:
             return
-        expiry = now_ms() + self.lease_ms
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lease in leases:
-                await self._renew(
-                    keys=[self.keys.reservations(lease.node.node_id), self.keys.tenant(lease.tenant)],
-                    args=[lease.request_id, expiry, self.lease_ms, lease.slots],
-                    client=pipe,
-                )
-            results = await pipe.execute()
-        for lease, result in zip(leases, results, strict=True):
-            if result != 2:
+        stored = [lease.stored() for lease in leases]
+        recreated = await self.store.renew(stored, self.lease_ms)
+        for lease, kept, again in zip(leases, stored, recreated, strict=True):
+            if not again:
                 continue
-            ids = {"node": lease.node.node_id, "lease": lease.request_id}
             if lease.released:
                 # released while the renewal was on its way: if the release ran first, the renewal
                 # brought the lease back - take it out again (a no-op if the release ran after it)
-                members = [lease.request_id, *(f"{lease.request_id}#{i}" for i in range(2, lease.slots + 1))]
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zrem(self.keys.reservations(lease.node.node_id), *members)
-                    pipe.zrem(self.keys.tenant(lease.tenant), lease.request_id)
-                    await pipe.execute()
+                await self.store.forget(kept)
                 continue
             log.warning("lease %s on %s was gone from Redis (restarted empty, or the lease had expired); "
-                        "counted again", lease.request_id, lease.node.node_id, extra=ids)
+                        "counted again", lease.request_id, lease.node.node_id,
+                        extra={"node": lease.node.node_id, "lease": lease.request_id})
 
     # --- Redis calls -------------------------------------------------------------------------------
 
     async def _try(
         self, request_id: str, docs: list[NodeDoc], ticket: Ticket, tried: Collection[str], dequeue: bool
-    ) -> _Attempt:
+    ) -> Reservation | None:
+        """One reservation attempt; None when Redis is unreachable (the router admits from its own view)."""
         settings = self.settings
-        args = reserve_argv(
-            self.keys, request_id, self.lease_ms, [(doc.node_id, doc.tokens_per_s) for doc in docs],
+        request = ReserveRequest(
+            request_id, [Candidate(doc.node_id, doc.tokens_per_s) for doc in docs], self.lease_ms,
             queue_size=settings.queue_size, enqueue=True, dequeue=dequeue, priority=ticket.priority,
             tenant=ticket.tenant, model=ticket.model, key_limit=ticket.key_limit,
             batch_queue_max=self.batch_queue_max,
             prefixes=ticket.prefixes if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
-            affinity_max_entries=settings.affinity_max_entries, queue_lease_ms=QUEUE_LEASE_MS,
-            excluded=self._excluded(tried), generations=ticket.generations,
+            affinity_max_entries=settings.affinity_max_entries, excluded=self._excluded(tried),
+            generations=ticket.generations,
         )
         try:
-            raw = await self._reserve(args=args)
+            attempt = await self.store.reserve(request)
         except asyncio.CancelledError:
             # the client left while the script was on its way: it may have reserved a slot all the same,
             # which nobody would hold (or renew) - it is given back, on whichever candidate it was taken
@@ -516,16 +487,12 @@ class Admission:
                 # admitting past Redis now would let replicas over-fill a node they cannot see
                 message = "the pool's coordination store did not answer"
                 raise self.reject("pool_unavailable", message) from None
-            return _Attempt("offline")
-        affinity = _text(raw[3])
-        attempt = _Attempt(_text(raw[0]), _text(raw[1]), int(raw[2]), affinity)  # type: ignore[arg-type]
-        if len(raw) > 4:
-            attempt.slots = int(raw[4])
+            return None
         if attempt.status == "queued":
             self.pool.snapshot.queue_depth = attempt.count
-        if affinity in self.affinity_counts:
-            self.affinity_counts[affinity] += 1
-            self.metrics.affinity.labels(outcome=affinity).inc()
+        if attempt.affinity:
+            self.affinity_counts[attempt.affinity] += 1
+            self.metrics.affinity.labels(outcome=attempt.affinity).inc()
         return attempt
 
     def _excluded(self, tried: Collection[str]) -> list[str]:
@@ -553,7 +520,7 @@ class Admission:
         self.active[request_id] = lease
         return lease
 
-    def _lease(self, request_id: str, docs: list[NodeDoc], attempt: _Attempt, ticket: Ticket) -> Lease:
+    def _lease(self, request_id: str, docs: list[NodeDoc], attempt: Reservation, ticket: Ticket) -> Lease:
         node_id = attempt.node_id
         node = next(doc for doc in docs if doc.node_id == node_id)
         lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, slots=attempt.slots,
@@ -565,10 +532,7 @@ class Admission:
     async def _leave_queue(self, request_id: str, nodes: list[str]) -> None:
         with anyio.move_on_after(5, shield=True):
             try:
-                await self._leave(args=[self.keys.prefix, now_ms(), QUEUE_LEASE_MS, request_id, *nodes])
+                await self.store.leave_queue(request_id, nodes)
             except Exception as exc:  # the queue entry expires on its own
                 log.warning("leaving the queue failed: %s", type(exc).__name__)
 
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
 
-from macpool.contract import Keys, NodeDoc, PoolSnapshot, now_ms, read_pool
+from macpool.contract import NodeDoc, now_ms
+from macpool.store import PoolSnapshot, Store
 from router.loops import every
 from router.metrics import RouterMetrics
 from router.settings import Settings
@@ -77,12 +77,11 @@ class Circuit:
 class PoolView:
     """Nodes, reservations, drained set and queue depth as last heard from Redis."""
 
-    def __init__(
-        self, settings: Settings, redis: Redis, keys: Keys, tenants: list[str] | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, store: Store, tenants: list[str] | None = None) -> None:
         self.settings = settings
-        self.redis = redis
-        self.keys = keys
+        self.store = store
+        self.redis = store.redis
+        self.keys = store.keys
         self.tenants = tenants or []  # whose requests in flight the refresh counts (the configured API keys)
         self.snapshot = PoolSnapshot()
         self.redis_ok = False
@@ -122,7 +121,7 @@ class PoolView:
         """Re-read the whole pool (catches expired heartbeats and anything pub/sub missed); while Redis is
         unreachable, keep the last view."""
         try:
-            snapshot = await read_pool(self.redis, self.keys, self.tenants)
+            snapshot = await self.store.read_pool(self.tenants)
         except Exception as exc:
             self._redis_failed("pool refresh", exc)
             return

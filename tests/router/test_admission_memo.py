@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from macpool.contract import Keys, NodeDoc
+from macpool.contract import NodeDoc
+from macpool.store import Keys, Store
 from router.admission import FULL_MEMO_S, Admission, Rejected, Ticket
 from router.metrics import RouterMetrics
 from router.pool import PoolView, RateMeter
@@ -26,9 +27,10 @@ async def one_node_pool(
     Redis client that gives a call up after ``socket_timeout`` (None: never)."""
     redis = Redis.from_url(settings.redis_url, socket_timeout=socket_timeout)
     keys = Keys()
-    pool = PoolView(settings, redis, keys)
+    store = Store(redis, keys)
+    pool = PoolView(settings, store)
     pool.redis_ok = True
-    admission = Admission(settings, redis, keys, pool, RouterMetrics())
+    admission = Admission(settings, store, pool, RouterMetrics())
     await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
     try:
         yield redis, admission
@@ -128,9 +130,9 @@ def test_retry_after_counts_the_waiting_slots_against_the_slots_freed_per_second
     # Retry-After = what waits / the release rate, both in slots: two waiting pairs and two singles wait
     # for 6 slots, not 4 requests' worth
     settings = Settings(router_id="r1")
-    keys = Keys()
-    pool = PoolView(settings, Redis(), keys)  # the client is never used
-    admission = Admission(settings, Redis(), keys, pool, RouterMetrics())
+    store = Store(Redis())  # the client is never used
+    pool = PoolView(settings, store)
+    admission = Admission(settings, store, pool, RouterMetrics())
     now = [0.0]
     pool.freed = RateMeter(window=30.0, clock=lambda: now[0])
     for second in range(30):  # one slot freed every second

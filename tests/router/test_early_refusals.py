@@ -17,9 +17,10 @@ import pytest
 import uvicorn
 from redis.asyncio import Redis
 
-from macpool.contract import RESERVE_OR_ENQUEUE, Keys, NodeDoc, now_ms, reserve_argv, write_heartbeat
+from macpool.contract import NodeDoc, now_ms
 from macpool.http_guard import read_bounded_protocol
 from macpool.redis_server import free_port
+from macpool.store import Candidate, ReserveRequest, Store
 from router import admission
 from router.app import create_app
 from router.settings import Settings
@@ -78,13 +79,12 @@ def test_refusals_below_asgi_match_the_applications_own(
 
     async def scenario() -> None:
         redis = Redis.from_url(redis_url)
-        keys = Keys()
+        store = Store(redis)
         node = NodeDoc(node_id="full-0", url="http://127.0.0.1:9", models=["m"], capacity=1, total_slots=1,
                        state="ready", updated_at_ms=now_ms())
-        await write_heartbeat(redis, keys, node, 600_000)
-        argv = reserve_argv(keys, "holder", 600_000, [("full-0", 0)])
-        held = await redis.eval(RESERVE_OR_ENQUEUE, 0, *argv)
-        assert held[0] == b"reserved"
+        await store.heartbeat(node, 600_000)
+        held = await store.reserve(ReserveRequest("holder", [Candidate("full-0")], 600_000))
+        assert held.status == "reserved"
         serving = asyncio.create_task(server.serve())
         while not server.started:  # noqa: ASYNC110 (uvicorn offers no event for it)
             await asyncio.sleep(0.02)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from macpool.contract import Keys, NodeDoc, now_ms
+from macpool.contract import NodeDoc, now_ms
+from macpool.store import Store
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
 
 
 def _view(**overrides: object) -> PoolView:
     settings = Settings.model_validate({"router_id": "r1", "circuit_cooldown": 0.0, **overrides})
-    return PoolView(settings, Redis(), Keys())  # the client is never used: events are applied by hand
+    return PoolView(settings, Store(Redis()))  # the client is never used: events are applied by hand
 
 
 def _heartbeat(view: PoolView, node_id: str, **fields: object) -> None:

@@ -6,8 +6,9 @@ import asyncio
 
 import redis
 
-from macpool.contract import Keys, NodeDoc, now_ms
+from macpool.contract import NodeDoc, now_ms
 from macpool.redis_server import RedisServer
+from macpool.store import Keys, Store
 from router.admission import Admission, Ticket
 from router.app import redis_client
 from router.metrics import RouterMetrics
@@ -58,9 +59,10 @@ def test_admission_survives_a_redis_restarted_empty() -> None:
             settings = Settings(redis_url=server.url)
             redis = redis_client(settings)
             keys = Keys()
-            pool = PoolView(settings, redis, keys)
+            store = Store(redis, keys)
+            pool = PoolView(settings, store)
             pool.redis_ok = True
-            admission = Admission(settings, redis, keys, pool, RouterMetrics())
+            admission = Admission(settings, store, pool, RouterMetrics())
             try:
                 await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
                 await admission.release(await admission.acquire(lambda: [NODE], Ticket(model="m")))
@@ -104,7 +106,7 @@ def test_the_pool_view_follows_events_again_and_rereads_the_pool_after_redis_res
             nonlocal restarted
             settings = Settings(redis_url=server.url, refresh_interval=3600)  # no periodic refresh
             client = redis_client(settings)
-            view = PoolView(settings, client, Keys())
+            view = PoolView(settings, Store(client))
             freed: list[str] = []
             view.freed_listeners.append(freed.append)
             await view.start()
@@ -139,7 +141,7 @@ def test_a_message_that_cannot_be_applied_does_not_end_the_subscription(redis_ur
     async def scenario() -> None:
         settings = Settings(redis_url=redis_url)
         client = redis_client(settings)
-        view = PoolView(settings, client, Keys())
+        view = PoolView(settings, Store(client))
         freed: list[str] = []
 
         def listener(node: str) -> None:
