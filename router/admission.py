@@ -3,7 +3,9 @@
 The admitted path costs two Redis round trips in all: the reservation (one EVALSHA, which also applies
 prefix affinity, the queue order and the per-key limit) and the release (which hands the slot straight to
 the first queued request that node can serve). Live leases are renewed by one loop for the whole process,
-not one task per request.
+not one task per request. Every Redis call goes through the store (macpool/store); this router's waiting
+requests are router/waiters.py, the memo of a "full" answer router/full_memo.py, Retry-After
+router/retry_after.py.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import statistics
 import time
@@ -19,7 +20,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -35,22 +36,19 @@ from macpool.store import (
     Store,
 )
 from macpool.store import Lease as StoredLease
+from router.full_memo import FullMemo
 from router.loops import every
 from router.metrics import RouterMetrics
 from router.pool import PoolView
+from router.retry_after import RejectReason, RetryAfter
 from router.settings import Settings
+from router.waiters import Waiters
 
 log = logging.getLogger("macpool.router")
-
-RejectReason = Literal["pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed"]
 
 # A queued request re-checks on its own this often even if no `freed` message arrives (a message lost
 # during a pub/sub reconnect, or capacity that appeared through a new heartbeat rather than a release).
 SAFETY_RECHECK_S = 0.5
-# After Redis answers "every candidate is full and so is the queue", arrivals for the same model are refused
-# from memory for up to this long, unless an event that may free room arrives first (see PoolView.version):
-# under overload the reject path then costs no Redis round trip at all.
-FULL_MEMO_S = 0.05
 FULL_MESSAGE = "every node is at capacity and the queue is full"
 # how often a reservation that may have been made after its call timed out is given back, until Redis answers
 UNDO_RETRY_S = 1.0
@@ -107,13 +105,6 @@ class Lease:
         return StoredLease(self.request_id, self.node.node_id, self.tenant, self.slots)
 
 
-@dataclass(eq=False)
-class _Waiter:
-    request_id: str
-    nodes: set[str]
-    woken: asyncio.Event = field(default_factory=asyncio.Event)
-
-
 class Admission:
     def __init__(
         self, settings: Settings, store: Store, pool: PoolView, metrics: RouterMetrics
@@ -125,20 +116,17 @@ class Admission:
         self.lease_ms = max(int(settings.lease_seconds * 1000), 1)
         self.batch_queue_max = int(settings.queue_size * settings.batch_queue_share)
         self.active: dict[str, Lease] = {}
-        self._waiters: deque[_Waiter] = deque()
-        self._waiting: dict[str, _Waiter] = {}  # request id -> waiter, for `granted` and `shed` messages
+        self.waiters = Waiters()
         self._releasing = 0  # releases on their way to Redis (waited for at shutdown: Admission.settle)
         self._undoing: set[asyncio.Future[None]] = set()  # cancelled requests giving their slot back
         # this replica's recent queue waits, for the dashboard: (priority, tenant, seconds)
         self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
-        # how long this replica's recent requests held their slot, for Retry-After (Little's law)
-        self.recent_holds: deque[float] = deque(maxlen=64)
+        self.retry_after = RetryAfter(settings, pool)
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
-        self._full: dict[str, tuple[int, float]] = {}  # model -> (pool version, when) of the last "full"
-        self._asking: set[str] = set()  # models whose lapsed "full" one request is asking Redis about again
+        self.full = FullMemo(lambda: pool.version)
         self._renewer: asyncio.Task[None] | None = None
-        pool.freed_listeners.append(self.wake)
-        pool.waiter_listeners.append(self.wake_request)
+        pool.freed_listeners.append(self.waiters.wake)
+        pool.waiter_listeners.append(self.waiters.wake_request)
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -151,7 +139,7 @@ class Admission:
         on its way: at shutdown, the requests the server has just cancelled give them back in their own
         cleanup, which needs Redis still open."""
         deadline = time.monotonic() + within
-        while (self.active or self._waiting or self._releasing) and time.monotonic() < deadline:  # noqa: ASYNC110 (once, at shutdown)
+        while (self.active or self.waiters or self._releasing) and time.monotonic() < deadline:  # noqa: ASYNC110 (once, at shutdown)
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
@@ -183,26 +171,18 @@ class Admission:
         """
         ticket = ticket or Ticket()
         docs = candidates()
-        if self.known_full(ticket.model):
+        if self.full.knows_full(ticket.model):
             raise self.reject("pool_full", FULL_MESSAGE)
         if not docs:  # none of the model's nodes can run it now (too small for its generations, or tried)
             raise self.reject("pool_full", "no node that could run this request is ready for it")
         request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
         # a "full" that lapsed by age: this request asks Redis again for every request of the model
-        asking = ticket.model in self._full
-        if asking:
-            self._asking.add(ticket.model)
-        try:
+        with self.full.asking(ticket.model) as asked_again:
             attempt = await self._try(request_id, docs, ticket, tried, dequeue=False)
-        finally:
-            if asking:
-                self._asking.discard(ticket.model)
-        full = attempt is not None and attempt.status == "full"
-        if full and ticket.priority == "interactive" and ticket.generations == 1:
-            # (a batch request's "full" may leave room for an interactive one, which displaces queued batch)
-            self._full[ticket.model] = (self.pool.version, time.monotonic())
-        elif asking:
-            self._full.pop(ticket.model, None)
+        # (a batch request's "full" may leave room for an interactive one, which displaces queued batch)
+        anywhere = ticket.priority == "interactive" and ticket.generations == 1
+        full = anywhere and attempt is not None and attempt.status == "full"
+        self.full.answered(ticket.model, full, asked_again)
         if attempt is None:
             return self._local_lease(request_id, docs, ticket)
         if attempt.status == "reserved":
@@ -220,9 +200,7 @@ class Admission:
     ) -> Lease:
         started = time.monotonic()
         deadline = started + self.settings.queue_timeout
-        waiter = _Waiter(request_id, nodes={doc.node_id for doc in docs})
-        self._waiters.append(waiter)
-        self._waiting[request_id] = waiter
+        waiter = self.waiters.add(request_id, {doc.node_id for doc in docs})
         admitted = False
         try:
             while True:
@@ -249,30 +227,18 @@ class Admission:
                     return lease
                 self._refuse(attempt, ticket)  # shed, limited, or our entry expired and others took the room
         finally:
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
-            self._waiting.pop(request_id, None)
+            self.waiters.remove(waiter)
             if not admitted:
                 # (a waiter running several generations: the free slots its nodes held back for it go on)
                 await self._leave_queue(request_id, sorted(waiter.nodes) if ticket.generations > 1 else [])
 
     def remembers_full(self) -> bool:
         """Whether a "full" answer is remembered for some model (it may have lapsed since)."""
-        return bool(self._full)
+        return self.full.remembers()
 
     def known_full(self, model: str) -> bool:
-        """Whether Redis said ``model``'s nodes and the queue were full less than FULL_MEMO_S ago (or one
-        request is asking again since), with no event since that may have freed room."""
-        memo = self._full.get(model)
-        if memo is None:
-            return False
-        version, when = memo
-        if version != self.pool.version:
-            del self._full[model]
-            return False
-        # lapsed by age: one request asks Redis again (acquire), the others keep the answer until it is back -
-        # without this every request arriving meanwhile asked too, a burst of round trips 20 times a second
-        return time.monotonic() - when < FULL_MEMO_S or model in self._asking
+        """Whether arrivals for ``model`` are refused from memory (router/full_memo.py)."""
+        return self.full.knows_full(model)
 
     def _refuse(self, attempt: Reservation, ticket: Ticket) -> None:
         """Raise for every outcome but ``queued``."""
@@ -281,7 +247,7 @@ class Admission:
         if attempt.status == "shed":
             raise self.reject("batch_shed", "the pool is saturated: batch requests are shed first")
         if attempt.status == "limited":
-            raise Limited(ticket.tenant, ticket.key_limit, self.retry_after_limited(ticket.key_limit))
+            raise Limited(ticket.tenant, ticket.key_limit, self.retry_after.limited(ticket.key_limit))
 
     async def release(self, lease: Lease, failed: bool = False) -> None:
         """Give the slot back (exactly once; safe to call again, and from a cancelled task). A slot the
@@ -291,7 +257,7 @@ class Admission:
         lease.released = True
         self.active.pop(lease.request_id, None)
         if not failed:
-            self.recent_holds.append(time.monotonic() - lease.acquired_at)
+            self.retry_after.held(lease.acquired_at)
         if lease.local:
             self.pool.freed.mark()
             return
@@ -360,40 +326,8 @@ class Admission:
 
     def reject(self, reason: RejectReason, message: str) -> Rejected:
         rejected = Rejected(reason, message)
-        rejected.retry_after = self.retry_after(reason)
+        rejected.retry_after = self.retry_after.seconds(reason)
         return rejected
-
-    def retry_after(self, reason: RejectReason) -> int:
-        """Whole seconds until a slot is likely free, from the observed rate of releases (1..30)."""
-        if reason in ("no_nodes", "pool_unavailable"):
-            seconds = max(self.settings.stale_after, 1.0)
-        else:
-            rate = self.release_rate()
-            snapshot = self.pool.snapshot  # (in slots, as the rate is: a waiter may run several generations)
-            waiting = max(snapshot.queued_slots, snapshot.queue_depth) + 1
-            seconds = waiting / rate if rate > 0 else max(self.settings.queue_timeout, 1.0)
-        return min(30, max(1, math.ceil(seconds)))
-
-    def release_rate(self) -> float:
-        """Slots freed per second pool-wide: the rate observed over the last 30 s, or - when more - the busy
-        slots over the mean time this replica's recent requests held theirs (Little's law).
-
-        The observed rate alone lags: at the start of a burst after a quiet spell the window holds a
-        release or two spread over 30 s, and (queue + 1) / rate came out at the 30 s clamp for a pool whose
-        slots were freeing every second.
-        """
-        observed = self.pool.freed.rate()
-        if not self.recent_holds:
-            return observed
-        busy, held = self.pool.busy(), statistics.fmean(self.recent_holds)
-        return max(observed, busy / held) if busy and held > 0 else observed
-
-    def retry_after_limited(self, limit: int) -> int:
-        """Seconds until one of a tenant's ``limit`` requests is likely done (Little's law on the pool)."""
-        rate = self.release_rate()
-        busy = self.pool.busy()
-        mean_duration = busy / rate if rate > 0 and busy else 1.0
-        return min(30, max(1, math.ceil(mean_duration / max(limit, 1))))
 
     # --- reporting ---------------------------------------------------------------------------------
 
@@ -416,21 +350,6 @@ class Admission:
                 for group, by in waits.items()
             },
         }
-
-    # --- queue wake-up -----------------------------------------------------------------------------
-
-    def wake(self, node_id: str) -> None:
-        """A slot was freed on ``node_id`` (and no queued request was handed it): wake one waiter to look."""
-        for waiter in self._waiters:
-            if not waiter.woken.is_set() and (node_id in waiter.nodes or not waiter.nodes):
-                waiter.woken.set()
-                return
-
-    def wake_request(self, request_id: str) -> None:
-        """A release handed ``request_id`` a slot, or an interactive request took its place."""
-        waiter = self._waiting.get(request_id)
-        if waiter is not None:
-            waiter.woken.set()
 
     # --- renewal -----------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from macpool.contract import NodeDoc, now_ms
 from macpool.http_guard import read_bounded_protocol
 from macpool.redis_server import free_port
 from macpool.store import Candidate, ReserveRequest, Store
-from router import admission
+from router import full_memo
 from router.app import create_app
 from router.settings import Settings
 
@@ -56,7 +56,7 @@ def test_refusals_below_asgi_match_the_applications_own(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the memo outlives the whole test (the real one lasts 50 ms and ends at the next full pool refresh)
-    monkeypatch.setattr(admission, "FULL_MEMO_S", 600.0)
+    monkeypatch.setattr(full_memo, "FULL_MEMO_S", 600.0)
     keys_file = tmp_path / "keys"
     keys_file.write_text(f"{KEY} name=team\n")
     settings = Settings(redis_url=redis_url, queue_size=0, refresh_interval=600.0, api_keys_file=keys_file,
