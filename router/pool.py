@@ -16,10 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import ValidationError
-
 from macpool.contract import NodeDoc, now_ms
 from macpool.store import PoolSnapshot, Store
+from macpool.store.events import Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
 from router.loops import every
 from router.metrics import RouterMetrics
 from router.settings import Settings
@@ -185,44 +184,44 @@ class PoolView:
     # --- events ------------------------------------------------------------------------------------
 
     def apply(self, message: str) -> None:
-        """Apply one message of the events channel (see macpool.contract)."""
-        kind, _, rest = message.partition(" ")
-        if kind != "node":
+        """Apply one message of the events channel (macpool/store/events.py)."""
+        event = parse_event(message)
+        if event is None:
+            log.warning("pool events: unreadable message ignored: %.80s", message)
+            return
+        if not isinstance(event, Heartbeat):
             self.version += 1
-        if kind == "node":
-            try:
-                doc = NodeDoc.decode(rest)
-            except ValidationError:
-                log.warning("pool events: undecodable heartbeat ignored")
-                return
-            previous = self.snapshot.nodes.get(doc.node_id)
-            if previous is None or (previous.capacity, previous.state) != (doc.capacity, doc.state):
-                self.version += 1
-            self._heard(doc)
-            self.snapshot.nodes[doc.node_id] = doc
-            self.snapshot.reservations.setdefault(doc.node_id, 0)
-        elif kind == "gone":
-            self._forget(rest)
-        elif kind == "freed":
-            self.freed.mark()
-            if self.snapshot.reservations.get(rest, 0) > 0:
-                self.snapshot.reservations[rest] -= 1
-            for listener in self.freed_listeners:
-                listener(rest)
-        elif kind == "granted":  # slots freed and handed straight to a queued request: "rid node k"
-            request_id, _, handed = rest.partition(" ")
-            slots = handed.partition(" ")[2]  # (none: published by an older router's script, one slot)
-            for _ in range(int(slots) if slots.isdigit() else 1):
+        match event:
+            case Heartbeat(doc):
+                self._heartbeat(doc)
+            case Gone(node_id):
+                self._forget(node_id)
+            case Freed(node_id):
                 self.freed.mark()
-            for listener in self.waiter_listeners:
-                listener(request_id)
-        elif kind == "shed":
-            for listener in self.waiter_listeners:
-                listener(rest)
-        elif kind == "drain":
-            self.snapshot.drained.add(rest)
-        elif kind == "undrain":
-            self.snapshot.drained.discard(rest)
+                if self.snapshot.reservations.get(node_id, 0) > 0:
+                    self.snapshot.reservations[node_id] -= 1
+                for listener in self.freed_listeners:
+                    listener(node_id)
+            case Granted(request_id, _, slots):  # slots freed and handed straight to a queued request
+                for _ in range(slots):
+                    self.freed.mark()
+                for listener in self.waiter_listeners:
+                    listener(request_id)
+            case Shed(request_id):
+                for listener in self.waiter_listeners:
+                    listener(request_id)
+            case Drained(node_id, True):
+                self.snapshot.drained.add(node_id)
+            case Drained(node_id, False):
+                self.snapshot.drained.discard(node_id)
+
+    def _heartbeat(self, doc: NodeDoc) -> None:
+        previous = self.snapshot.nodes.get(doc.node_id)
+        if previous is None or (previous.capacity, previous.state) != (doc.capacity, doc.state):
+            self.version += 1
+        self._heard(doc)
+        self.snapshot.nodes[doc.node_id] = doc
+        self.snapshot.reservations.setdefault(doc.node_id, 0)
 
     def reserved(self, node_id: str, count: int) -> None:
         """A reservation answer told us the exact count on a node."""

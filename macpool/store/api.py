@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 from redis.asyncio import Redis
 
 from macpool.contract import NodeDoc, Priority, now_ms
+from macpool.store.events import drain_message
 from macpool.store.keys import Keys
 from macpool.store.scripts import source
 
@@ -186,7 +187,7 @@ class Store:
                 pipe.sadd(self.keys.drained, node_id)
             else:
                 pipe.srem(self.keys.drained, node_id)
-            pipe.publish(self.keys.events, f"{'drain' if drained else 'undrain'} {node_id}")
+            pipe.publish(self.keys.events, drain_message(node_id, drained))
             await pipe.execute()
 
     async def forget(self, lease: Lease) -> None:

@@ -9,6 +9,7 @@ from redis.asyncio import Redis
 
 from macpool.contract import NodeDoc, now_ms
 from macpool.store import Candidate, Keys, Release, ReserveRequest, Store
+from macpool.store.events import Drained, Freed, Gone, Granted, Heartbeat, Shed, drain_message, parse_event
 from macpool.store.scripts import source
 
 LEASE = 60_000
@@ -80,3 +81,16 @@ def test_the_admission_scripts_share_one_library_and_the_others_stand_alone() ->
         assert source(name).startswith(library)
     for name in ("renew", "heartbeat", "deregister"):
         assert "local function queue_entries" not in source(name)
+
+
+def test_every_event_the_scripts_send_reads_back() -> None:
+    doc = node("n1", 2)
+    assert parse_event(f"node {doc.encode()}") == Heartbeat(doc)
+    assert parse_event("granted router-1:abc n1 2") == Granted("router-1:abc", "n1", 2)
+    assert parse_event("freed n1") == Freed("n1")
+    assert parse_event("gone n1") == Gone("n1")
+    assert parse_event("shed router-1:abc") == Shed("router-1:abc")
+    assert parse_event(drain_message("n1", True)) == Drained("n1", True)
+    assert parse_event(drain_message("n1", False)) == Drained("n1", False)
+    for unreadable in ("node {not json", "granted r1 n1", "hello n1", ""):
+        assert parse_event(unreadable) is None

@@ -60,8 +60,7 @@ def test_a_hand_over_counts_every_slot_it_handed_in_the_release_rate() -> None:
     view.waiter_listeners.append(woken.append)
     view.apply("granted r1 a 2")  # a pair handed two slots
     view.apply("granted r2 a 1")
-    view.apply("granted r3 a")  # from an older router's script: one slot
-    assert woken == ["r1", "r2", "r3"] and len(view.freed.events) == 4
+    assert woken == ["r1", "r2"] and len(view.freed.events) == 3
 
 
 def test_circuit_opens_on_connect_failures_and_closes_after_a_fresh_heartbeat() -> None:
