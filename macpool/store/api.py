@@ -11,7 +11,7 @@ import json
 import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 
 from pydantic import BaseModel, Field
 from redis.asyncio import Redis
@@ -146,9 +146,12 @@ class Store:
         """Reserve slots on the node holding the prompt's prefix or the least-utilised candidate, or queue
         the request, or say why not - in one atomic call."""
         raw = await self._reserve(keys=self.keys.pool_wide(), args=[*self._common(now), _encode(request)])
-        status, node_id, count, affinity = (_text(raw[0]), _text(raw[1]), int(raw[2]), _text(raw[3]))
+        status, affinity = _text(raw[0]), _text(raw[3])
+        if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
+            raise ValueError(f"reserve.lua answered {raw!r}")
         slots = int(raw[4]) if len(raw) > 4 else 0
-        return Reservation(status, node_id, count, affinity, slots)  # type: ignore[arg-type]
+        return Reservation(cast(ReserveStatus, status), _text(raw[1]), int(raw[2]),
+                           cast(AffinityOutcome, affinity), slots)
 
     async def release(self, release: Release, now: int | None = None) -> int:
         """Give the slots back, handing them to waiting requests; the slots released."""
