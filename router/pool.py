@@ -129,6 +129,7 @@ class PoolView:
         if self._outage_logged:
             self._outage_logged = False
             log.info("redis at %s answers again; pool view refreshed", self._address)
+            await self._drop_idle_connections()
         self.version += 1
         for doc in snapshot.nodes.values():
             self._heard(doc)
@@ -140,6 +141,7 @@ class PoolView:
     async def _listen(self) -> None:
         """Follow the events channel, subscribing again (with backoff) whenever the connection is lost."""
         delay = LISTEN_BACKOFF_MIN_S
+        subscribed = False
         while True:
             try:
                 async with self.redis.pubsub() as pubsub:
@@ -152,6 +154,9 @@ class PoolView:
                             # subscribed, by this loop or by redis-py after it reconnected on its own: the
                             # events published while nobody listened are lost, so the pool is read again
                             delay = LISTEN_BACKOFF_MIN_S
+                            if subscribed:  # again: the connection was lost, Redis may have restarted
+                                await self._drop_idle_connections()
+                            subscribed = True
                             await self.refresh()
                         elif message["type"] == "message":
                             self._on_event(message["data"])
@@ -161,6 +166,14 @@ class PoolView:
                 self._redis_failed("pool events", exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, LISTEN_BACKOFF_MAX_S)
+
+    async def _drop_idle_connections(self) -> None:
+        """Close the pooled connections idle since before Redis went away: a restarted Redis closed them, and
+        they would stay half-closed until each is next used."""
+        try:
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
+        except Exception as exc:  # (closing a dead connection can fail; the next use replaces it anyway)
+            log.debug("closing idle Redis connections: %s: %s", type(exc).__name__, exc)
 
     def _redis_failed(self, where: str, exc: Exception) -> None:
         """Redis did not answer: one warning per outage (the refresh and the events retry every second)."""
