@@ -3,9 +3,9 @@
 The admitted path costs two Redis round trips in all: the reservation (one EVALSHA, which also applies
 prefix affinity, the queue order and the per-key limit) and the release (which hands the slot straight to
 the first queued request that node can serve). Live leases are renewed by one loop for the whole process,
-not one task per request. Every Redis call goes through the store (macpool/store); this router's waiting
-requests are router/waiters.py, the memo of a "full" answer router/full_memo.py, Retry-After
-router/retry_after.py.
+not one task per request. Every Redis call goes through the store (macpool/store). The leases this router
+holds and gives back are router/leases.py, its waiting requests router/waiters.py, the memo of a "full"
+answer router/full_memo.py, Retry-After router/retry_after.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -28,16 +28,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from macpool.contract import NodeDoc, Priority, slots_needed
 from macpool.store import (
     ANONYMOUS,
-    AffinityOutcome,
     Candidate,
-    Release,
     Reservation,
     ReserveRequest,
     Store,
 )
-from macpool.store import Lease as StoredLease
 from router.full_memo import FullMemo
-from router.loops import every
+from router.leases import Lease as Lease  # (callers take Lease from here, with Admission)
+from router.leases import Leases
 from router.metrics import RouterMetrics
 from router.pool import PoolView
 from router.retry_after import RejectReason, RetryAfter
@@ -50,8 +48,6 @@ log = logging.getLogger("macpool.router")
 # during a pub/sub reconnect, or capacity that appeared through a new heartbeat rather than a release).
 SAFETY_RECHECK_S = 0.5
 FULL_MESSAGE = "every node is at capacity and the queue is full"
-# how often a reservation that may have been made after its call timed out is given back, until Redis answers
-UNDO_RETRY_S = 1.0
 
 
 class Rejected(Exception):
@@ -86,25 +82,6 @@ class Ticket:
     generations: int = 1
 
 
-@dataclass(eq=False)
-class Lease:
-    """The slots one request reserved on one node, held until released exactly once."""
-
-    request_id: str
-    node: NodeDoc
-    tenant: str = ANONYMOUS
-    slots: int = 1  # one per generation it runs at once (0: not known - however many it holds)
-    acquired_at: float = field(default_factory=time.monotonic)
-    released: bool = False
-    queued_s: float = 0.0
-    affinity: AffinityOutcome = ""
-    local: bool = False  # taken while Redis was unreachable: counted by this router only
-
-    def stored(self) -> StoredLease:
-        """What this lease holds in Redis."""
-        return StoredLease(self.request_id, self.node.node_id, self.tenant, self.slots)
-
-
 class Admission:
     def __init__(
         self, settings: Settings, store: Store, pool: PoolView, metrics: RouterMetrics
@@ -113,44 +90,33 @@ class Admission:
         self.store = store
         self.pool = pool
         self.metrics = metrics
-        self.lease_ms = max(int(settings.lease_seconds * 1000), 1)
         self.batch_queue_max = int(settings.queue_size * settings.batch_queue_share)
-        self.active: dict[str, Lease] = {}
         self.waiters = Waiters()
-        self._releasing = 0  # releases on their way to Redis (waited for at shutdown: Admission.settle)
-        self._undoing: set[asyncio.Future[None]] = set()  # cancelled requests giving their slot back
         # this replica's recent queue waits, for the dashboard: (priority, tenant, seconds)
         self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
         self.retry_after = RetryAfter(settings, pool)
+        self.leases = Leases(settings, store, pool, self.retry_after)
+        self.active = self.leases.active  # request id -> the lease it holds
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
         self.full = FullMemo(lambda: pool.version)
-        self._renewer: asyncio.Task[None] | None = None
         pool.freed_listeners.append(self.waiters.wake)
         pool.waiter_listeners.append(self.waiters.wake_request)
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        interval = self.settings.lease_seconds / 3
-        self._renewer = asyncio.create_task(every(interval, self.renew_all, "lease renewal"))
+        self.leases.start()
 
     async def settle(self, within: float) -> None:
         """Wait (up to ``within`` seconds) until no request holds a lease or a queue place and no release is
         on its way: at shutdown, the requests the server has just cancelled give them back in their own
         cleanup, which needs Redis still open."""
         deadline = time.monotonic() + within
-        while (self.active or self.waiters or self._releasing) and time.monotonic() < deadline:  # noqa: ASYNC110 (once, at shutdown)
+        while (self.leases.busy() or self.waiters) and time.monotonic() < deadline:  # noqa: ASYNC110 (once, at shutdown)
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
-            self._renewer = None
-        for task in list(self._undoing):  # (give-backs still waiting for Redis: their leases expire)
-            task.cancel()
-        await asyncio.gather(*self._undoing, return_exceptions=True)
+        await self.leases.stop()
 
     # --- acquire / release -------------------------------------------------------------------------
 
@@ -250,79 +216,8 @@ class Admission:
             raise Limited(ticket.tenant, ticket.key_limit, self.retry_after.limited(ticket.key_limit))
 
     async def release(self, lease: Lease, failed: bool = False) -> None:
-        """Give the slot back (exactly once; safe to call again, and from a cancelled task). A slot the
-        node ``failed`` on is not handed to a queued request, who would only meet the same failure."""
-        if lease.released:
-            return
-        lease.released = True
-        self.active.pop(lease.request_id, None)
-        if not failed:
-            self.retry_after.held(lease.acquired_at)
-        if lease.local:
-            self.pool.freed.mark()
-            return
-        node_id = lease.node.node_id
-        self._releasing += 1
-        try:
-            if not await self._release_in_redis(lease, node_id, failed):
-                # Redis did not answer: the release may never have reached it (its connection was dropped)
-                self._undo(lease.request_id, [node_id], lease.tenant, dropped=True, warn=False, failed=failed)
-        finally:
-            self._releasing -= 1
-
-    async def _release_in_redis(self, lease: Lease, node_id: str, failed: bool, warn: bool = True) -> bool:
-        """Release in Redis; False when Redis did not answer."""
-        failure = "TimeoutError"
-        with anyio.move_on_after(5, shield=True):
-            try:
-                release = Release(lease.request_id, node_id, lease.tenant, lease.slots, failed)
-                await self.store.release(release)
-                return True
-            except Exception as exc:
-                failure = type(exc).__name__
-        if warn:
-            ids = {"node": node_id, "lease": lease.request_id}
-            log.warning("release of %s on %s failed (%s); retried until Redis answers, or the lease expires",
-                        lease.request_id, node_id, failure, extra=ids)
-        return False
-
-    def _undo(
-        self, request_id: str, node_ids: list[str], tenant: str, dropped: bool = False, warn: bool = True,
-        failed: bool = False,
-    ) -> None:
-        """Release whatever ``request_id`` holds on ``node_ids`` (a release of nothing changes nothing).
-
-        ``dropped``: the call being undone went on a connection given up for lost (a timeout), so its script
-        may reach Redis after this release, on another connection: the release is tried every second until
-        Redis answers, then once more a second later, and no longer than the lease it would undo. ``warn``:
-        its first failure is logged (not when the caller's own release has just been). ``failed``: the node
-        failed the request (its slots are not handed to a waiter, as in ``release``).
-        """
-        passes = 2 if dropped else 1
-        deadline = time.monotonic() + self.lease_ms / 1000
-
-        async def undo() -> None:
-            try:
-                left, done, warned = list(node_ids), 0, not warn
-                while True:
-                    for node_id in list(left):
-                        lease = Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant, slots=0)
-                        if await self._release_in_redis(lease, node_id, failed, warn=not warned):
-                            left.remove(node_id)
-                    warned = True  # (one line per give-back, not one per retry)
-                    if not left:
-                        done += 1
-                        left = list(node_ids)
-                    if done == passes or not dropped or time.monotonic() >= deadline:
-                        return
-                    await asyncio.sleep(UNDO_RETRY_S)
-            finally:
-                self._releasing -= 1
-                self._undoing.discard(task)
-
-        self._releasing += 1
-        task = asyncio.ensure_future(undo())
-        self._undoing.add(task)  # (a reference, or the task may be collected before it runs)
+        """Give the slot back, exactly once (router/leases.py)."""
+        await self.leases.release(lease, failed)
 
     def reject(self, reason: RejectReason, message: str) -> Rejected:
         rejected = Rejected(reason, message)
@@ -351,26 +246,6 @@ class Admission:
             },
         }
 
-    # --- renewal -----------------------------------------------------------------------------------
-
-    async def renew_all(self) -> None:
-        leases = [lease for lease in self.active.values() if not lease.local]
-        if not leases:
-            return
-        stored = [lease.stored() for lease in leases]
-        recreated = await self.store.renew(stored, self.lease_ms)
-        for lease, kept, again in zip(leases, stored, recreated, strict=True):
-            if not again:
-                continue
-            if lease.released:
-                # released while the renewal was on its way: if the release ran first, the renewal
-                # brought the lease back - take it out again (a no-op if the release ran after it)
-                await self.store.forget(kept)
-                continue
-            log.warning("lease %s on %s was gone from Redis (restarted empty, or the lease had expired); "
-                        "counted again", lease.request_id, lease.node.node_id,
-                        extra={"node": lease.node.node_id, "lease": lease.request_id})
-
     # --- Redis calls -------------------------------------------------------------------------------
 
     async def _try(
@@ -379,7 +254,7 @@ class Admission:
         """One reservation attempt; None when Redis is unreachable (the router admits from its own view)."""
         settings = self.settings
         request = ReserveRequest(
-            request_id, [Candidate(doc.node_id, doc.tokens_per_s) for doc in docs], self.lease_ms,
+            request_id, [Candidate(doc.node_id, doc.tokens_per_s) for doc in docs], self.leases.lease_ms,
             queue_size=settings.queue_size, enqueue=True, dequeue=dequeue, priority=ticket.priority,
             tenant=ticket.tenant, model=ticket.model, key_limit=ticket.key_limit,
             batch_queue_max=self.batch_queue_max,
@@ -393,14 +268,14 @@ class Admission:
         except asyncio.CancelledError:
             # the client left while the script was on its way: it may have reserved a slot all the same,
             # which nobody would hold (or renew) - it is given back, on whichever candidate it was taken
-            self._undo(request_id, [doc.node_id for doc in docs], ticket.tenant)
+            self.leases.give_back(request_id, [doc.node_id for doc in docs], ticket.tenant)
             raise
         except Exception as exc:
             log.warning("reservation failed: %s: %s", type(exc).__name__, exc)
             if isinstance(exc, RedisTimeoutError):
                 # written, but Redis did not answer in time: the script may still run once Redis goes on (its
                 # connection dropped, so the give-back waits for Redis and goes twice: see _undo)
-                self._undo(request_id, [doc.node_id for doc in docs], ticket.tenant, dropped=True)
+                self.leases.give_back(request_id, [doc.node_id for doc in docs], ticket.tenant, dropped=True)
             if self.pool.redis_ok:
                 # one failed call is not an outage (the pool view's refresh decides that, every second):
                 # admitting past Redis now would let replicas over-fill a node they cannot see
@@ -435,16 +310,14 @@ class Admission:
         if not free:
             raise self.reject("pool_full", "every node is at capacity (coordination store unreachable)")
         node = min(free, key=lambda d: (mine.get(d.node_id, 0) / d.capacity, random.random()))
-        lease = Lease(request_id, node, ticket.tenant, slots=need[node.node_id], local=True)
-        self.active[request_id] = lease
-        return lease
+        return self.leases.hold(Lease(request_id, node, ticket.tenant, slots=need[node.node_id], local=True))
 
     def _lease(self, request_id: str, docs: list[NodeDoc], attempt: Reservation, ticket: Ticket) -> Lease:
         node_id = attempt.node_id
         node = next(doc for doc in docs if doc.node_id == node_id)
         lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, slots=attempt.slots,
                       affinity=attempt.affinity)
-        self.active[request_id] = lease
+        self.leases.hold(lease)
         self.pool.reserved(node_id, attempt.count)
         return lease
 

@@ -35,7 +35,7 @@ def test_a_reservation_made_for_a_request_cancelled_meanwhile_is_given_back(redi
             await asyncio.gather(request, return_exceptions=True)
             assert admission.active == {}
             for _ in range(100):  # the release goes once Redis answers again (without it: a 30 s lease)
-                if await redis.zcount(slots, now_ms(), "+inf") == 0 and not admission._releasing:
+                if await redis.zcount(slots, now_ms(), "+inf") == 0 and not admission.leases.busy():
                     break
                 await asyncio.sleep(0.02)
             assert await redis.zcount(slots, now_ms(), "+inf") == 0
