@@ -32,7 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 
 from bench.perfkit import (
     MODEL,
@@ -50,7 +50,8 @@ from bench.perfkit import (
     wait_nodes,
     write_machine,
 )
-from macpool.contract import Keys, NodeDoc, heartbeat_ttl_ms, now_ms
+from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
+from macpool.store import Keys, Store
 
 LEVELS = [1, 16, 64, 256]
 TARGET_P50_MS = 1.0
@@ -91,24 +92,22 @@ class Heartbeats:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bench-heartbeats", daemon=True)
 
-    def _beat(self, redis: Redis) -> None:
-        doc = self.doc.model_copy(update={"updated_at_ms": now_ms()})
-        raw = doc.encode()
-        pipe = redis.pipeline(transaction=True)
-        pipe.hset(
-            self.keys.node(doc.node_id), mapping={"doc": raw, "capacity": doc.capacity, "state": doc.state}
-        )
-        pipe.pexpire(self.keys.node(doc.node_id), heartbeat_ttl_ms(1.0))
-        pipe.zadd(self.keys.nodes, {doc.node_id: doc.updated_at_ms})
-        pipe.publish(self.keys.events, f"node {raw}")
-        pipe.execute()
+    async def _beat(self, store: Store) -> None:
+        await store.heartbeat(self.doc.model_copy(update={"updated_at_ms": now_ms()}), heartbeat_ttl_ms(1.0))
 
-    def _run(self) -> None:
-        with Redis.from_url(self.redis_url) as redis:
+    async def _beats(self) -> None:
+        redis = AsyncRedis.from_url(self.redis_url)
+        store = Store(redis, self.keys)
+        try:
             while not self.stop.is_set():
                 with contextlib.suppress(Exception):
-                    self._beat(redis)
-                self.stop.wait(1.0)
+                    await self._beat(store)
+                await asyncio.to_thread(self.stop.wait, 1.0)
+        finally:
+            await redis.aclose()
+
+    def _run(self) -> None:
+        asyncio.run(self._beats())
 
     def __enter__(self) -> Heartbeats:
         self.thread.start()

@@ -37,9 +37,10 @@ from typing import Any, TypeVar, cast
 import httptools
 import httpx
 
-from macpool.contract import Keys, NodeDoc, heartbeat_ttl_ms, now_ms, remove_node, write_heartbeat
+from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
 from macpool.procs import Child, ProcessError, macpool_argv
 from macpool.redis_server import RedisServer, free_port
+from macpool.store import Store
 
 MODEL = "sim"
 _MAX_TOKENS = re.compile(rb'"max_tokens":\s*(\d+)')
@@ -286,9 +287,9 @@ async def _heartbeats(
 ) -> None:
     from redis.asyncio import Redis
 
-    keys = Keys()
     config = upstream.config
     redis = Redis.from_url(redis_url)
+    store = Store(redis)
     started = now_ms()
     names = [f"{prefix}{i}" for i in range(config.nodes)]
     try:
@@ -306,13 +307,13 @@ async def _heartbeats(
                     started_at_ms=started,
                     updated_at_ms=now_ms(),
                 )
-                await write_heartbeat(redis, keys, doc, heartbeat_ttl_ms(1.0))
+                await store.heartbeat(doc, heartbeat_ttl_ms(1.0))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
     finally:
         with contextlib.suppress(Exception):
             for name in names:
-                await remove_node(redis, keys, name)
+                await store.deregister(name)
         await redis.aclose()
 
 

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from redis import Redis
+from redis.asyncio import Redis
 from starlette.types import Receive, Scope, Send
 
 from bench.perfkit import (
@@ -45,9 +45,9 @@ from bench.perfkit import (
     pinned,
     wait_nodes,
 )
-from macpool.contract import RESERVE_OR_ENQUEUE, Keys, reserve_argv
 from macpool.errors import error_body
 from macpool.redis_server import free_port
+from macpool.store import Candidate, ReserveRequest, Store
 
 TARGET_REJECTIONS_PER_S = 5000
 TARGET_P99_MS = 5.0
@@ -67,13 +67,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fill(redis_url: str, node_id: str, lease_ms: int = 600_000) -> None:
-    """Reserve the node's only slot through the router's own script (as a never-ending request would)."""
-    with Redis.from_url(redis_url) as redis:
-        keys = Keys()
-        argv = reserve_argv(keys, "bench:holder", lease_ms, [(node_id, 0)])
-        result = redis.eval(RESERVE_OR_ENQUEUE, 0, *argv)
-        if result[0] not in (b"reserved", "reserved"):
-            raise RuntimeError(f"could not fill {node_id}: {result!r}")
+    """Reserve the node's only slot through the router's own store (as a never-ending request would)."""
+
+    async def reserve() -> None:
+        redis = Redis.from_url(redis_url)
+        try:
+            holder = ReserveRequest("bench:holder", [Candidate(node_id)], lease_ms)
+            result = await Store(redis).reserve(holder)
+        finally:
+            await redis.aclose()
+        if result.status != "reserved":
+            raise RuntimeError(f"could not fill {node_id}: {result}")
+
+    asyncio.run(reserve())
 
 
 async def measure(port: int, pid: int, concurrency: int, warmup: float, duration: float) -> dict[str, Any]:

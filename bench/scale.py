@@ -42,19 +42,18 @@ from bench.perfkit import (
     shares,
     wait_nodes,
 )
-from macpool import contract
-from macpool.contract import Keys
+from macpool.store import Keys, Store
+from macpool.store.scripts import source
 
-# commands the contract's Lua scripts run inside Redis (not round trips), read from the scripts themselves
+# commands the store's Lua scripts run inside Redis (not round trips), read from the scripts themselves
 SCRIPT_INNER = {
     name.lower()
-    for script in (contract.RESERVE_OR_ENQUEUE, contract.RELEASE, contract.RENEW, contract.LEAVE_QUEUE,
-                   contract.HEARTBEAT, contract.DEREGISTER)
+    for script in map(source, ("reserve", "release", "renew", "leave", "heartbeat", "deregister"))
     for name in re.findall(r"redis\.p?call\(\s*['\"](\w+)['\"]", script)
 }
-# periodic, whatever the traffic: heartbeats (EVAL of contract.HEARTBEAT; the admission scripts go by EVALSHA)
-# and pool refreshes
-BACKGROUND = {"eval", "multi", "exec", "hset", "zrange", "smembers", "zcount", "hget", "info", "ping"}
+# periodic, whatever the traffic: pool refreshes (the heartbeats are EVALSHA, as the admission scripts are:
+# their rate is measured idle and subtracted)
+BACKGROUND = {"multi", "exec", "hset", "zrange", "smembers", "zcount", "hget", "info", "ping"}
 # once per new connection, not per request
 CONNECTION_SETUP = {"hello", "client|setinfo", "script|exists", "script|load", "select", "client|setname"}
 TARGET_ROUND_TRIPS = 2.0
@@ -140,9 +139,9 @@ async def decision_time(redis_url: str, count: int) -> dict[str, Any]:
 
     settings = Settings(redis_url=redis_url, router_id=f"bench-{uuid.uuid4().hex[:6]}", queue_size=0)
     redis = AsyncRedis.from_url(redis_url)
-    keys = Keys(settings.key_prefix)
-    pool = PoolView(settings, redis, keys)
-    admission = Admission(settings, redis, keys, pool, RouterMetrics())
+    store = Store(redis, Keys(settings.key_prefix))
+    pool = PoolView(settings, store)
+    admission = Admission(settings, store, pool, RouterMetrics())
     await pool.start()
     admission.start()
     acquire_s: list[float] = []

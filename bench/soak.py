@@ -35,9 +35,9 @@ import httpx
 import psutil
 import redis
 
-from macpool.contract import Keys
 from macpool.procs import Child, macpool_argv
 from macpool.redis_server import RedisServer, free_port
+from macpool.store import Keys
 from simulator import tokens
 
 AGENT_TOKEN = "soak-agent-token"

@@ -16,15 +16,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from macpool import __version__
-from macpool.contract import (
-    Keys,
-    MemoryFigures,
-    NodeDoc,
-    NodeState,
-    heartbeat_ttl_ms,
-    now_ms,
-    write_heartbeat,
-)
+from macpool.contract import MemoryFigures, NodeDoc, NodeState, heartbeat_ttl_ms, now_ms
+from macpool.store import Keys, Store
 
 from . import capacity
 from .gguf_info import ModelShape
@@ -188,7 +181,7 @@ class Heartbeat:
 
     def __post_init__(self) -> None:
         settings = self.runtime.settings
-        self.keys = Keys(settings.key_prefix)
+        self.store = Store(self.redis, Keys(settings.key_prefix))
         self.ttl_ms = heartbeat_ttl_ms(settings.heartbeat_interval)
         self.pressure.recover_beats = settings.pressure_recover_beats
 
@@ -384,7 +377,7 @@ class Heartbeat:
         if time.monotonic() < self._redis_retry_at:
             return
         try:
-            holder = await write_heartbeat(self.redis, self.keys, doc, self.ttl_ms)
+            holder = await self.store.heartbeat(doc, self.ttl_ms)
         except (RedisError, OSError) as exc:
             self.runtime.metrics.heartbeat_failures.inc()
             self._redis_backoff = min(max(self._redis_backoff * 2, 0.5), 10.0)
@@ -427,9 +420,7 @@ class Heartbeat:
             log.warning("could not remove the node key on shutdown (%s); it expires with its TTL", exc)
 
     async def remove_node(self) -> None:
-        from macpool.contract import remove_node
-
-        await remove_node(self.redis, self.keys, self.runtime.settings.node_id, self.instance)
+        await self.store.deregister(self.runtime.settings.node_id, self.instance)
 
 
 def _address(redis: Redis) -> str:

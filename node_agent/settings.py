@@ -18,8 +18,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from macpool.contract import DEFAULT_PREFIX
 from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_layered
+from macpool.store import DEFAULT_PREFIX
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
 

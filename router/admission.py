@@ -3,7 +3,9 @@
 The admitted path costs two Redis round trips in all: the reservation (one EVALSHA, which also applies
 prefix affinity, the queue order and the per-key limit) and the release (which hands the slot straight to
 the first queued request that node can serve). Live leases are renewed by one loop for the whole process,
-not one task per request.
+not one task per request. Every Redis call goes through the store (macpool/store). The leases this router
+holds and gives back are router/leases.py, its waiting requests router/waiters.py, the memo of a "full"
+answer router/full_memo.py, Retry-After router/retry_after.py.
 """
 
 from __future__ import annotations
@@ -11,57 +13,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
 import statistics
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
-from redis.asyncio import Redis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from macpool.contract import (
-    LEAVE_QUEUE,
-    RELEASE,
-    RENEW,
-    RESERVE_OR_ENQUEUE,
-    Keys,
-    NodeDoc,
-    Priority,
-    now_ms,
-    reserve_argv,
-    slots_needed,
+from macpool.contract import NodeDoc, Priority, slots_needed
+from macpool.store import (
+    ANONYMOUS,
+    Candidate,
+    Reservation,
+    ReserveRequest,
+    Store,
 )
-from router.loops import every
+from router.full_memo import FullMemo
+from router.leases import Lease as Lease  # (callers take Lease from here, with Admission)
+from router.leases import Leases
 from router.metrics import RouterMetrics
-from router.pipelined import Pipelined
 from router.pool import PoolView
+from router.retry_after import RejectReason, RetryAfter
 from router.settings import Settings
+from router.waiters import Waiters
 
 log = logging.getLogger("macpool.router")
-
-RejectReason = Literal["pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed"]
-AffinityOutcome = Literal["", "hit", "miss", "overridden"]
-ANONYMOUS = "anonymous"  # the tenant of every request when the router has no API keys
 
 # A queued request re-checks on its own this often even if no `freed` message arrives (a message lost
 # during a pub/sub reconnect, or capacity that appeared through a new heartbeat rather than a release).
 SAFETY_RECHECK_S = 0.5
-# Each re-check renews the waiter's place in the queue; a waiter whose router died drops out after this long
-# (and so does a slot handed to it that nobody took).
-QUEUE_LEASE_MS = 3_000
-# After Redis answers "every candidate is full and so is the queue", arrivals for the same model are refused
-# from memory for up to this long, unless an event that may free room arrives first (see PoolView.version):
-# under overload the reject path then costs no Redis round trip at all.
-FULL_MEMO_S = 0.05
 FULL_MESSAGE = "every node is at capacity and the queue is full"
-# how often a reservation that may have been made after its call timed out is given back, until Redis answers
-UNDO_RETRY_S = 1.0
 
 
 class Rejected(Exception):
@@ -96,95 +82,41 @@ class Ticket:
     generations: int = 1
 
 
-@dataclass(eq=False)
-class Lease:
-    """The slots one request reserved on one node, held until released exactly once."""
-
-    request_id: str
-    node: NodeDoc
-    tenant: str = ANONYMOUS
-    slots: int = 1  # one per generation it runs at once (0: not known - however many it holds)
-    acquired_at: float = field(default_factory=time.monotonic)
-    released: bool = False
-    queued_s: float = 0.0
-    affinity: AffinityOutcome = ""
-    local: bool = False  # taken while Redis was unreachable: counted by this router only
-
-
-@dataclass(eq=False)
-class _Waiter:
-    request_id: str
-    nodes: set[str]
-    woken: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class _Attempt:
-    status: str  # reserved, queued, full, shed, limited or offline
-    node_id: str = ""
-    count: int = 0
-    affinity: AffinityOutcome = ""
-    slots: int = 1
-
-
 class Admission:
     def __init__(
-        self, settings: Settings, redis: Redis, keys: Keys, pool: PoolView, metrics: RouterMetrics
+        self, settings: Settings, store: Store, pool: PoolView, metrics: RouterMetrics
     ) -> None:
         self.settings = settings
-        self.redis = redis
-        self.keys = keys
+        self.store = store
         self.pool = pool
         self.metrics = metrics
-        self.lease_ms = max(int(settings.lease_seconds * 1000), 1)
         self.batch_queue_max = int(settings.queue_size * settings.batch_queue_share)
-        self.active: dict[str, Lease] = {}
-        self._waiters: deque[_Waiter] = deque()
-        self._waiting: dict[str, _Waiter] = {}  # request id -> waiter, for `granted` and `shed` messages
-        self._releasing = 0  # releases on their way to Redis (waited for at shutdown: Admission.settle)
-        self._undoing: set[asyncio.Future[None]] = set()  # cancelled requests giving their slot back
+        self.waiters = Waiters()
         # this replica's recent queue waits, for the dashboard: (priority, tenant, seconds)
         self.recent_waits: deque[tuple[str, str, float]] = deque(maxlen=512)
-        # how long this replica's recent requests held their slot, for Retry-After (Little's law)
-        self.recent_holds: deque[float] = deque(maxlen=64)
+        self.retry_after = RetryAfter(settings, pool)
+        self.leases = Leases(settings, store, pool, self.retry_after)
+        self.active = self.leases.active  # request id -> the lease it holds
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
-        self._full: dict[str, tuple[int, float]] = {}  # model -> (pool version, when) of the last "full"
-        self._asking: set[str] = set()  # models whose lapsed "full" one request is asking Redis about again
-        # the reservation, the release and leaving the queue go on one pipelined connection (the request
-        # path's calls); the renewals, batched in a redis-py pipeline, and everything else through redis-py
-        self._pipelined = Pipelined(redis)
-        self._reserve = self._pipelined.register(RESERVE_OR_ENQUEUE)
-        self._release = self._pipelined.register(RELEASE)
-        self._leave = self._pipelined.register(LEAVE_QUEUE)
-        self._renew = redis.register_script(RENEW)
-        self._renewer: asyncio.Task[None] | None = None
-        pool.freed_listeners.append(self.wake)
-        pool.waiter_listeners.append(self.wake_request)
+        self.full = FullMemo(lambda: pool.version)
+        pool.freed_listeners.append(self.waiters.wake)
+        pool.waiter_listeners.append(self.waiters.wake_request)
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> None:
-        interval = self.settings.lease_seconds / 3
-        self._renewer = asyncio.create_task(every(interval, self.renew_all, "lease renewal"))
+        self.leases.start()
 
     async def settle(self, within: float) -> None:
         """Wait (up to ``within`` seconds) until no request holds a lease or a queue place and no release is
         on its way: at shutdown, the requests the server has just cancelled give them back in their own
         cleanup, which needs Redis still open."""
         deadline = time.monotonic() + within
-        while (self.active or self._waiting or self._releasing) and time.monotonic() < deadline:  # noqa: ASYNC110 (once, at shutdown)
+        while (self.leases.busy() or self.waiters) and time.monotonic() < deadline:  # noqa: ASYNC110 (once, at shutdown)
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
-            self._renewer = None
-        for task in list(self._undoing):  # (give-backs still waiting for Redis: their leases expire)
-            task.cancel()
-        await asyncio.gather(*self._undoing, return_exceptions=True)
-        self._pipelined.close()
+        await self.leases.stop()
 
     # --- acquire / release -------------------------------------------------------------------------
 
@@ -205,29 +137,22 @@ class Admission:
         """
         ticket = ticket or Ticket()
         docs = candidates()
-        if self.known_full(ticket.model):
+        if self.full.knows_full(ticket.model):
             raise self.reject("pool_full", FULL_MESSAGE)
         if not docs:  # none of the model's nodes can run it now (too small for its generations, or tried)
             raise self.reject("pool_full", "no node that could run this request is ready for it")
         request_id = f"{self.settings.router_id}:{uuid.uuid4().hex}"
         # a "full" that lapsed by age: this request asks Redis again for every request of the model
-        asking = ticket.model in self._full
-        if asking:
-            self._asking.add(ticket.model)
-        try:
+        with self.full.asking(ticket.model) as asked_again:
             attempt = await self._try(request_id, docs, ticket, tried, dequeue=False)
-        finally:
-            if asking:
-                self._asking.discard(ticket.model)
-        if attempt.status == "full" and ticket.priority == "interactive" and ticket.generations == 1:
-            # (a batch request's "full" may leave room for an interactive one, which displaces queued batch)
-            self._full[ticket.model] = (self.pool.version, time.monotonic())
-        elif asking:
-            self._full.pop(ticket.model, None)
+        # (a batch request's "full" may leave room for an interactive one, which displaces queued batch)
+        anywhere = ticket.priority == "interactive" and ticket.generations == 1
+        full = anywhere and attempt is not None and attempt.status == "full"
+        self.full.answered(ticket.model, full, asked_again)
+        if attempt is None:
+            return self._local_lease(request_id, docs, ticket)
         if attempt.status == "reserved":
             return self._lease(request_id, docs, attempt, ticket)
-        if attempt.status == "offline":
-            return self._local_lease(request_id, docs, ticket)
         self._refuse(attempt, ticket)
         return await self._wait(request_id, candidates, docs, ticket, tried)
 
@@ -241,9 +166,7 @@ class Admission:
     ) -> Lease:
         started = time.monotonic()
         deadline = started + self.settings.queue_timeout
-        waiter = _Waiter(request_id, nodes={doc.node_id for doc in docs})
-        self._waiters.append(waiter)
-        self._waiting[request_id] = waiter
+        waiter = self.waiters.add(request_id, {doc.node_id for doc in docs})
         admitted = False
         try:
             while True:
@@ -256,7 +179,7 @@ class Admission:
                 docs = candidates()
                 waiter.nodes = {doc.node_id for doc in docs}
                 attempt = await self._try(request_id, docs, ticket, tried, dequeue=True)
-                if attempt.status == "offline":
+                if attempt is None:
                     admitted = True
                     return self._local_lease(request_id, docs, ticket)
                 if attempt.status == "reserved":
@@ -270,154 +193,36 @@ class Admission:
                     return lease
                 self._refuse(attempt, ticket)  # shed, limited, or our entry expired and others took the room
         finally:
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
-            self._waiting.pop(request_id, None)
+            self.waiters.remove(waiter)
             if not admitted:
                 # (a waiter running several generations: the free slots its nodes held back for it go on)
                 await self._leave_queue(request_id, sorted(waiter.nodes) if ticket.generations > 1 else [])
 
     def remembers_full(self) -> bool:
         """Whether a "full" answer is remembered for some model (it may have lapsed since)."""
-        return bool(self._full)
+        return self.full.remembers()
 
     def known_full(self, model: str) -> bool:
-        """Whether Redis said ``model``'s nodes and the queue were full less than FULL_MEMO_S ago (or one
-        request is asking again since), with no event since that may have freed room."""
-        memo = self._full.get(model)
-        if memo is None:
-            return False
-        version, when = memo
-        if version != self.pool.version:
-            del self._full[model]
-            return False
-        # lapsed by age: one request asks Redis again (acquire), the others keep the answer until it is back -
-        # without this every request arriving meanwhile asked too, a burst of round trips 20 times a second
-        return time.monotonic() - when < FULL_MEMO_S or model in self._asking
+        """Whether arrivals for ``model`` are refused from memory (router/full_memo.py)."""
+        return self.full.knows_full(model)
 
-    def _refuse(self, attempt: _Attempt, ticket: Ticket) -> None:
+    def _refuse(self, attempt: Reservation, ticket: Ticket) -> None:
         """Raise for every outcome but ``queued``."""
         if attempt.status == "full":
             raise self.reject("pool_full", FULL_MESSAGE)
         if attempt.status == "shed":
             raise self.reject("batch_shed", "the pool is saturated: batch requests are shed first")
         if attempt.status == "limited":
-            raise Limited(ticket.tenant, ticket.key_limit, self.retry_after_limited(ticket.key_limit))
+            raise Limited(ticket.tenant, ticket.key_limit, self.retry_after.limited(ticket.key_limit))
 
     async def release(self, lease: Lease, failed: bool = False) -> None:
-        """Give the slot back (exactly once; safe to call again, and from a cancelled task). A slot the
-        node ``failed`` on is not handed to a queued request, who would only meet the same failure."""
-        if lease.released:
-            return
-        lease.released = True
-        self.active.pop(lease.request_id, None)
-        if not failed:
-            self.recent_holds.append(time.monotonic() - lease.acquired_at)
-        if lease.local:
-            self.pool.freed.mark()
-            return
-        node_id = lease.node.node_id
-        self._releasing += 1
-        try:
-            if not await self._release_in_redis(lease, node_id, failed):
-                # Redis did not answer: the release may never have reached it (its connection was dropped)
-                self._undo(lease.request_id, [node_id], lease.tenant, dropped=True, warn=False, failed=failed)
-        finally:
-            self._releasing -= 1
-
-    async def _release_in_redis(self, lease: Lease, node_id: str, failed: bool, warn: bool = True) -> bool:
-        """Run RELEASE; False when Redis did not answer."""
-        failure = "TimeoutError"
-        with anyio.move_on_after(5, shield=True):
-            try:
-                args: list[str | int] = [
-                    self.keys.prefix, now_ms(), QUEUE_LEASE_MS, lease.request_id, node_id, lease.tenant,
-                    "1" if failed else "0", lease.slots,
-                ]
-                await self._release(args=args)
-                return True
-            except Exception as exc:
-                failure = type(exc).__name__
-        if warn:
-            ids = {"node": node_id, "lease": lease.request_id}
-            log.warning("release of %s on %s failed (%s); retried until Redis answers, or the lease expires",
-                        lease.request_id, node_id, failure, extra=ids)
-        return False
-
-    def _undo(
-        self, request_id: str, node_ids: list[str], tenant: str, dropped: bool = False, warn: bool = True,
-        failed: bool = False,
-    ) -> None:
-        """Release whatever ``request_id`` holds on ``node_ids`` (a release of nothing changes nothing).
-
-        ``dropped``: the call being undone went on a connection given up for lost (a timeout), so its script
-        may reach Redis after this release, on another connection: the release is tried every second until
-        Redis answers, then once more a second later, and no longer than the lease it would undo. ``warn``:
-        its first failure is logged (not when the caller's own release has just been). ``failed``: the node
-        failed the request (its slots are not handed to a waiter, as in ``release``).
-        """
-        passes = 2 if dropped else 1
-        deadline = time.monotonic() + self.lease_ms / 1000
-
-        async def undo() -> None:
-            try:
-                left, done, warned = list(node_ids), 0, not warn
-                while True:
-                    for node_id in list(left):
-                        lease = Lease(request_id, NodeDoc(node_id=node_id, url=""), tenant, slots=0)
-                        if await self._release_in_redis(lease, node_id, failed, warn=not warned):
-                            left.remove(node_id)
-                    warned = True  # (one line per give-back, not one per retry)
-                    if not left:
-                        done += 1
-                        left = list(node_ids)
-                    if done == passes or not dropped or time.monotonic() >= deadline:
-                        return
-                    await asyncio.sleep(UNDO_RETRY_S)
-            finally:
-                self._releasing -= 1
-                self._undoing.discard(task)
-
-        self._releasing += 1
-        task = asyncio.ensure_future(undo())
-        self._undoing.add(task)  # (a reference, or the task may be collected before it runs)
+        """Give the slot back, exactly once (router/leases.py)."""
+        await self.leases.release(lease, failed)
 
     def reject(self, reason: RejectReason, message: str) -> Rejected:
         rejected = Rejected(reason, message)
-        rejected.retry_after = self.retry_after(reason)
+        rejected.retry_after = self.retry_after.seconds(reason)
         return rejected
-
-    def retry_after(self, reason: RejectReason) -> int:
-        """Whole seconds until a slot is likely free, from the observed rate of releases (1..30)."""
-        if reason in ("no_nodes", "pool_unavailable"):
-            seconds = max(self.settings.stale_after, 1.0)
-        else:
-            rate = self.release_rate()
-            snapshot = self.pool.snapshot  # (in slots, as the rate is: a waiter may run several generations)
-            waiting = max(snapshot.queued_slots, snapshot.queue_depth) + 1
-            seconds = waiting / rate if rate > 0 else max(self.settings.queue_timeout, 1.0)
-        return min(30, max(1, math.ceil(seconds)))
-
-    def release_rate(self) -> float:
-        """Slots freed per second pool-wide: the rate observed over the last 30 s, or - when more - the busy
-        slots over the mean time this replica's recent requests held theirs (Little's law).
-
-        The observed rate alone lags: at the start of a burst after a quiet spell the window holds a
-        release or two spread over 30 s, and (queue + 1) / rate came out at the 30 s clamp for a pool whose
-        slots were freeing every second.
-        """
-        observed = self.pool.freed.rate()
-        if not self.recent_holds:
-            return observed
-        busy, held = self.pool.busy(), statistics.fmean(self.recent_holds)
-        return max(observed, busy / held) if busy and held > 0 else observed
-
-    def retry_after_limited(self, limit: int) -> int:
-        """Seconds until one of a tenant's ``limit`` requests is likely done (Little's law on the pool)."""
-        rate = self.release_rate()
-        busy = self.pool.busy()
-        mean_duration = busy / rate if rate > 0 and busy else 1.0
-        return min(30, max(1, math.ceil(mean_duration / max(limit, 1))))
 
     # --- reporting ---------------------------------------------------------------------------------
 
@@ -441,96 +246,47 @@ class Admission:
             },
         }
 
-    # --- queue wake-up -----------------------------------------------------------------------------
-
-    def wake(self, node_id: str) -> None:
-        """A slot was freed on ``node_id`` (and no queued request was handed it): wake one waiter to look."""
-        for waiter in self._waiters:
-            if not waiter.woken.is_set() and (node_id in waiter.nodes or not waiter.nodes):
-                waiter.woken.set()
-                return
-
-    def wake_request(self, request_id: str) -> None:
-        """A release handed ``request_id`` a slot, or an interactive request took its place."""
-        waiter = self._waiting.get(request_id)
-        if waiter is not None:
-            waiter.woken.set()
-
-    # --- renewal -----------------------------------------------------------------------------------
-
-    async def renew_all(self) -> None:
-        leases = [lease for lease in self.active.values() if not lease.local]
-        if not leases:
-            return
-        expiry = now_ms() + self.lease_ms
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lease in leases:
-                await self._renew(
-                    keys=[self.keys.reservations(lease.node.node_id), self.keys.tenant(lease.tenant)],
-                    args=[lease.request_id, expiry, self.lease_ms, lease.slots],
-                    client=pipe,
-                )
-            results = await pipe.execute()
-        for lease, result in zip(leases, results, strict=True):
-            if result != 2:
-                continue
-            ids = {"node": lease.node.node_id, "lease": lease.request_id}
-            if lease.released:
-                # released while the renewal was on its way: if the release ran first, the renewal
-                # brought the lease back - take it out again (a no-op if the release ran after it)
-                members = [lease.request_id, *(f"{lease.request_id}#{i}" for i in range(2, lease.slots + 1))]
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.zrem(self.keys.reservations(lease.node.node_id), *members)
-                    pipe.zrem(self.keys.tenant(lease.tenant), lease.request_id)
-                    await pipe.execute()
-                continue
-            log.warning("lease %s on %s was gone from Redis (restarted empty, or the lease had expired); "
-                        "counted again", lease.request_id, lease.node.node_id, extra=ids)
-
     # --- Redis calls -------------------------------------------------------------------------------
 
     async def _try(
         self, request_id: str, docs: list[NodeDoc], ticket: Ticket, tried: Collection[str], dequeue: bool
-    ) -> _Attempt:
+    ) -> Reservation | None:
+        """One reservation attempt; None when Redis is unreachable (the router admits from its own view)."""
         settings = self.settings
-        args = reserve_argv(
-            self.keys, request_id, self.lease_ms, [(doc.node_id, doc.tokens_per_s) for doc in docs],
+        request = ReserveRequest(
+            request_id, [Candidate(doc.node_id, doc.tokens_per_s) for doc in docs], self.leases.lease_ms,
             queue_size=settings.queue_size, enqueue=True, dequeue=dequeue, priority=ticket.priority,
             tenant=ticket.tenant, model=ticket.model, key_limit=ticket.key_limit,
             batch_queue_max=self.batch_queue_max,
             prefixes=ticket.prefixes if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
-            affinity_max_entries=settings.affinity_max_entries, queue_lease_ms=QUEUE_LEASE_MS,
-            excluded=self._excluded(tried), generations=ticket.generations,
+            affinity_max_entries=settings.affinity_max_entries, excluded=self._excluded(tried),
+            generations=ticket.generations,
         )
         try:
-            raw = await self._reserve(args=args)
+            attempt = await self.store.reserve(request)
         except asyncio.CancelledError:
             # the client left while the script was on its way: it may have reserved a slot all the same,
             # which nobody would hold (or renew) - it is given back, on whichever candidate it was taken
-            self._undo(request_id, [doc.node_id for doc in docs], ticket.tenant)
+            self.leases.give_back(request_id, [doc.node_id for doc in docs], ticket.tenant)
             raise
         except Exception as exc:
             log.warning("reservation failed: %s: %s", type(exc).__name__, exc)
             if isinstance(exc, RedisTimeoutError):
                 # written, but Redis did not answer in time: the script may still run once Redis goes on (its
                 # connection dropped, so the give-back waits for Redis and goes twice: see _undo)
-                self._undo(request_id, [doc.node_id for doc in docs], ticket.tenant, dropped=True)
+                self.leases.give_back(request_id, [doc.node_id for doc in docs], ticket.tenant, dropped=True)
             if self.pool.redis_ok:
                 # one failed call is not an outage (the pool view's refresh decides that, every second):
                 # admitting past Redis now would let replicas over-fill a node they cannot see
                 message = "the pool's coordination store did not answer"
                 raise self.reject("pool_unavailable", message) from None
-            return _Attempt("offline")
-        affinity = _text(raw[3])
-        attempt = _Attempt(_text(raw[0]), _text(raw[1]), int(raw[2]), affinity)  # type: ignore[arg-type]
-        if len(raw) > 4:
-            attempt.slots = int(raw[4])
+            return None
         if attempt.status == "queued":
             self.pool.snapshot.queue_depth = attempt.count
-        if affinity in self.affinity_counts:
-            self.affinity_counts[affinity] += 1
-            self.metrics.affinity.labels(outcome=affinity).inc()
+        if attempt.affinity:
+            self.affinity_counts[attempt.affinity] += 1
+            self.metrics.affinity.labels(outcome=attempt.affinity).inc()
         return attempt
 
     def _excluded(self, tried: Collection[str]) -> list[str]:
@@ -554,26 +310,21 @@ class Admission:
         if not free:
             raise self.reject("pool_full", "every node is at capacity (coordination store unreachable)")
         node = min(free, key=lambda d: (mine.get(d.node_id, 0) / d.capacity, random.random()))
-        lease = Lease(request_id, node, ticket.tenant, slots=need[node.node_id], local=True)
-        self.active[request_id] = lease
-        return lease
+        return self.leases.hold(Lease(request_id, node, ticket.tenant, slots=need[node.node_id], local=True))
 
-    def _lease(self, request_id: str, docs: list[NodeDoc], attempt: _Attempt, ticket: Ticket) -> Lease:
+    def _lease(self, request_id: str, docs: list[NodeDoc], attempt: Reservation, ticket: Ticket) -> Lease:
         node_id = attempt.node_id
         node = next(doc for doc in docs if doc.node_id == node_id)
         lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, slots=attempt.slots,
                       affinity=attempt.affinity)
-        self.active[request_id] = lease
+        self.leases.hold(lease)
         self.pool.reserved(node_id, attempt.count)
         return lease
 
     async def _leave_queue(self, request_id: str, nodes: list[str]) -> None:
         with anyio.move_on_after(5, shield=True):
             try:
-                await self._leave(args=[self.keys.prefix, now_ms(), QUEUE_LEASE_MS, request_id, *nodes])
+                await self.store.leave_queue(request_id, nodes)
             except Exception as exc:  # the queue entry expires on its own
                 log.warning("leaving the queue failed: %s", type(exc).__name__)
 
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -15,7 +15,7 @@ The model name seeds the chain (the same text sent to two models shares no cache
 even parse them out of a request body shorter than that). At most
 :data:`MAX_PREFIXES` hashes are kept per request: the two shortest (a shared system prompt) and the
 longest ones (the conversation so far), of the first :data:`MAX_PARTS` messages or blocks. Admission
-(``macpool.contract.RESERVE_OR_ENQUEUE``) looks them up longest first in Redis, shared by every router
+(``macpool/store/reserve.lua``) looks them up longest first in Redis, shared by every router
 replica, and records them for the node it picks.
 """
 

@@ -31,10 +31,11 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
 from macpool.asgi import BodyTooLarge, TrailingSlash, UpgradeWithBody, answering_shutdown, read_body
-from macpool.contract import Keys, Priority, generations
+from macpool.contract import Priority, generations
 from macpool.errors import error_response
 from macpool.settings import origin_list
-from router.admission import ANONYMOUS, Admission, Ticket
+from macpool.store import ANONYMOUS, Keys, Store
+from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
 from router.forward import Call, Forwarder, new_transport
@@ -93,8 +94,9 @@ class Router:
         redis = redis_client(self.settings)
         transport = new_transport()
         tenants = [key.tenant for key in self.api_keys.keys] or [ANONYMOUS]
-        pool = PoolView(self.settings, redis, self.keys, tenants)
-        admission = Admission(self.settings, redis, self.keys, pool, self.metrics)
+        store = Store(redis, self.keys)
+        pool = PoolView(self.settings, store, tenants)
+        admission = Admission(self.settings, store, pool, self.metrics)
         forwarder = Forwarder(self.settings, transport, pool, admission, self.metrics)
         try:
             await pool.start()

@@ -16,19 +16,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import ValidationError
-from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-
-from macpool.contract import Keys, NodeDoc, PoolSnapshot, now_ms, read_pool
+from macpool.contract import NodeDoc, now_ms
+from macpool.store import PoolSnapshot, Store
+from macpool.store.events import Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
 from router.loops import every
 from router.metrics import RouterMetrics
-from router.pipelined import raw_capable, subscribe
 from router.settings import Settings
 
 log = logging.getLogger("macpool.router")
 
 CircuitState = Literal["closed", "open", "half_open"]
+# while Redis is away, the events channel is subscribed to again after this delay, doubled per failure
+LISTEN_BACKOFF_MIN_S = 0.1
+LISTEN_BACKOFF_MAX_S = 2.0
 
 
 class NoNodes(Exception):
@@ -76,12 +76,11 @@ class Circuit:
 class PoolView:
     """Nodes, reservations, drained set and queue depth as last heard from Redis."""
 
-    def __init__(
-        self, settings: Settings, redis: Redis, keys: Keys, tenants: list[str] | None = None
-    ) -> None:
+    def __init__(self, settings: Settings, store: Store, tenants: list[str] | None = None) -> None:
         self.settings = settings
-        self.redis = redis
-        self.keys = keys
+        self.store = store
+        self.redis = store.redis
+        self.keys = store.keys
         self.tenants = tenants or []  # whose requests in flight the refresh counts (the configured API keys)
         self.snapshot = PoolSnapshot()
         self.redis_ok = False
@@ -121,7 +120,7 @@ class PoolView:
         """Re-read the whole pool (catches expired heartbeats and anything pub/sub missed); while Redis is
         unreachable, keep the last view."""
         try:
-            snapshot = await read_pool(self.redis, self.keys, self.tenants)
+            snapshot = await self.store.read_pool(self.tenants)
         except Exception as exc:
             self._redis_failed("pool refresh", exc)
             return
@@ -130,6 +129,7 @@ class PoolView:
         if self._outage_logged:
             self._outage_logged = False
             log.info("redis at %s answers again; pool view refreshed", self._address)
+            await self._drop_idle_connections()
         self.version += 1
         for doc in snapshot.nodes.values():
             self._heard(doc)
@@ -139,27 +139,41 @@ class PoolView:
                 self._forget(node_id)
 
     async def _listen(self) -> None:
-        raw = raw_capable(self.redis)
+        """Follow the events channel, subscribing again (with backoff) whenever the connection is lost."""
+        delay = LISTEN_BACKOFF_MIN_S
+        subscribed = False
         while True:
             try:
-                if raw:  # its own connection, each message handled as it is read (router/pipelined.py)
-                    subscription = await subscribe(self.redis, self.keys.events, self._on_event)
-                    try:
-                        await subscription.closed
-                    finally:
-                        subscription.close()
-                    raise RedisConnectionError("the events connection was lost")
-                async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:  # TLS: redis-py
+                async with self.redis.pubsub() as pubsub:
                     await pubsub.subscribe(self.keys.events)
                     while True:
-                        message = await pubsub.get_message(timeout=1.0)
-                        if message is not None:
-                            self.apply(_text(message["data"]))
+                        message = await pubsub.get_message(timeout=None)
+                        if message is None:
+                            continue
+                        if message["type"] == "subscribe":
+                            # subscribed, by this loop or by redis-py after it reconnected on its own: the
+                            # events published while nobody listened are lost, so the pool is read again
+                            delay = LISTEN_BACKOFF_MIN_S
+                            if subscribed:  # again: the connection was lost, Redis may have restarted
+                                await self._drop_idle_connections()
+                            subscribed = True
+                            await self.refresh()
+                        elif message["type"] == "message":
+                            self._on_event(message["data"])
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self._redis_failed("pool events", exc)
-                await asyncio.sleep(0.5)  # then subscribe again; the refresh covers what was missed
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, LISTEN_BACKOFF_MAX_S)
+
+    async def _drop_idle_connections(self) -> None:
+        """Close the pooled connections idle since before Redis went away: a restarted Redis closed them, and
+        they would stay half-closed until each is next used."""
+        try:
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
+        except Exception as exc:  # (closing a dead connection can fail; the next use replaces it anyway)
+            log.debug("closing idle Redis connections: %s: %s", type(exc).__name__, exc)
 
     def _redis_failed(self, where: str, exc: Exception) -> None:
         """Redis did not answer: one warning per outage (the refresh and the events retry every second)."""
@@ -175,49 +189,52 @@ class PoolView:
         return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
     def _on_event(self, data: bytes) -> None:
-        self.apply(data.decode())
+        try:
+            self.apply(data.decode())
+        except Exception:  # one message that cannot be applied must not end the subscription
+            log.exception("pool events: a message could not be applied")
 
     # --- events ------------------------------------------------------------------------------------
 
     def apply(self, message: str) -> None:
-        """Apply one message of the events channel (see macpool.contract)."""
-        kind, _, rest = message.partition(" ")
-        if kind != "node":
+        """Apply one message of the events channel (macpool/store/events.py)."""
+        event = parse_event(message)
+        if event is None:
+            log.warning("pool events: unreadable message ignored: %.80s", message)
+            return
+        if not isinstance(event, Heartbeat):
             self.version += 1
-        if kind == "node":
-            try:
-                doc = NodeDoc.decode(rest)
-            except ValidationError:
-                log.warning("pool events: undecodable heartbeat ignored")
-                return
-            previous = self.snapshot.nodes.get(doc.node_id)
-            if previous is None or (previous.capacity, previous.state) != (doc.capacity, doc.state):
-                self.version += 1
-            self._heard(doc)
-            self.snapshot.nodes[doc.node_id] = doc
-            self.snapshot.reservations.setdefault(doc.node_id, 0)
-        elif kind == "gone":
-            self._forget(rest)
-        elif kind == "freed":
-            self.freed.mark()
-            if self.snapshot.reservations.get(rest, 0) > 0:
-                self.snapshot.reservations[rest] -= 1
-            for listener in self.freed_listeners:
-                listener(rest)
-        elif kind == "granted":  # slots freed and handed straight to a queued request: "rid node k"
-            request_id, _, handed = rest.partition(" ")
-            slots = handed.partition(" ")[2]  # (none: published by an older router's script, one slot)
-            for _ in range(int(slots) if slots.isdigit() else 1):
+        match event:
+            case Heartbeat(doc):
+                self._heartbeat(doc)
+            case Gone(node_id):
+                self._forget(node_id)
+            case Freed(node_id):
                 self.freed.mark()
-            for listener in self.waiter_listeners:
-                listener(request_id)
-        elif kind == "shed":
-            for listener in self.waiter_listeners:
-                listener(rest)
-        elif kind == "drain":
-            self.snapshot.drained.add(rest)
-        elif kind == "undrain":
-            self.snapshot.drained.discard(rest)
+                if self.snapshot.reservations.get(node_id, 0) > 0:
+                    self.snapshot.reservations[node_id] -= 1
+                for listener in self.freed_listeners:
+                    listener(node_id)
+            case Granted(request_id, _, slots):  # slots freed and handed straight to a queued request
+                for _ in range(slots):
+                    self.freed.mark()
+                for listener in self.waiter_listeners:
+                    listener(request_id)
+            case Shed(request_id):
+                for listener in self.waiter_listeners:
+                    listener(request_id)
+            case Drained(node_id, True):
+                self.snapshot.drained.add(node_id)
+            case Drained(node_id, False):
+                self.snapshot.drained.discard(node_id)
+
+    def _heartbeat(self, doc: NodeDoc) -> None:
+        previous = self.snapshot.nodes.get(doc.node_id)
+        if previous is None or (previous.capacity, previous.state) != (doc.capacity, doc.state):
+            self.version += 1
+        self._heard(doc)
+        self.snapshot.nodes[doc.node_id] = doc
+        self.snapshot.reservations.setdefault(doc.node_id, 0)
 
     def reserved(self, node_id: str, count: int) -> None:
         """A reservation answer told us the exact count on a node."""

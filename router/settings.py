@@ -11,8 +11,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from macpool.contract import DEFAULT_PREFIX
 from macpool.settings import ConfigError, Origins, RedisUrl, UserPath, load_layered
+from macpool.store import DEFAULT_PREFIX
 
 __all__ = ["ConfigError", "Settings", "load_settings"]
 

@@ -23,9 +23,10 @@ import httpx
 import pytest
 import redis
 
-from macpool.contract import Keys, now_ms
+from macpool.contract import now_ms
 from macpool.procs import Child, macpool_argv
 from macpool.redis_server import free_port
+from macpool.store import Keys
 from tests.e2e.conftest import real_setup, wait_until
 
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow]

@@ -14,7 +14,8 @@ import redis
 import uvloop
 from gguf import GGUFWriter
 
-from macpool.contract import Keys, NodeDoc
+from macpool.contract import NodeDoc
+from macpool.store import Keys
 from tests.conftest import Server
 from tests.conftest import wait_until as wait_until
 

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from redis.asyncio import Redis
 
-from macpool.contract import Keys, NodeDoc, now_ms, remove_node, write_heartbeat
+from macpool.contract import NodeDoc, now_ms
+from macpool.store import Keys, Store
 from tests.conftest import Server, metric
 from tests.node_agent.helpers import AgentFactory, read_node, status, wait_until
 from tests.node_agent.test_agent_heartbeat import logged
@@ -29,29 +30,30 @@ def test_the_agent_started_last_holds_the_id_in_the_contract(redis_url: str) -> 
     async def scenario() -> None:
         redis = Redis.from_url(redis_url)
         keys = Keys()
+        store = Store(redis, keys)
         pubsub = redis.pubsub()
         await pubsub.subscribe(keys.events)
         assert (await pubsub.get_message(timeout=5))["type"] == "subscribe"  # type: ignore[index]
         try:
             old, new = doc("old", 1_000), doc("new", 2_000)
-            assert await write_heartbeat(redis, keys, old, 5_000) is None
-            assert await write_heartbeat(redis, keys, new, 5_000) is None  # a later start takes the id over
+            assert await store.heartbeat(old, 5_000) is None
+            assert await store.heartbeat(new, 5_000) is None  # a later start takes the id over
             # the old one, draining: refused, told who holds the id; the record is the new one's
-            assert await write_heartbeat(redis, keys, doc("old", 1_000, "draining"), 5_000) == "http://new"
+            assert await store.heartbeat(doc("old", 1_000, "draining"), 5_000) == "http://new"
             raw = await redis.hget(keys.node("n1"), "doc")
             assert raw is not None and NodeDoc.decode(raw).instance == "new"
             assert NodeDoc.decode(raw).state == "ready"
             # nor can it deregister the new one
-            assert await remove_node(redis, keys, "n1", "old") is False
+            assert await store.deregister("n1", "old") is False
             assert await redis.exists(keys.node("n1")) == 1
             assert await redis.zscore(keys.nodes, "n1") is not None
             # the holder can; then the id is free for the old one again
-            assert await remove_node(redis, keys, "n1", "new") is True
+            assert await store.deregister("n1", "new") is True
             assert await redis.exists(keys.node("n1")) == 0
-            assert await write_heartbeat(redis, keys, doc("old", 1_000), 5_000) is None
+            assert await store.heartbeat(doc("old", 1_000), 5_000) is None
             # a tie on the start time is settled by the instance, the same way by both
-            assert await write_heartbeat(redis, keys, doc("zzz", 1_000), 5_000) is None
-            assert await write_heartbeat(redis, keys, doc("old", 1_000), 5_000) == "http://zzz"
+            assert await store.heartbeat(doc("zzz", 1_000), 5_000) is None
+            assert await store.heartbeat(doc("old", 1_000), 5_000) == "http://zzz"
             messages = []
             while (message := await pubsub.get_message(timeout=0.2)) is not None:
                 kind, body = message["data"].decode().split(" ", 1)

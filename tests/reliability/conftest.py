@@ -14,8 +14,9 @@ import httpx
 import pytest
 import redis
 
-from macpool.contract import Keys, now_ms
+from macpool.contract import now_ms
 from macpool.redis_server import RedisServer
+from macpool.store import Keys
 from tests.conftest import Node as Node
 from tests.conftest import Server, SpawnFactory
 from tests.conftest import chat as chat

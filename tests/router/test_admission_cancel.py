@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from macpool.contract import RESERVE_OR_ENQUEUE, Keys, now_ms, reserve_argv
+from macpool.contract import now_ms
 from macpool.redis_server import RedisServer
+from macpool.store import Candidate, Keys, ReserveRequest, Store
 from router.admission import Admission, Rejected, Ticket
 from router.settings import Settings
 from tests.router.test_admission_memo import NODE, one_node_pool
@@ -34,7 +35,7 @@ def test_a_reservation_made_for_a_request_cancelled_meanwhile_is_given_back(redi
             await asyncio.gather(request, return_exceptions=True)
             assert admission.active == {}
             for _ in range(100):  # the release goes once Redis answers again (without it: a 30 s lease)
-                if await redis.zcount(slots, now_ms(), "+inf") == 0 and not admission._releasing:
+                if await redis.zcount(slots, now_ms(), "+inf") == 0 and not admission.leases.busy():
                     break
                 await asyncio.sleep(0.02)
             assert await redis.zcount(slots, now_ms(), "+inf") == 0
@@ -113,9 +114,8 @@ def test_a_release_tried_again_still_says_the_node_failed(redis_url: str) -> Non
         async with impatient_pool(redis_url) as (redis, admission):
             lease = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             # another router's request waits for node a's one slot
-            args = reserve_argv(Keys(), "other:w", 60_000, [("a", 0)], queue_size=8, enqueue=True, model="m",
-                                queue_lease_ms=3_000)
-            assert (await redis.eval(RESERVE_OR_ENQUEUE, 0, *args))[0] == b"queued"
+            other = ReserveRequest("other:w", [Candidate("a")], 60_000, queue_size=8, enqueue=True, model="m")
+            assert (await Store(redis).reserve(other)).status == "queued"
             events = redis.pubsub()
             await events.subscribe(Keys().events)
             await redis.execute_command("CLIENT", "PAUSE", 800, "WRITE")

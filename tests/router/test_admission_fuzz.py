@@ -35,26 +35,18 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import redis
 
-from macpool.contract import (
-    LEAVE_QUEUE,
-    RELEASE,
-    RENEW,
-    RESERVE_OR_ENQUEUE,
-    Keys,
-    Priority,
-    reserve_argv,
-    slots_needed,
-)
+from macpool.contract import Priority, slots_needed
+from macpool.store import Candidate, Keys, Lease, Release, Reservation, ReserveRequest
+from tests.blocking_store import BlockingStore
 
 KEYS = Keys()
 LEASE = 60_000
 QUEUE_LEASE = 3_000
-AFFINITY_SKIP, MAX_PASSES = 8, 4  # as in the scripts' prelude
+AFFINITY_SKIP, MAX_PASSES = 8, 4  # as in macpool/store/lib.lua
 SEEDS = int(os.environ.get("MACPOOL_FUZZ_SEEDS", "8"))
 OPS = int(os.environ.get("MACPOOL_FUZZ_OPS", "250"))
 
@@ -232,10 +224,7 @@ class Fuzz:
         self.rng = rng = random.Random(seed)
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.r.flushall()
-        self.reserve = self.r.register_script(RESERVE_OR_ENQUEUE)
-        self.release_script = self.r.register_script(RELEASE)
-        self.leave_script = self.r.register_script(LEAVE_QUEUE)
-        self.renew_script = self.r.register_script(RENEW)
+        self.api = BlockingStore(url, KEYS)
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(KEYS.events)
         self.syncs = 0
@@ -256,6 +245,7 @@ class Fuzz:
     def close(self) -> None:
         self.pubsub.close()
         self.r.close()
+        self.api.close()
 
     # --- calls, as routers make them ----------------------------------------------------------------
 
@@ -280,25 +270,29 @@ class Fuzz:
                 out.append(node)
         return out
 
-    def ask(self, req: Request, nodes: list[str], dequeue: bool) -> list[Any]:
+    def ask(self, req: Request, nodes: list[str], dequeue: bool) -> Reservation:
         # distinct tokens/s per node: ties in utilisation are broken by speed, never by the random number
-        args = reserve_argv(
-            KEYS, req.rid, LEASE, [(n, float(self.nodes.index(n) + 1)) for n in nodes],
+        request = ReserveRequest(
+            req.rid, [Candidate(n, float(self.nodes.index(n) + 1)) for n in nodes], LEASE,
             queue_size=self.queue_size, enqueue=True, dequeue=dequeue, priority=req.priority,
             tenant=req.tenant, model=req.model, key_limit=self.key_limit, batch_queue_max=self.batch_max,
             prefixes=req.prefixes, queue_lease_ms=QUEUE_LEASE, excluded=sorted(req.excluded),
-            generations=req.gens, now=self.now,
+            generations=req.gens,
         )
         req.nodes = nodes
-        reply: list[Any] = self.reserve(args=args)
-        status = reply[0]
-        if status == "reserved":
-            req.state, req.node, req.slots = "running", reply[1], int(reply[4])
-        elif status == "queued":
+        reply = self.api.run(self.api.store.reserve(request, self.now))
+        if reply.status == "reserved":
+            req.state, req.node, req.slots = "running", reply.node_id, reply.slots
+        elif reply.status == "queued":
             req.state, req.queued = "waiting", True
         else:
             req.state = "done"
         return reply
+
+    def renew(self, req: Request, now: int) -> bool:
+        """Renew its lease until now + LEASE; True when it was gone (and was counted again)."""
+        lease = Lease(req.rid, req.node, req.tenant, req.slots)
+        return self.api.run(self.api.store.renew([lease], LEASE, now))[0]
 
     def arrive(self, req: Request) -> Steps:
         self.requests[req.rid] = req
@@ -332,10 +326,10 @@ class Fuzz:
         elif me is not None:
             if handed and handed not in nodes and before.present(handed, req.rid) > 0:
                 steps.hand([handed])  # turned down: they go on
-            if reply[0] == "reserved":
-                steps.steps.append(("reserve", reply[1]))
+            if reply.status == "reserved":
+                steps.steps.append(("reserve", reply.node_id))
                 steps.hand(passed_on)
-            elif reply[0] == "queued" and me.hold:
+            elif reply.status == "queued" and me.hold:
                 now_on = getattr(self.view().entries.get(req.rid), "hold", me.hold)
                 if now_on != me.hold:
                     steps.hand([me.hold])  # it waits on another node now: the one it left passes its slots on
@@ -344,8 +338,8 @@ class Fuzz:
 
     def release(self, req: Request, by_count: bool, failed: bool) -> Steps:
         count = req.slots if by_count else 0
-        args = [KEYS.prefix, self.now, QUEUE_LEASE, req.rid, req.node, req.tenant, str(int(failed)), count]
-        removed = int(self.release_script(args=args))
+        release = Release(req.rid, req.node, req.tenant, count, failed, QUEUE_LEASE)
+        removed = self.api.run(self.api.store.release(release, self.now))
         self.log.append(f"release {req.rid} on {req.node} count={count} failed={failed} -> {removed}")
         assert removed == req.slots, f"released {removed} of the {req.slots} slots {req.rid} held"
         req.state = "done"
@@ -355,7 +349,7 @@ class Fuzz:
         before = self.view()
         me = before.entries.get(req.rid)
         nodes = req.nodes if with_nodes else []
-        out = int(self.leave_script(args=[KEYS.prefix, self.now, QUEUE_LEASE, req.rid, *nodes]))
+        out = self.api.run(self.api.store.leave_queue(req.rid, nodes, QUEUE_LEASE, self.now))
         self.log.append(f"leave {req.rid} nodes={nodes} (was {me}) -> {out}")
         req.state = "done"
         steps = Steps()
@@ -459,10 +453,9 @@ class Fuzz:
     def a_renewal(self) -> None:
         before = self.view()
         req = self.rng.choice([q for q in self.requests.values() if q.state == "running"])
-        keys = [KEYS.reservations(req.node), KEYS.tenant(req.tenant)]
-        renewed = self.renew_script(keys=keys, args=[req.rid, self.now + LEASE, LEASE, req.slots])
+        recreated = self.renew(req, self.now)
         self.log.append(f"renew {req.rid} on {req.node}")
-        assert renewed == 1, f"the lease of {req.rid}, live, was gone"
+        assert not recreated, f"the lease of {req.rid}, live, was gone"
         self.check(before, Steps())
 
     def a_heartbeat(self) -> None:
@@ -508,8 +501,8 @@ class Fuzz:
         # set while it still holds its slots on a node further down the list)
         before = self.view()
         for node in req.nodes:
-            args = [KEYS.prefix, self.now, QUEUE_LEASE, req.rid, node, req.tenant, "0", 0]
-            removed = int(self.release_script(args=args))
+            release = Release(req.rid, node, req.tenant, 0, False, QUEUE_LEASE)
+            removed = self.api.run(self.api.store.release(release, self.now))
             self.log.append(f"undo {req.rid} on {node} -> {removed}")
             assert removed == (req.slots if node == req.node else 0), f"{req.rid} undone on {node}: {removed}"
         req.state = "done"
@@ -543,8 +536,7 @@ class Fuzz:
         later = self.now + LEASE + 1_000
         for req in self.requests.values():
             if req.state == "running":
-                self.renew_script(keys=[KEYS.reservations(req.node), KEYS.tenant(req.tenant)],
-                                  args=[req.rid, later + LEASE, LEASE, req.slots])
+                self.renew(req, later)
             elif req.state == "waiting":
                 self.r.zadd(KEYS.queue, {req.rid: later + QUEUE_LEASE}, xx=True)
             elif req.state == "dead":

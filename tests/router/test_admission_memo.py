@@ -9,10 +9,12 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from macpool.contract import Keys, NodeDoc
-from router.admission import FULL_MEMO_S, Admission, Rejected, Ticket
+from macpool.contract import NodeDoc
+from macpool.store import Keys, Store
+from router.admission import Admission, Rejected, Ticket
+from router.full_memo import FULL_MEMO_S
 from router.metrics import RouterMetrics
-from router.pool import PoolView, RateMeter
+from router.pool import PoolView
 from router.settings import Settings
 
 NODE = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready", models=["m"])
@@ -26,9 +28,10 @@ async def one_node_pool(
     Redis client that gives a call up after ``socket_timeout`` (None: never)."""
     redis = Redis.from_url(settings.redis_url, socket_timeout=socket_timeout)
     keys = Keys()
-    pool = PoolView(settings, redis, keys)
+    store = Store(redis, keys)
+    pool = PoolView(settings, store)
     pool.redis_ok = True
-    admission = Admission(settings, redis, keys, pool, RouterMetrics())
+    admission = Admission(settings, store, pool, RouterMetrics())
     await redis.hset(keys.node("a"), mapping={"capacity": 1, "state": "ready", "models": "m"})
     try:
         yield redis, admission
@@ -122,20 +125,3 @@ def test_a_request_no_node_can_run_now_is_refused_at_once_not_queued(redis_url: 
             assert await redis.zcard(Keys().queue) == 0
 
     asyncio.run(scenario())
-
-
-def test_retry_after_counts_the_waiting_slots_against_the_slots_freed_per_second() -> None:
-    # Retry-After = what waits / the release rate, both in slots: two waiting pairs and two singles wait
-    # for 6 slots, not 4 requests' worth
-    settings = Settings(router_id="r1")
-    keys = Keys()
-    pool = PoolView(settings, Redis(), keys)  # the client is never used
-    admission = Admission(settings, Redis(), keys, pool, RouterMetrics())
-    now = [0.0]
-    pool.freed = RateMeter(window=30.0, clock=lambda: now[0])
-    for second in range(30):  # one slot freed every second
-        now[0] = float(second)
-        pool.freed.mark()
-    now[0] = 30.0
-    pool.snapshot.queue_depth, pool.snapshot.queued_slots = 4, 6
-    assert admission.retry_after("pool_full") == 7  # (6 waiting + this one) / 1 per second

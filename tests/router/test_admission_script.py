@@ -7,24 +7,31 @@ routers is in test_tenants.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from macpool.contract import LEAVE_QUEUE, RELEASE, RENEW, RESERVE_OR_ENQUEUE, Keys, now_ms, reserve_argv
+from macpool.contract import now_ms
+from macpool.store import Candidate, Keys, Lease, Release, Reservation, ReserveRequest
+from tests.blocking_store import BlockingStore
 
 KEYS = Keys()
 LEASE = 60_000
 QUEUE_LEASE = 3_000
 
 
+def placed(answer: Reservation) -> tuple[str, str]:
+    return answer.status, answer.node_id
+
+
 class Store:
+    """The store's API on a real Redis, plus the raw client (``r``) and the events channel to look at it."""
+
     def __init__(self, url: str) -> None:
+        self.api = BlockingStore(url, KEYS)
         self.r = redis.Redis.from_url(url, decode_responses=True)
-        self.reserve = self.r.register_script(RESERVE_OR_ENQUEUE)
-        self.release_script = self.r.register_script(RELEASE)
-        self.leave_script = self.r.register_script(LEAVE_QUEUE)
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(KEYS.events)
 
@@ -32,23 +39,25 @@ class Store:
         self.r.hset(KEYS.node(node_id), mapping={"capacity": cap, "state": "ready", "models": models,
                                                  "slots": slots})
 
-    def ask(self, rid: str, nodes: list[str], **kw: Any) -> list[Any]:
+    def ask(self, rid: str, nodes: list[str], now: int | None = None, **kw: Any) -> Reservation:
         kw.setdefault("queue_size", 8)
         kw.setdefault("enqueue", True)
         kw.setdefault("model", "m")
         kw.setdefault("queue_lease_ms", QUEUE_LEASE)
-        result: list[Any] = self.reserve(args=reserve_argv(KEYS, rid, LEASE, [(n, 0) for n in nodes], **kw))
-        return result
+        request = ReserveRequest(rid, [Candidate(n) for n in nodes], LEASE, **kw)
+        return self.api.run(self.api.store.reserve(request, now))
 
-    def release(self, rid: str, node: str, tenant: str = "anonymous", slots: int = 1) -> int:
-        args = [KEYS.prefix, now_ms(), QUEUE_LEASE, rid, node, tenant, "0", slots]
-        return int(self.release_script(args=args))
+    def release(self, rid: str, node: str, tenant: str = "anonymous", slots: int = 1, now: int | None = None,
+                queue_lease_ms: int = QUEUE_LEASE) -> int:
+        release = Release(rid, node, tenant, slots, queue_lease_ms=queue_lease_ms)
+        return self.api.run(self.api.store.release(release, now))
 
     def held(self, node: str) -> list[str]:
         return sorted(self.r.zrange(KEYS.reservations(node), 0, -1))
 
-    def leave(self, rid: str, nodes: tuple[str, ...] = ()) -> int:
-        return int(self.leave_script(args=[KEYS.prefix, now_ms(), QUEUE_LEASE, rid, *nodes]))
+    def leave(self, rid: str, nodes: tuple[str, ...] = (), now: int | None = None) -> bool:
+        """True when slots had been handed to it."""
+        return self.api.run(self.api.store.leave_queue(rid, nodes, QUEUE_LEASE, now))
 
     def events(self) -> list[str]:
         out = []
@@ -56,10 +65,17 @@ class Store:
             out.append(message["data"])
         return out
 
+    def close(self) -> None:
+        self.pubsub.close()
+        self.r.close()
+        self.api.close()
+
 
 @pytest.fixture
-def store(redis_url: str) -> Store:
-    return Store(redis_url)
+def store(redis_url: str) -> Iterator[Store]:
+    store = Store(redis_url)
+    yield store
+    store.close()
 
 
 def test_affinity_prefers_the_prefix_holder_until_it_is_much_busier(store: Store) -> None:
@@ -67,20 +83,20 @@ def test_affinity_prefers_the_prefix_holder_until_it_is_much_busier(store: Store
     store.node("b", 8)
     conversation = ("h3", "h2", "h1")
     first = store.ask("r1", ["a", "b"], prefixes=conversation)
-    assert first[0] == "reserved" and first[3] == "miss"
-    holder, other = first[1], "b" if first[1] == "a" else "a"
+    assert first.status == "reserved" and first.affinity == "miss"
+    holder, other = first.node_id, "b" if first.node_id == "a" else "a"
     # the next turn (a longer prefix whose shorter prefixes were recorded) goes back to the holder...
     turn = store.ask("r2", ["a", "b"], prefixes=("h4", *conversation))
-    assert turn[:2] == ["reserved", holder] and turn[3] == "hit"
+    assert placed(turn) == ("reserved", holder) and turn.affinity == "hit"
     # ...until it has affinity_abs more in flight than the least-loaded node and a higher relative load
     store.ask("r3", ["a", "b"], prefixes=("x1",))  # an unrelated prompt: least-loaded goes to the other
     for i in range(3):
-        assert store.ask(f"r{4 + i}", ["a", "b"], prefixes=conversation)[1] == holder
+        assert store.ask(f"r{4 + i}", ["a", "b"], prefixes=conversation).node_id == holder
     # holder: r1 r2 r4 r5 r6 = 5 in flight, other: r3 = 1; the gap 4 meets the absolute threshold
     over = store.ask("r9", ["a", "b"], prefixes=conversation, affinity_abs=4, affinity_rel=1.5)
-    assert over[:2] == ["reserved", other] and over[3] == "overridden"
+    assert placed(over) == ("reserved", other) and over.affinity == "overridden"
     # no prefixes: no affinity outcome at all
-    assert store.ask("r10", ["a", "b"])[3] == ""
+    assert store.ask("r10", ["a", "b"]).affinity == ""
 
 
 def test_affinity_memory_is_bounded_least_recently_used_first(store: Store) -> None:
@@ -93,29 +109,30 @@ def test_affinity_memory_is_bounded_least_recently_used_first(store: Store) -> N
     store.r.hset(KEYS.affinity, mapping={f"old{i}": "a" for i in range(12_000)})
     store.r.zadd(KEYS.affinity + ":lru", {f"old{i}": i for i in range(12_000)})
     for i in range(14):
-        assert store.ask(f"s{i}", ["a"], prefixes=(f"q{i}",), affinity_max_entries=10)[0] == "reserved"
+        assert store.ask(f"s{i}", ["a"], prefixes=(f"q{i}",), affinity_max_entries=10).status == "reserved"
     assert store.r.zcard(KEYS.affinity + ":lru") == 10 and store.r.hlen(KEYS.affinity) == 10
 
 
 def test_release_hands_the_slot_to_the_head_of_the_queue_priority_then_fairness(store: Store) -> None:
     store.node("a", 2)
-    assert store.ask("busy-1", ["a"], tenant="flood")[0] == "reserved"
-    assert store.ask("busy-2", ["a"], tenant="flood")[0] == "reserved"
-    assert store.ask("q-batch", ["a"], tenant="light", priority="batch", batch_queue_max=4)[0] == "queued"
-    assert store.ask("q-flood", ["a"], tenant="flood")[0] == "queued"
-    assert store.ask("q-light", ["a"], tenant="light")[0] == "queued"
+    assert store.ask("busy-1", ["a"], tenant="flood").status == "reserved"
+    assert store.ask("busy-2", ["a"], tenant="flood").status == "reserved"
+    assert store.ask("q-batch", ["a"], tenant="light", priority="batch", batch_queue_max=4).status == "queued"
+    assert store.ask("q-flood", ["a"], tenant="flood").status == "queued"
+    assert store.ask("q-light", ["a"], tenant="light").status == "queued"
     store.events()
     # interactive before batch; among interactive, the tenant with fewer in flight (light: 0, flood: 2)
     store.release("busy-1", "a", "flood")
     assert store.events() == ["granted q-light a 1"]
     picked = store.ask("q-light", ["a"], tenant="light", dequeue=True)
-    assert picked[:2] == ["reserved", "a"] and picked[3] == ""  # no prompt prefix: no affinity outcome
+    assert placed(picked) == ("reserved", "a")
+    assert picked.affinity == ""  # no prompt prefix: no affinity outcome
     store.release("busy-2", "a", "flood")
     assert store.events() == ["granted q-flood a 1"]
     # the flood tenant's pick-up is slow; meanwhile nothing can jump the queue: a new arrival waits
-    assert store.ask("late", ["a"], tenant="flood")[0] == "queued"
+    assert store.ask("late", ["a"], tenant="flood").status == "queued"
     # a waiter that gives up after being handed a slot passes it on to the next in line
-    assert store.leave("q-flood") == 2
+    assert store.leave("q-flood")
     assert store.events() == ["granted late a 1"]
     store.release("q-light", "a", "light")
     assert store.events() == ["granted q-batch a 1"]
@@ -125,47 +142,48 @@ def test_a_new_arrival_does_not_jump_waiters_but_ranks_ahead_of_lower_classes(st
     store.node("a", 1)
     store.ask("busy", ["a"])
     # (queued 50 ms ago: requests of the same millisecond are ordered by id, and these calls can be that fast)
-    assert store.ask("w-batch", ["a"], priority="batch", batch_queue_max=4, now=now_ms() - 50)[0] == "queued"
+    waiting = store.ask("w-batch", ["a"], priority="batch", batch_queue_max=4, now=now_ms() - 50)
+    assert waiting.status == "queued"
     # capacity grows (a heartbeat, not a release): the interactive arrival takes the new slot at once
     store.node("a", 2)
-    assert store.ask("new-int", ["a"])[0] == "reserved"
+    assert store.ask("new-int", ["a"]).status == "reserved"
     store.node("a", 3)
     # a batch arrival queues behind the batch waiter; the waiter itself takes the slot
-    assert store.ask("new-batch", ["a"], priority="batch", batch_queue_max=4)[0] == "queued"
-    assert store.ask("w-batch", ["a"], priority="batch", dequeue=True)[0] == "reserved"
+    assert store.ask("new-batch", ["a"], priority="batch", batch_queue_max=4).status == "queued"
+    assert store.ask("w-batch", ["a"], priority="batch", dequeue=True).status == "reserved"
 
 
 def test_batch_is_shed_first_when_the_queue_fills(store: Store) -> None:
     store.node("a", 1)
     store.ask("busy", ["a"])
-    assert store.ask("b1", ["a"], priority="batch", queue_size=3, batch_queue_max=1)[0] == "queued"
+    assert store.ask("b1", ["a"], priority="batch", queue_size=3, batch_queue_max=1).status == "queued"
     # batch may hold only its share of the queue: the next one is shed (503), not queued
-    assert store.ask("b2", ["a"], priority="batch", queue_size=3, batch_queue_max=1)[0] == "shed"
-    assert store.ask("i1", ["a"], queue_size=3)[0] == "queued"
-    assert store.ask("i2", ["a"], queue_size=3)[0] == "queued"
+    assert store.ask("b2", ["a"], priority="batch", queue_size=3, batch_queue_max=1).status == "shed"
+    assert store.ask("i1", ["a"], queue_size=3).status == "queued"
+    assert store.ask("i2", ["a"], queue_size=3).status == "queued"
     store.events()
     # the queue is full: an interactive request takes the queued batch request's place
-    assert store.ask("i3", ["a"], queue_size=3)[0] == "queued"
+    assert store.ask("i3", ["a"], queue_size=3).status == "queued"
     assert store.events() == ["shed b1"]
-    assert store.ask("b1", ["a"], priority="batch", dequeue=True)[0] == "shed"
+    assert store.ask("b1", ["a"], priority="batch", dequeue=True).status == "shed"
     # full of interactive requests: the next one is refused outright
-    assert store.ask("i4", ["a"], queue_size=3)[0] == "full"
+    assert store.ask("i4", ["a"], queue_size=3).status == "full"
 
 
 def test_per_key_limit_counts_in_flight_and_queued(store: Store) -> None:
     store.node("a", 2)
-    assert store.ask("t1", ["a"], tenant="t", key_limit=3)[0] == "reserved"
-    assert store.ask("t2", ["a"], tenant="t", key_limit=3)[0] == "reserved"
-    assert store.ask("t3", ["a"], tenant="t", key_limit=3)[0] == "queued"
+    assert store.ask("t1", ["a"], tenant="t", key_limit=3).status == "reserved"
+    assert store.ask("t2", ["a"], tenant="t", key_limit=3).status == "reserved"
+    assert store.ask("t3", ["a"], tenant="t", key_limit=3).status == "queued"
     limited = store.ask("t4", ["a"], tenant="t", key_limit=3)
-    assert limited[0] == "limited" and limited[2] == 3
-    assert store.ask("u1", ["a"], tenant="u", key_limit=3)[0] == "queued"  # other tenants are unaffected
+    assert limited.status == "limited" and limited.count == 3
+    assert store.ask("u1", ["a"], tenant="u", key_limit=3).status == "queued"  # other tenants are unaffected
     store.events()
     store.release("t1", "a", "t")
     assert store.events() == ["granted u1 a 1"]  # fairness: u has nothing in flight, t has one
-    assert store.ask("t3", ["a"], tenant="t", key_limit=3, dequeue=True)[0] == "queued"
-    assert store.ask("t5", ["a"], tenant="t", key_limit=3)[0] == "queued"  # t2 + t3 + t5 = 3
-    assert store.ask("t6", ["a"], tenant="t", key_limit=3)[0] == "limited"
+    assert store.ask("t3", ["a"], tenant="t", key_limit=3, dequeue=True).status == "queued"
+    assert store.ask("t5", ["a"], tenant="t", key_limit=3).status == "queued"  # t2 + t3 + t5 = 3
+    assert store.ask("t6", ["a"], tenant="t", key_limit=3).status == "limited"
 
 
 def test_models_decide_who_may_take_a_released_slot(store: Store) -> None:
@@ -183,15 +201,15 @@ def test_models_decide_who_may_take_a_released_slot(store: Store) -> None:
 
 def test_a_slot_handed_to_a_dead_waiter_comes_back_after_the_queue_lease(store: Store) -> None:
     store.node("a", 1)
-    store.ask("busy", ["a"])
-    assert store.ask("waiter", ["a"], queue_lease_ms=200)[0] == "queued"
+    t = now_ms()
+    store.ask("busy", ["a"], now=t)
+    assert store.ask("waiter", ["a"], queue_lease_ms=200, now=t).status == "queued"
     store.events()
-    store.release("busy", "a")
+    store.release("busy", "a", now=t)
     assert store.events() == ["granted waiter a 1"]
     # nobody picks it up (the waiter's router died): the slot is free again once the short lease runs out
-    assert store.ask("next", ["a"], enqueue=False)[0] == "full"
-    time.sleep(3.2)  # the queue lease of a handed-over slot
-    assert store.ask("next", ["a"], enqueue=False)[0] == "reserved"
+    assert store.ask("next", ["a"], enqueue=False, now=t + 199).status == "full"
+    assert store.ask("next", ["a"], enqueue=False, now=t + 201).status == "reserved"
 
 
 def test_a_waiter_taking_its_slot_gets_the_full_lease(store: Store) -> None:
@@ -199,7 +217,7 @@ def test_a_waiter_taking_its_slot_gets_the_full_lease(store: Store) -> None:
     store.ask("busy", ["a"])
     store.ask("waiter", ["a"])
     store.release("busy", "a")
-    assert store.ask("waiter", ["a"], dequeue=True)[0] == "reserved"
+    assert store.ask("waiter", ["a"], dequeue=True).status == "reserved"
     expiry = store.r.zscore(KEYS.reservations("a"), "waiter")
     assert expiry is not None and expiry > now_ms() + LEASE - 5_000
     assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") == expiry
@@ -211,19 +229,19 @@ def test_a_waiter_excluding_a_node_is_neither_handed_its_slots_nor_holds_them_ba
     store.node("b", 1)
     store.ask("busy-a", ["a"])
     store.ask("busy-b", ["b"])
-    assert store.ask("picky", ["b"], excluded=("a",))[0] == "queued"
+    assert store.ask("picky", ["b"], excluded=("a",)).status == "queued"
     time.sleep(0.005)  # queued after picky (ties in arrival are broken by id)
-    assert store.ask("any", ["a", "b"])[0] == "queued"
+    assert store.ask("any", ["a", "b"]).status == "queued"
     store.events()
     store.release("busy-a", "a")  # a's slot skips picky, first in line, for the next one
     assert store.events() == ["granted any a 1"]
-    assert store.ask("any", ["a", "b"], dequeue=True)[:2] == ["reserved", "a"]
+    assert placed(store.ask("any", ["a", "b"], dequeue=True)) == ("reserved", "a")
     store.release("any", "a")
     assert store.events() == ["freed a"]
     # a free slot on a is not held back for picky from a later arrival (it would otherwise wait behind it)
-    assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "a"]
+    assert placed(store.ask("late", ["a", "b"], enqueue=False)) == ("reserved", "a")
     # once its router takes a again (the circuit closed), a is picky's like any node
-    assert store.ask("picky", ["b"], dequeue=True, excluded=())[0] == "queued"
+    assert store.ask("picky", ["b"], dequeue=True, excluded=()).status == "queued"
     store.release("late", "a")
     assert store.events() == ["granted picky a 1"]
 
@@ -237,7 +255,7 @@ def test_a_handed_over_slot_gone_before_it_is_taken_is_not_counted_as_held(store
     assert store.events() == ["granted waiter a 1"]
     store.r.zrem(KEYS.reservations("a"), "waiter")  # as if its short lease had run out
     answer = store.ask("waiter", ["a"], dequeue=True)
-    assert answer[:2] == ["reserved", "a"]  # a is free, and the waiter takes it properly
+    assert placed(answer) == ("reserved", "a")  # a is free, and the waiter takes it properly
     assert store.r.zscore(KEYS.reservations("a"), "waiter") is not None
     assert store.r.zcard(KEYS.queue) == 0
 
@@ -248,21 +266,21 @@ def test_a_waiter_declines_a_slot_on_a_node_it_no_longer_takes_and_it_goes_to_th
     store.node("b", 1)
     store.ask("busy-a", ["a"])
     store.ask("busy-b", ["b"])
-    assert store.ask("picky", ["b"])[0] == "queued"
+    assert store.ask("picky", ["b"]).status == "queued"
     time.sleep(0.005)  # queued after picky (ties in arrival are broken by id)
-    assert store.ask("any", ["a", "b"])[0] == "queued"
+    assert store.ask("any", ["a", "b"]).status == "queued"
     store.events()
     store.release("busy-a", "a")  # hands a's slot to the head of the queue, by model only
     assert store.events() == ["granted picky a 1"]
     # picky's next attempt declines it: the slot goes on to the next in line, picky keeps its place
-    assert store.ask("picky", ["b"], dequeue=True, excluded=("a",))[:2] == ["queued", ""]
+    assert placed(store.ask("picky", ["b"], dequeue=True, excluded=("a",))) == ("queued", "")
     assert store.events() == ["granted any a 1"]
     assert store.r.zscore(KEYS.reservations("a"), "picky") is None
-    assert store.ask("any", ["a", "b"], dequeue=True)[:2] == ["reserved", "a"]
+    assert placed(store.ask("any", ["a", "b"], dequeue=True)) == ("reserved", "a")
     # picky is still first in line for b
     store.release("busy-b", "b")
     assert store.events() == ["granted picky b 1"]
-    assert store.ask("picky", ["b"], dequeue=True)[:2] == ["reserved", "b"]
+    assert placed(store.ask("picky", ["b"], dequeue=True)) == ("reserved", "b")
     assert store.r.zcard(KEYS.queue) == 0 and store.r.hlen(KEYS.queue_meta) == 0
 
 
@@ -275,14 +293,14 @@ def test_a_declined_slot_nobody_else_wants_is_freed(store: Store) -> None:
     store.events()
     store.release("busy-a", "a")
     assert store.events() == ["granted picky a 1"]
-    assert store.ask("picky", ["b"], dequeue=True)[0] == "queued"
+    assert store.ask("picky", ["b"], dequeue=True).status == "queued"
     assert store.events() == ["freed a"]
     assert store.r.zcard(KEYS.reservations("a")) == 0
     # a later arrival is not held back for picky, nor is a slot on a handed to picky again
-    assert store.ask("new", ["a"], enqueue=False)[:2] == ["reserved", "a"]
+    assert placed(store.ask("new", ["a"], enqueue=False)) == ("reserved", "a")
     store.release("new", "a")
     assert store.events() == ["freed a"]
-    assert store.ask("picky", ["b"], dequeue=True)[0] == "queued"
+    assert store.ask("picky", ["b"], dequeue=True).status == "queued"
 
 
 def test_a_hand_over_prefers_a_waiter_whose_prefix_the_node_holds_among_equals(store: Store) -> None:
@@ -292,17 +310,17 @@ def test_a_hand_over_prefers_a_waiter_whose_prefix_the_node_holds_among_equals(s
     holder = store.r.hget(KEYS.affinity, "conv-a")
     other = "b" if holder == "a" else "a"
     store.ask("busy", ["a", "b"])  # fills the other node
-    assert store.ask("first", ["a", "b"], prefixes=("conv-x",))[0] == "queued"
-    assert store.ask("second", ["a", "b"], prefixes=("conv-a",))[0] == "queued"
+    assert store.ask("first", ["a", "b"], prefixes=("conv-x",)).status == "queued"
+    assert store.ask("second", ["a", "b"], prefixes=("conv-a",)).status == "queued"
     store.events()
     # the holder frees a slot: the younger waiter that holds a prefix there goes before the head
     store.release("seed-a", holder)
     assert store.events() == [f"granted second {holder} 1"]
     picked = store.ask("second", ["a", "b"], prefixes=("conv-a",), dequeue=True)
-    assert picked[:2] == ["reserved", holder] and picked[3] == "hit"
+    assert placed(picked) == ("reserved", holder) and picked.affinity == "hit"
     store.release("busy", other)
     assert store.events() == [f"granted first {other} 1"]
-    assert store.ask("first", ["a", "b"], prefixes=("conv-x",), dequeue=True)[3] == "miss"
+    assert store.ask("first", ["a", "b"], prefixes=("conv-x",), dequeue=True).affinity == "miss"
 
 
 def test_affinity_never_overrides_priority_or_fairness_in_a_hand_over(store: Store) -> None:
@@ -310,14 +328,14 @@ def test_affinity_never_overrides_priority_or_fairness_in_a_hand_over(store: Sto
     store.node("b", 1)
     store.ask("t1-b", ["b"], tenant="t1")  # t1 keeps one request in flight on b throughout
     store.ask("seed", ["a"], prefixes=("conv",), tenant="t1")  # a holds conv
-    assert store.ask("light", ["a"], tenant="t2")[0] == "queued"
-    assert store.ask("heavy", ["a"], prefixes=("conv",), tenant="t1")[0] == "queued"
+    assert store.ask("light", ["a"], tenant="t2").status == "queued"
+    assert store.ask("heavy", ["a"], prefixes=("conv",), tenant="t1").status == "queued"
     assert store.ask("batch", ["a"], prefixes=("conv",), tenant="t2", priority="batch",
-                     batch_queue_max=4)[0] == "queued"
+                     batch_queue_max=4).status == "queued"
     store.events()
     store.release("seed", "a", "t1")  # t1 still has 1 in flight, t2 none: light goes first
     assert store.events() == ["granted light a 1"]
-    assert store.ask("light", ["a"], tenant="t2", dequeue=True)[0] == "reserved"
+    assert store.ask("light", ["a"], tenant="t2", dequeue=True).status == "reserved"
     store.release("light", "a", "t2")  # interactive heavy before batch, whatever batch holds
     assert store.events() == ["granted heavy a 1"]
 
@@ -345,12 +363,13 @@ def test_a_request_is_passed_over_for_affinity_at_most_four_times(store: Store) 
 def test_a_request_holds_one_slot_per_generation_and_gives_them_all_back(store: Store) -> None:
     store.node("a", 4)
     answer = store.ask("three", ["a"], generations=3)
-    assert answer == ["reserved", "a", 3, "", 3]
+    assert answer == Reservation("reserved", "a", 3, "", 3)
     assert store.held("a") == ["three", "three#2", "three#3"]
     assert store.r.zcard(KEYS.tenant("anonymous")) == 1  # per-key limits count requests
     # one slot left: a pair does not fit, a single does
-    assert store.ask("pair", ["a"], generations=2, enqueue=False)[0] == "full"
-    assert store.ask("one", ["a"], enqueue=False)[:3] == ["reserved", "a", 4]
+    assert store.ask("pair", ["a"], generations=2, enqueue=False).status == "full"
+    one = store.ask("one", ["a"], enqueue=False)
+    assert (one.status, one.node_id, one.count) == ("reserved", "a", 4)
     store.events()
     assert store.release("three", "a", slots=3) == 3
     assert store.events() == ["freed a"] * 3  # one per slot: each may wake a waiter
@@ -361,7 +380,7 @@ def test_a_request_holds_one_slot_per_generation_and_gives_them_all_back(store: 
 def test_the_slots_a_request_holds_are_bounded_by_the_nodes_llama_server_slots(store: Store) -> None:
     # llama-server runs at most its slots of a request's generations at once and queues the rest
     store.node("a", 2, slots=2)
-    assert store.ask("many", ["a"], generations=5) == ["reserved", "a", 2, "", 2]
+    assert store.ask("many", ["a"], generations=5) == Reservation("reserved", "a", 2, "", 2)
     assert store.held("a") == ["many", "many#2"]
 
 
@@ -380,18 +399,18 @@ def test_a_waiter_needing_several_slots_is_handed_them_together_and_holds_back_t
     store.node("a", 3)
     for i in range(3):
         store.ask(f"busy-{i}", ["a"])
-    assert store.ask("pair", ["a"], generations=2)[0] == "queued"
+    assert store.ask("pair", ["a"], generations=2).status == "queued"
     time.sleep(0.005)  # queued after the pair (ties in arrival are broken by id)
-    assert store.ask("single", ["a"])[0] == "queued"
+    assert store.ask("single", ["a"]).status == "queued"
     store.events()
     store.release("busy-0", "a")  # one free slot: not enough for the pair, and the single waits behind it
     assert store.events() == ["freed a"]
-    assert store.ask("single", ["a"], dequeue=True)[0] == "queued"
-    assert store.ask("late", ["a"], enqueue=False)[0] == "full"  # nor does a new arrival take it
+    assert store.ask("single", ["a"], dequeue=True).status == "queued"
+    assert store.ask("late", ["a"], enqueue=False).status == "full"  # nor does a new arrival take it
     store.release("busy-1", "a")
     assert store.events() == ["granted pair a 2"]
     taken = store.ask("pair", ["a"], generations=2, dequeue=True)
-    assert taken == ["reserved", "a", 3, "", 2]
+    assert taken == Reservation("reserved", "a", 3, "", 2)
     expiry = store.r.zscore(KEYS.reservations("a"), "pair#2")  # the full lease, on each of its slots
     assert expiry is not None and expiry > now_ms() + LEASE - 5_000
     store.release("busy-2", "a")
@@ -418,7 +437,7 @@ def test_a_waiter_leaving_after_it_was_handed_several_slots_passes_them_all_on(s
     store.events()
     store.release("busy", "a", slots=2)
     assert store.events() == ["granted pair a 2"]
-    assert store.leave("pair") == 2
+    assert store.leave("pair")
     assert store.events() == ["granted w1 a 1", "freed a"]
     assert store.held("a") == ["w1"]
 
@@ -429,15 +448,15 @@ def test_a_node_too_small_for_a_waiter_never_holds_its_slots_back(store: Store) 
     store.node("b", 2)
     store.ask("busy-a", ["a"])
     store.ask("busy-b", ["b"], generations=2)
-    assert store.ask("pair", ["b"], generations=2)[0] == "queued"
+    assert store.ask("pair", ["b"], generations=2).status == "queued"
     time.sleep(0.005)
-    assert store.ask("single", ["a", "b"])[0] == "queued"
+    assert store.ask("single", ["a", "b"]).status == "queued"
     store.events()
-    assert store.ask("late", ["a", "b"], enqueue=False)[0] == "full"
+    assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
     store.release("busy-a", "a")
     assert store.events() == ["granted single a 1"]
     store.release("single", "a")
-    assert store.ask("late", ["a", "b"], enqueue=False)[:2] == ["reserved", "a"]
+    assert placed(store.ask("late", ["a", "b"], enqueue=False)) == ("reserved", "a")
 
 
 def test_a_waiter_needing_several_slots_holds_back_only_the_node_it_waits_on(store: Store) -> None:
@@ -446,11 +465,11 @@ def test_a_waiter_needing_several_slots_holds_back_only_the_node_it_waits_on(sto
     for node in ("a", "b", "c"):
         store.node(node, 2)
         store.ask(f"busy-{node}", [node])
-    assert store.ask("pair", ["a", "b", "c"], generations=2)[0] == "queued"
+    assert store.ask("pair", ["a", "b", "c"], generations=2).status == "queued"
     time.sleep(0.005)  # arrivals after the pair (ties in arrival are broken by id)
-    placed = {rid: store.ask(rid, ["a", "b", "c"])[1] for rid in ("s1", "s2")}
+    placed = {rid: store.ask(rid, ["a", "b", "c"]).node_id for rid in ("s1", "s2")}
     assert set(placed.values()) == {"b", "c"}
-    assert store.ask("s3", ["a", "b", "c"])[0] == "queued"
+    assert store.ask("s3", ["a", "b", "c"]).status == "queued"
     store.events()
     store.release("s1", placed["s1"])  # a node the pair does not wait on: its slot goes to the single
     assert [e.split()[:2] for e in store.events()] == [["granted", "s3"]]
@@ -465,9 +484,9 @@ def test_slots_held_back_for_a_waiter_are_kept_from_arrivals_naming_another_name
     # held back for it: a request naming no model, or the alias, must not take that slot either
     store.node("a", 2, models="m\nalias")
     store.ask("busy-a", ["a"])
-    assert store.ask("pair", ["a"], generations=2)[0] == "queued"
+    assert store.ask("pair", ["a"], generations=2).status == "queued"
     time.sleep(0.005)  # arrives after the pair
-    assert store.ask("late", ["a"], model=model)[0] == "queued"
+    assert store.ask("late", ["a"], model=model).status == "queued"
     assert store.held("a") == ["busy-a"]
     store.events()
     store.release("busy-a", "a")
@@ -482,10 +501,10 @@ def _pair_waiting_on_a_with_a_single_behind(store: Store, b_busy: tuple[int, ...
     store.ask("busy-a", ["a"])
     for i, k in enumerate(b_busy):
         store.ask(f"busy-b{i}", ["b"], generations=k)
-    assert store.ask("pair", ["a", "b"], generations=2)[0] == "queued"
+    assert store.ask("pair", ["a", "b"], generations=2).status == "queued"
     time.sleep(0.005)  # queued after the pair (ties in arrival are broken by id)
-    assert store.ask("single", ["a", "b"])[0] == "queued"
-    assert store.ask("single", ["a", "b"], dequeue=True)[0] == "queued"
+    assert store.ask("single", ["a", "b"]).status == "queued"
+    assert store.ask("single", ["a", "b"], dequeue=True).status == "queued"
     store.events()
 
 
@@ -494,24 +513,24 @@ def test_the_slot_held_back_for_a_waiter_goes_on_when_it_takes_slots_handed_to_i
     _pair_waiting_on_a_with_a_single_behind(store, b_busy=(2,))
     store.release("busy-b0", "b", slots=2)  # two slots at once on b: the pair, at the head, gets them
     assert store.events() == ["granted pair b 2"]
-    assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "b"]
+    assert placed(store.ask("pair", ["a", "b"], generations=2, dequeue=True)) == ("reserved", "b")
     # a's free slot was held back for the pair only: the single gets it now, not at a's next release
     assert store.events() == ["granted single a 1"]
-    assert store.ask("single", ["a", "b"], dequeue=True)[:2] == ["reserved", "a"]
+    assert placed(store.ask("single", ["a", "b"], dequeue=True)) == ("reserved", "a")
 
 
 def test_the_slot_held_back_for_a_waiter_goes_on_when_it_reserves_on_its_own(store: Store) -> None:
     _pair_waiting_on_a_with_a_single_behind(store)
     store.r.hset(KEYS.node("a"), "capacity", 4)  # a heartbeat raised a's capacity: the pair fits there now
-    assert store.ask("pair", ["a", "b"], generations=2, dequeue=True)[:2] == ["reserved", "a"]
+    assert placed(store.ask("pair", ["a", "b"], generations=2, dequeue=True)) == ("reserved", "a")
     assert store.events() == ["granted single a 1"]
 
 
 def test_the_slot_held_back_for_a_waiter_goes_on_when_it_gives_up(store: Store) -> None:
     _pair_waiting_on_a_with_a_single_behind(store)
-    assert store.leave("pair", ("a", "b")) == 1  # its queue timeout, or its client left
+    assert not store.leave("pair", ("a", "b"))  # its queue timeout, or its client left
     assert store.events() == ["granted single a 1"]
-    assert store.ask("late", ["a", "b"], enqueue=False)[0] == "full"
+    assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
 
 
 def test_a_waiter_from_an_older_router_holds_back_every_node_it_could_run_on(store: Store) -> None:
@@ -519,24 +538,28 @@ def test_a_waiter_from_an_older_router_holds_back_every_node_it_could_run_on(sto
     for node in ("a", "b"):
         store.node(node, 2)
         store.ask(f"busy-{node}", [node])
-    assert store.ask("pair", ["a", "b"], generations=2)[0] == "queued"
+    assert store.ask("pair", ["a", "b"], generations=2).status == "queued"
     meta = store.r.hget(KEYS.queue_meta, "pair")
     assert meta is not None and meta.split("\t")[10] == "a"
     store.r.hset(KEYS.queue_meta, "pair", "\t".join(meta.split("\t")[:10]))
     time.sleep(0.005)
-    assert store.ask("late", ["a", "b"], enqueue=False)[0] == "full"
+    assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
 
 
 def test_a_renewal_renews_every_slot_and_recreates_them_all_when_gone(store: Store) -> None:
-    renew = store.r.register_script(RENEW)
     store.node("a", 4)
     store.ask("pair", ["a"], generations=2)
-    keys = [KEYS.reservations("a"), KEYS.tenant("anonymous")]
-    later = now_ms() + 2 * LEASE
-    assert renew(keys=keys, args=["pair", later, LEASE, 2]) == 1
-    assert [store.r.zscore(keys[0], m) for m in ("pair", "pair#2")] == [later, later]
-    store.r.delete(keys[0])  # Redis restarted empty while the request runs
-    assert renew(keys=keys, args=["pair", later, LEASE, 2]) == 2
+    lease = Lease("pair", "a", slots=2)
+    now = now_ms() + LEASE
+
+    def renew() -> list[bool]:
+        return store.api.run(store.api.store.renew([lease], LEASE, now))
+
+    assert renew() == [False]
+    key = KEYS.reservations("a")
+    assert [store.r.zscore(key, m) for m in ("pair", "pair#2")] == [now + LEASE, now + LEASE]
+    store.r.delete(key)  # Redis restarted empty while the request runs
+    assert renew() == [True]
     assert store.held("a") == ["pair", "pair#2"]
 
 
@@ -547,12 +570,12 @@ def test_slots_held_back_on_one_node_leave_a_node_too_small_for_the_waiter_to_ot
     store.node("b", 4)
     store.ask("busy-s", ["s"])
     store.ask("busy-b", ["b"], prefixes=("conv",))
-    assert store.ask("quad", ["b"], generations=4)[0] == "queued"
+    assert store.ask("quad", ["b"], generations=4).status == "queued"
     time.sleep(0.005)  # arrivals after the quad (ties in arrival are broken by id)
-    assert store.ask("late", ["s", "b"], enqueue=False)[:2] == ["reserved", "s"]
+    assert placed(store.ask("late", ["s", "b"], enqueue=False)) == ("reserved", "s")
     store.release("late", "s")
     turn = store.ask("turn", ["s", "b"], prefixes=("conv",), enqueue=False)
-    assert turn[:2] == ["reserved", "s"] and turn[3] == "overridden"
+    assert placed(turn) == ("reserved", "s") and turn.affinity == "overridden"
 
 
 def test_a_waiter_that_fits_only_where_slots_are_held_back_leaves_the_other_nodes_to_those_behind(
@@ -564,10 +587,10 @@ def test_a_waiter_that_fits_only_where_slots_are_held_back_leaves_the_other_node
     store.ask("quad", ["b"], generations=4)
     time.sleep(0.005)
     # fits neither: s has one free slot, b's are the quad's; it waits on b (the most free slots) too
-    assert store.ask("pair", ["s", "b"], generations=2)[0] == "queued"
+    assert store.ask("pair", ["s", "b"], generations=2).status == "queued"
     time.sleep(0.005)
     # s's free slot, too few for the pair, goes to the request behind them (as a release on s hands it over)
-    assert store.ask("late", ["s", "b"], enqueue=False)[:2] == ["reserved", "s"]
+    assert placed(store.ask("late", ["s", "b"], enqueue=False)) == ("reserved", "s")
 
 
 def test_a_waiter_waits_on_its_node_also_for_a_request_that_does_not_go_there(store: Store) -> None:
@@ -577,12 +600,12 @@ def test_a_waiter_waits_on_its_node_also_for_a_request_that_does_not_go_there(st
     store.node("b", 4)
     store.ask("busy-a", ["a"])
     store.ask("busy-b", ["b"], generations=3)
-    assert store.ask("quad", ["a", "b"], generations=4)[0] == "queued"  # a has the most free slots
+    assert store.ask("quad", ["a", "b"], generations=4).status == "queued"  # a has the most free slots
     time.sleep(0.005)  # arrivals after the quad (ties in arrival are broken by id)
-    assert store.ask("single", ["b"], excluded=("a",))[:2] == ["reserved", "b"]
+    assert placed(store.ask("single", ["b"], excluded=("a",))) == ("reserved", "b")
     store.release("single", "b")
     store.r.sadd(KEYS.drained, "a")  # the quad can no longer wait on a: it waits on b, for such a request too
-    assert store.ask("next", ["b"], excluded=("a",), enqueue=False)[0] == "full"
+    assert store.ask("next", ["b"], excluded=("a",), enqueue=False).status == "full"
 
 
 def test_a_hand_over_does_not_shorten_the_life_of_the_leases_already_held(store: Store) -> None:
@@ -593,7 +616,7 @@ def test_a_hand_over_does_not_shorten_the_life_of_the_leases_already_held(store:
     store.ask("done", ["a"])
     store.ask("waiter", ["a"])
     store.events()
-    store.release_script(args=[KEYS.prefix, now_ms(), 100, "done", "a", "anonymous", "0", 1])
+    store.release("done", "a", queue_lease_ms=100)
     assert store.events() == ["granted waiter a 1"]
     time.sleep(0.3)  # past the queue lease: the waiter never took its slot
     assert store.r.zscore(KEYS.reservations("a"), "long") is not None
@@ -604,8 +627,8 @@ def test_a_waiter_taking_its_slot_keeps_it_for_the_full_lease(store: Store) -> N
     store.node("a", 1)
     store.ask("done", ["a"])
     store.ask("waiter", ["a"])
-    store.release_script(args=[KEYS.prefix, now_ms(), 100, "done", "a", "anonymous", "0", 1])
-    assert store.ask("waiter", ["a"], dequeue=True)[:2] == ["reserved", "a"]
+    store.release("done", "a", queue_lease_ms=100)
+    assert placed(store.ask("waiter", ["a"], dequeue=True)) == ("reserved", "a")
     time.sleep(0.3)  # past the queue lease it was handed the slot with
     assert store.r.zscore(KEYS.reservations("a"), "waiter") is not None
     assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") is not None
@@ -619,11 +642,11 @@ def test_a_waiter_whose_place_lapsed_keeps_no_slot_handed_to_it(store: Store) ->
     t = now_ms()
     store.ask("busy-a", ["a"], now=t)
     store.ask("busy-b", ["b"], now=t)
-    assert store.ask("late", ["a", "b"], now=t)[0] == "queued"  # its place lasts until t + QUEUE_LEASE
+    assert store.ask("late", ["a", "b"], now=t).status == "queued"  # its place lasts until t + QUEUE_LEASE
     for busy, node in (("busy-a", "a"), ("busy-b", "b")):  # a's slot is handed to it, b's is left free
-        store.release_script(args=[KEYS.prefix, t + 1_000, QUEUE_LEASE, busy, node, "anonymous", "0", 1])
+        store.release(busy, node, now=t + 1_000)
     answer = store.ask("late", ["a", "b"], dequeue=True, now=t + QUEUE_LEASE + 1)  # a new arrival now
-    assert answer[0] == "reserved"
+    assert answer.status == "reserved"
     assert store.held("a") + store.held("b") == ["late"]  # one slot, on one node
 
 
@@ -631,7 +654,7 @@ def test_a_lease_ending_now_is_over_also_for_a_waiter_passing_on_held_back_slots
     store.node("a", 1)
     t = now_ms()
     store.ask("busy", ["a"], now=t - LEASE)  # its lease ends at t
-    assert store.ask("single", ["a"], now=t - 10)[0] == "queued"
+    assert store.ask("single", ["a"], now=t - 10).status == "queued"
     store.events()
-    store.leave_script(args=[KEYS.prefix, t, QUEUE_LEASE, "pair", "a"])  # a waiter of two generations leaves
+    store.leave("pair", ("a",), now=t)  # a waiter of two generations leaves
     assert store.events() == ["granted single a 1"]

@@ -16,10 +16,11 @@ import pytest
 import uvicorn
 from redis.asyncio import Redis
 
-from macpool.contract import RESERVE_OR_ENQUEUE, Keys, NodeDoc, now_ms, reserve_argv, write_heartbeat
+from macpool.contract import NodeDoc, now_ms
 from macpool.redis_server import free_port
 from macpool.serving import server_config
-from router import admission
+from macpool.store import Candidate, ReserveRequest, Store
+from router import full_memo
 from router.app import create_app
 from router.settings import Settings
 
@@ -54,7 +55,7 @@ def test_refusals_of_a_full_pool_are_the_same_for_every_valid_request(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the memo outlives the whole test (the real one lasts 50 ms and ends at the next full pool refresh)
-    monkeypatch.setattr(admission, "FULL_MEMO_S", 600.0)
+    monkeypatch.setattr(full_memo, "FULL_MEMO_S", 600.0)
     keys_file = tmp_path / "keys"
     keys_file.write_text(f"{KEY} name=team\n")
     settings = Settings(redis_url=redis_url, queue_size=0, refresh_interval=600.0, api_keys_file=keys_file,
@@ -67,13 +68,12 @@ def test_refusals_of_a_full_pool_are_the_same_for_every_valid_request(
 
     async def scenario() -> None:
         redis = Redis.from_url(redis_url)
-        keys = Keys()
+        store = Store(redis)
         node = NodeDoc(node_id="full-0", url="http://127.0.0.1:9", models=["m"], capacity=1, total_slots=1,
                        state="ready", updated_at_ms=now_ms())
-        await write_heartbeat(redis, keys, node, 600_000)
-        argv = reserve_argv(keys, "holder", 600_000, [("full-0", 0)])
-        held = await redis.eval(RESERVE_OR_ENQUEUE, 0, *argv)
-        assert held[0] == b"reserved"
+        await store.heartbeat(node, 600_000)
+        held = await store.reserve(ReserveRequest("holder", [Candidate("full-0")], 600_000))
+        assert held.status == "reserved"
         serving = asyncio.create_task(server.serve())
         while not server.started:  # noqa: ASYNC110 (uvicorn offers no event for it)
             await asyncio.sleep(0.02)

@@ -10,7 +10,8 @@ import time
 import httpx
 import redis
 
-from macpool.contract import Keys, now_ms
+from macpool.contract import now_ms
+from macpool.store import Keys
 from tests.conftest import chat, metric, wait_until
 from tests.router.conftest import Pool
 

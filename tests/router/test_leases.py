@@ -9,8 +9,9 @@ import httpx
 import pytest
 import redis
 
-from macpool.contract import Keys, now_ms
+from macpool.contract import now_ms
 from macpool.redis_server import free_port
+from macpool.store import Keys
 from tests.conftest import SpawnFactory, metric
 from tests.router.conftest import AGENT_TOKEN, Pool, wait_until
 

@@ -10,7 +10,8 @@ from collections import Counter
 import httpx
 import redis
 
-from macpool.contract import Keys, now_ms
+from macpool.contract import now_ms
+from macpool.store import Keys
 from tests.router.conftest import Pool, wait_until
 
 

@@ -8,7 +8,7 @@ import threading
 import httpx
 import redis
 
-from macpool.contract import Keys
+from macpool.store import Keys
 from tests.conftest import chat, metric
 from tests.router.conftest import Pool, queued, wait_until
 

@@ -1,0 +1,307 @@
+"""The pool's store in Redis, as one typed API: dataclasses in, dataclasses out.
+
+Only this module knows the scripts' argument order, the record formats and the reservation member names;
+the key names are :mod:`macpool.store.keys`'. Every call takes ``now`` (ms), so tests pass the time instead
+of sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast, get_args
+
+from pydantic import BaseModel, Field
+from redis.asyncio import Redis
+
+from macpool.contract import NodeDoc, Priority, now_ms
+from macpool.store.events import drain_message
+from macpool.store.keys import Keys
+from macpool.store.scripts import source
+
+ReserveStatus = Literal["reserved", "queued", "full", "shed", "limited"]
+AffinityOutcome = Literal["", "hit", "miss", "overridden"]
+ANONYMOUS = "anonymous"  # the tenant of every request when the router has no API keys
+QUEUE_LEASE_MS = 3_000  # a waiter's place in the queue (renewed on every attempt), and a slot handed to it
+
+
+def members(request_id: str, slots: int) -> list[str]:
+    """The reservation members of a request holding ``slots`` slots on one node: rid, rid#2, ..., rid#k
+    (lib.lua's ``members`` builds the same)."""
+    return [request_id, *(f"{request_id}#{i}" for i in range(2, slots + 1))]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A node a request may go to; the faster one wins a tie in utilisation."""
+
+    node_id: str
+    tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    """One attempt to reserve slots for a request, or to queue it (``enqueue``).
+
+    ``dequeue``: the request already waits in the queue (this is a re-check). ``prefixes``: its prompt-prefix
+    hashes, longest first (affinity). ``excluded``: nodes that serve the model but that its router no longer
+    sends it to (tried already, circuit open): while it waits, no slot there is handed to it nor held back for
+    it. ``generations``: how many it runs at once; on each node it needs ``slots_needed`` free slots.
+    """
+
+    request_id: str
+    candidates: Sequence[Candidate]
+    lease_ms: int
+    queue_size: int = 0
+    enqueue: bool = False
+    dequeue: bool = False
+    priority: Priority = "interactive"
+    tenant: str = ANONYMOUS
+    model: str = ""
+    key_limit: int = 0  # requests in flight + queued for this tenant (0: no limit)
+    batch_queue_max: int = 0
+    prefixes: Sequence[str] = ()
+    affinity_abs: int = 4
+    affinity_rel: float = 1.5
+    affinity_max_entries: int = 100_000
+    queue_lease_ms: int = QUEUE_LEASE_MS
+    excluded: Collection[str] = ()
+    generations: int = 1
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The answer to a :class:`ReserveRequest`.
+
+    ``reserved``: ``slots`` slots on ``node_id``, which now has ``count`` reservations. ``queued``: ``count``
+    requests wait, this one included. ``full``; ``shed`` (a batch request turned away, or a queued one whose
+    place an interactive request took); ``limited`` (the tenant has ``count`` requests in flight and queued,
+    its limit). ``affinity``: "" (no prompt prefix), hit, miss or overridden.
+    """
+
+    status: ReserveStatus
+    node_id: str = ""
+    count: int = 0
+    affinity: AffinityOutcome = ""
+    slots: int = 0
+
+
+@dataclass(frozen=True)
+class Release:
+    """Give back the slots ``request_id`` holds on ``node_id`` (``slots`` 0: however many it holds there).
+    ``failed``: the node failed the request, so its slots are not handed to a waiter."""
+
+    request_id: str
+    node_id: str
+    tenant: str = ANONYMOUS
+    slots: int = 0
+    failed: bool = False
+    queue_lease_ms: int = QUEUE_LEASE_MS
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a running request holds in Redis: ``slots`` slots on ``node_id``."""
+
+    request_id: str
+    node_id: str
+    tenant: str = ANONYMOUS
+    slots: int = 1
+
+
+class PoolSnapshot(BaseModel):
+    """What Redis says about the pool at one moment."""
+
+    nodes: dict[str, NodeDoc] = Field(default_factory=dict)
+    reservations: dict[str, int] = Field(default_factory=dict)
+    drained: set[str] = Field(default_factory=set)
+    queue_depth: int = 0
+    queued_slots: int = 0  # the slots the waiting requests will hold: one per generation each runs at once
+    queued: dict[str, dict[str, int]] = Field(default_factory=dict)  # tenant -> priority -> waiting
+    in_flight: dict[str, int] = Field(default_factory=dict)  # tenant -> requests in flight
+
+
+class Store:
+    """The pool's state in the Redis that ``redis`` points at, under ``keys``' prefix."""
+
+    def __init__(self, redis: Redis, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+        self._reserve = redis.register_script(source("reserve"))
+        self._release = redis.register_script(source("release"))
+        self._leave = redis.register_script(source("leave"))
+        self._renew = redis.register_script(source("renew"))
+        self._heartbeat = redis.register_script(source("heartbeat"))
+        self._deregister = redis.register_script(source("deregister"))
+
+    def _common(self, now: int | None) -> list[str | int]:
+        """The admission scripts' first ARGV (lib.lua): the prefix, the events channel, the time."""
+        return [self.keys.prefix, self.keys.events, now_ms() if now is None else now]
+
+    # --- admission ---------------------------------------------------------------------------------
+
+    async def reserve(self, request: ReserveRequest, now: int | None = None) -> Reservation:
+        """Reserve slots on the node holding the prompt's prefix or the least-utilised candidate, or queue
+        the request, or say why not - in one atomic call."""
+        raw = await self._reserve(keys=self.keys.pool_wide(), args=[*self._common(now), _encode(request)])
+        status, affinity = _text(raw[0]), _text(raw[3])
+        if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
+            raise ValueError(f"reserve.lua answered {raw!r}")
+        slots = int(raw[4]) if len(raw) > 4 else 0
+        return Reservation(cast(ReserveStatus, status), _text(raw[1]), int(raw[2]),
+                           cast(AffinityOutcome, affinity), slots)
+
+    async def release(self, release: Release, now: int | None = None) -> int:
+        """Give the slots back, handing them to waiting requests; the slots released."""
+        args: list[str | int] = [
+            *self._common(now), release.request_id, release.node_id, release.tenant, release.slots,
+            "1" if release.failed else "0", release.queue_lease_ms,
+        ]
+        return int(await self._release(keys=self.keys.pool_wide(), args=args))
+
+    async def leave_queue(
+        self, request_id: str, nodes: Sequence[str] = (), queue_lease_ms: int = QUEUE_LEASE_MS,
+        now: int | None = None,
+    ) -> bool:
+        """Take a waiting request out of the queue; ``nodes``: those it could run on if it runs several
+        generations (their free slots were held back for it). True when slots had been handed to it (they go
+        to the next in line)."""
+        args: list[str | int] = [*self._common(now), request_id, queue_lease_ms, *nodes]
+        return int(await self._leave(keys=self.keys.pool_wide(), args=args)) == 2
+
+    async def renew(self, leases: Sequence[Lease], lease_ms: int, now: int | None = None) -> list[bool]:
+        """Extend each lease to ``now + lease_ms``, in one round trip. For each, True when it was gone
+        (Redis restarted empty, or it had expired) and has been counted again."""
+        expiry = (now_ms() if now is None else now) + lease_ms
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lease in leases:
+                keys = [self.keys.reservations(lease.node_id), self.keys.tenant(lease.tenant)]
+                args: list[str | int] = [expiry, lease_ms, *members(lease.request_id, lease.slots)]
+                await self._renew(keys=keys, args=args, client=pipe)
+            results = await pipe.execute()
+        return [int(result) == 2 for result in results]
+
+    async def drain(self, node_id: str, drained: bool) -> None:
+        """Mark a node drained (routers send it nothing new) or not, and tell every router at once."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            if drained:
+                pipe.sadd(self.keys.drained, node_id)
+            else:
+                pipe.srem(self.keys.drained, node_id)
+            pipe.publish(self.keys.events, drain_message(node_id, drained))
+            await pipe.execute()
+
+    async def forget(self, lease: Lease) -> None:
+        """Remove a lease without handing its slots on: a renewal that crossed its release brought it back."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.reservations(lease.node_id), *members(lease.request_id, lease.slots))
+            pipe.zrem(self.keys.tenant(lease.tenant), lease.request_id)
+            await pipe.execute()
+
+    # --- the node agent ----------------------------------------------------------------------------
+
+    async def heartbeat(self, doc: NodeDoc, ttl_ms: int) -> str | None:
+        """Write one heartbeat atomically and announce it. None when written, else the URL of the agent
+        started later that holds this node id ("" if unknown): this beat was refused."""
+        keys = [self.keys.node(doc.node_id), self.keys.nodes]
+        args: list[str | int | float] = [
+            self.keys.events, doc.node_id, doc.encode(), doc.capacity, doc.state, "\n".join(doc.models),
+            ttl_ms, doc.updated_at_ms or now_ms(), doc.instance, doc.started_at_ms, doc.total_slots,
+        ]
+        result = await self._heartbeat(keys=keys, args=args)
+        if result == 1:
+            return None
+        return NodeDoc.decode(result).url if result else ""
+
+    async def deregister(self, node_id: str, instance: str = "") -> bool:
+        """Clean shutdown: the node leaves the pool at once instead of after its TTL. False (nothing
+        removed) when another agent process holds the id: one started later."""
+        keys = [self.keys.node(node_id), self.keys.nodes]
+        return bool(await self._deregister(keys=keys, args=[self.keys.events, node_id, instance]))
+
+    # --- reading the pool --------------------------------------------------------------------------
+
+    async def read_pool(self, tenants: Sequence[str] = (), now: int | None = None) -> PoolSnapshot:
+        """Every live node, its live reservations, the drained set and who waits in the queue; ``tenants``
+        also get their requests in flight counted. Two round trips whatever the pool size; index entries
+        whose node key expired are pruned."""
+        now = now_ms() if now is None else now
+        keys = self.keys
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrange(keys.nodes, 0, -1)
+            pipe.smembers(keys.drained)
+            pipe.zrangebyscore(keys.queue, now, "+inf")
+            pipe.hgetall(keys.queue_meta)
+            for tenant in tenants:
+                pipe.zcount(keys.tenant(tenant), now, "+inf")
+            ids_raw, drained_raw, waiting_raw, meta_raw, *loads = await pipe.execute()
+        snapshot = PoolSnapshot(drained={_text(d) for d in drained_raw},
+                                in_flight=dict(zip(tenants, (int(n) for n in loads), strict=True)))
+        records = {_text(k): _QueueRecord.parse(_text(v)) for k, v in meta_raw.items()}
+        for rid in waiting_raw:
+            record = records.get(_text(rid))
+            if record is None or record.mark:
+                continue  # not waiting any more: handed a slot, or shed
+            by_priority = snapshot.queued.setdefault(record.tenant, {})
+            by_priority[record.priority] = by_priority.get(record.priority, 0) + 1
+            snapshot.queue_depth += 1
+            snapshot.queued_slots += record.generations
+        ids = [_text(i) for i in ids_raw]
+        if ids:
+            await self._read_nodes(ids, now, snapshot)
+        return snapshot
+
+    async def _read_nodes(self, ids: list[str], now: int, snapshot: PoolSnapshot) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for node_id in ids:
+                pipe.hget(self.keys.node(node_id), "doc")
+                pipe.zcount(self.keys.reservations(node_id), now, "+inf")
+            results = await pipe.execute()
+        gone = []
+        for node_id, raw, count in zip(ids, results[0::2], results[1::2], strict=True):
+            if raw is None:
+                gone.append(node_id)
+                continue
+            snapshot.nodes[node_id] = NodeDoc.decode(raw)
+            snapshot.reservations[node_id] = int(count)
+        if gone:
+            await self.redis.zrem(self.keys.nodes, *gone)
+
+
+@dataclass(frozen=True)
+class _QueueRecord:
+    """The fields of a queue record (lib.lua's ``record``) the pool read needs."""
+
+    priority: str
+    tenant: str
+    mark: str  # "": waiting
+    generations: int
+
+    @classmethod
+    def parse(cls, text: str) -> _QueueRecord:
+        f = text.split("\t")
+        if len(f) < 5:
+            return cls("", "", "malformed", 0)
+        gens = f[9] if len(f) > 9 else ""
+        return cls(f[0], f[1], f[4], int(gens) if gens.isdigit() else 1)
+
+
+def _encode(request: ReserveRequest) -> str:
+    """The request as reserve.lua reads it (a random number per candidate breaks the last ties)."""
+    fields: dict[str, Any] = {
+        "rid": request.request_id, "lease": request.lease_ms, "queue_size": request.queue_size,
+        "enqueue": request.enqueue, "dequeue": request.dequeue, "priority": request.priority,
+        "tenant": request.tenant, "model": request.model, "key_limit": request.key_limit,
+        "batch_queue_max": request.batch_queue_max, "prefixes": list(request.prefixes),
+        "affinity_abs": request.affinity_abs, "affinity_rel": request.affinity_rel,
+        "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
+        "excluded": list(request.excluded), "generations": request.generations,
+        "candidates": [[c.node_id, c.tokens_per_s, random.random()] for c in request.candidates],
+    }
+    return json.dumps(fields, separators=(",", ":"))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

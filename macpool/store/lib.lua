@@ -1,0 +1,286 @@
+-- Shared by the admission scripts (reserve.lua, release.lua, leave.lua), which are this file followed by
+-- their own text (macpool/store/scripts.py).
+--
+-- Key names are macpool/store/keys.py's. The pool-wide keys come in KEYS, in Keys.pool_wide() order. A node's
+-- and a tenant's keys are built here from the prefix, as keys.py builds them: a script finds some of them only
+-- as it runs (the tenant of each queued request a freed slot is handed to). ARGV starts with the prefix, the
+-- events channel and the time (ms); each script's own arguments follow.
+local K = {queue = KEYS[1], qmeta = KEYS[2], drained = KEYS[3], affinity = KEYS[4], lru = KEYS[5],
+           events = ARGV[2]}
+local PREFIX, NOW = ARGV[1], tonumber(ARGV[3])
+local function node_key(id) return PREFIX .. 'node:' .. id end
+local function resv_key(id) return PREFIX .. 'resv:' .. id end
+local function tenant_key(name) return PREFIX .. 'tenant:' .. name end
+
+-- Queue entries: K.queue holds each waiter's lease expiry (short, renewed on each attempt), K.qmeta its
+-- record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes \t declined \t
+-- generations \t hold", mark being "" (waiting), "g:<node>" (a release reserved its slots on <node> for it: it
+-- only has to take them) or "shed" (an interactive request took its place); the preferred node holds its
+-- prompt prefix (affinity); declined lists (newline-separated) the nodes it turned a handed-over slot down on
+-- - nodes its router no longer sends it to (tried already, or circuit open there): no slot there is handed to
+-- it again, nor held back for it from later arrivals; generations is how many it runs at once (each holds a
+-- slot); hold is the node it waits on when it fits on none now.
+-- A request holding k slots is k members of its node's reservations (see members()).
+-- Queue order, for each model: interactive before batch, then the tenant with the fewest requests in flight,
+-- then the oldest - except that a release may hand its slot to a request that prefers that node among the
+-- first AFFINITY_SKIP equally ranked ones (passing each over at most MAX_PASSES times). Both are trimmed when
+-- the waiter's lease runs out.
+local AFFINITY_SKIP = 8  -- queued requests a hand-over may look past the head for one this node has cached
+local MAX_PASSES = 4  -- ... and how often one request may be passed over that way
+
+local function fields(s)
+  local out, start = {}, 1
+  while true do
+    local i = string.find(s, '\t', start, true)
+    if not i then out[#out + 1] = string.sub(s, start); return out end
+    out[#out + 1] = string.sub(s, start, i - 1)
+    start = i + 1
+  end
+end
+
+-- every live queue entry as {rid, prio, tenant, model, enq, mark}; expired entries are dropped here
+local function queue_entries(now)
+  local qkey, mkey = K.queue, K.qmeta
+  if redis.call('EXISTS', qkey) == 0 then return {} end
+  local expired = redis.call('ZRANGEBYSCORE', qkey, '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', qkey, '-inf', now)
+    redis.call('HDEL', mkey, unpack(expired))
+  end
+  local ids = redis.call('ZRANGE', qkey, 0, -1)
+  local out = {}
+  if #ids == 0 then return out end
+  local metas = redis.call('HMGET', mkey, unpack(ids))
+  for i, rid in ipairs(ids) do
+    if metas[i] then
+      local f = fields(metas[i])
+      out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
+                       mark = f[5] or '', pref = f[6] or '', hashed = f[7] or '',
+                       passes = tonumber(f[8]) or 0, declined = f[9] or '', gens = tonumber(f[10]) or 1,
+                       hold = f[11] or ''}
+    end
+  end
+  return out
+end
+
+-- the qmeta record of queue entry `e`
+local function record(e)
+  local f = {e.prio, e.tenant, e.model, e.enq, e.mark, e.pref, e.hashed, e.passes, e.declined, e.gens,
+             e.hold or ''}
+  return table.concat(f, '\t')
+end
+
+-- whether queue entry `e` turned down a slot on `node` before
+local function declined(e, node)
+  if e.declined == '' then return false end
+  return string.find('\n' .. e.declined .. '\n', '\n' .. node .. '\n', 1, true) ~= nil
+end
+
+local loads = {}
+-- requests a tenant has in flight (reserved), across every router
+local function tenant_load(tenant, now)
+  local n = loads[tenant]
+  if n == nil then
+    n = redis.call('ZCOUNT', tenant_key(tenant), now, '+inf')
+    loads[tenant] = n
+  end
+  return n
+end
+
+-- queue order: interactive first, then the tenant with fewer requests in flight, then the oldest
+local function before(now, a, b)
+  local pa, pb = a.prio == 'batch' and 1 or 0, b.prio == 'batch' and 1 or 0
+  if pa ~= pb then return pa < pb end
+  local la, lb = tenant_load(a.tenant, now), tenant_load(b.tenant, now)
+  if la ~= lb then return la < lb end
+  if a.enq ~= b.enq then return a.enq < b.enq end
+  return a.rid < b.rid
+end
+
+-- the slots a request running `gens` generations holds on a node of `slots` llama-server slots (nil or 0:
+-- unknown): llama-server queues the generations past its slots (macpool/contract.py's slots_needed)
+local function need(gens, slots)
+  if slots and slots > 0 and slots < gens then return slots end
+  return gens
+end
+
+-- the reservation members of a request holding k slots: rid, rid#2, ..., rid#k
+local function members(rid, k)
+  local out = {rid}
+  for i = 2, k do out[i] = rid .. '#' .. i end
+  return out
+end
+
+-- the ZADD arguments giving each of a request's k members the expiry `score`
+local function scored(rid, k, score)
+  local out = {}
+  for _, m in ipairs(members(rid, k)) do out[#out + 1] = score; out[#out + 1] = m end
+  return out
+end
+
+-- how many slots `rid` holds in reservations `rkey` (its members come and go together: they are contiguous)
+local function held(rkey, rid)
+  if not redis.call('ZSCORE', rkey, rid) then return 0 end
+  local k = 1
+  while redis.call('ZSCORE', rkey, rid .. '#' .. (k + 1)) do k = k + 1 end
+  return k
+end
+
+-- reserve k slots on `node` for `rid` until now + lease. A hand-over's lease is a short one, what is left of
+-- the waiter's place in the queue (`short`): it must not cut short the TTL of the keys the node's and the
+-- tenant's other reservations live in
+local function reserve(node, rid, tenant, now, lease, k, short)
+  local rkey, tkey, ttl = resv_key(node), tenant_key(tenant), lease * 2
+  redis.call('ZADD', rkey, unpack(scored(rid, k, now + lease)))
+  if not short or redis.call('PTTL', rkey) < ttl then redis.call('PEXPIRE', rkey, ttl) end
+  redis.call('ZADD', tkey, now + lease, rid)
+  if not short or redis.call('PTTL', tkey) < ttl then redis.call('PEXPIRE', tkey, ttl) end
+  loads[tenant] = nil
+end
+
+local function serves(models, model)
+  if model == '' then return true end
+  if not models then return false end
+  for m in string.gmatch(models, '[^\n]+') do
+    if m == model then return true end
+  end
+  return false
+end
+
+-- whether queue entry `e` waits for a slot `node` could give it (`models`, `slots`, `cap`: the node's)
+local function eligible(e, node, models, slots, cap)
+  return e.mark == '' and serves(models, e.model) and not declined(e, node) and need(e.gens, slots) <= cap
+end
+
+-- whether waiter `e` takes `free` slots of `node` (it fits), or holds them back for itself (it waits on it)
+local function claims(e, node, free, slots)
+  return need(e.gens, slots) <= free or e.hold == '' or e.hold == node
+end
+
+-- which of `ranked` (the waiters `node` could serve, in queue order) takes the node's next slots, `free` of
+-- them, and the ones passed over for it. The head, or - prefix affinity within fairness - among the first few
+-- requests exactly as deserving as the head (same class, same tenant load) one whose prompt this node holds;
+-- a request can be passed over at most MAX_PASSES times, so nobody waits long for it. A request running
+-- several generations that does not fit in `free` holds the slots back for itself only on the node it waits
+-- on (`hold`; none: every node): elsewhere the requests behind it go first.
+-- nil: the head needs more than `free` and nobody may pass it.
+local function pick(now, node, ranked, free, slots)
+  local live = {}  -- the places in `ranked` of those who take or hold this node's slots, the first few
+  for i, e in ipairs(ranked) do
+    if claims(e, node, free, slots) then
+      live[#live + 1] = i
+      if #live >= AFFINITY_SKIP then break end
+    end
+  end
+  if #live == 0 then return nil end
+  local head = ranked[live[1]]
+  local head_load = tenant_load(head.tenant, now)
+  for j, i in ipairs(live) do
+    local e = ranked[i]
+    if e.prio ~= head.prio or tenant_load(e.tenant, now) ~= head_load then break end
+    if e.pref == node and need(e.gens, slots) <= free then return i, {unpack(live, 1, j - 1)} end
+    if e.passes >= MAX_PASSES then break end
+  end
+  if need(head.gens, slots) <= free then return live[1], {} end
+  return nil
+end
+
+-- slots on `node` are free: reserve them for the first waiting requests that node can serve, in queue order,
+-- and return how many were handed over. A request waits for all the slots it needs on one node at once, and
+-- the requests behind it wait too: freed slots are held back for it, or single requests taking each one as it
+-- frees could starve it (as they can in llama-server's own deferred queue, which lets them pass).
+local function hand_over(node, now, lease)
+  if redis.call('EXISTS', K.queue) == 0 then return 0 end  -- nobody waits: the common case
+  local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
+  local cap, slots = tonumber(f[1]), tonumber(f[4])
+  if not cap or cap <= 0 or f[2] ~= 'ready' or redis.call('SISMEMBER', K.drained, node) == 1 then
+    return 0
+  end
+  local rkey = resv_key(node)
+  redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
+  local free = cap - redis.call('ZCARD', rkey)
+  if free <= 0 then return 0 end
+  local ranked = {}
+  for _, e in ipairs(queue_entries(now)) do
+    if eligible(e, node, f[3], slots, cap) then ranked[#ranked + 1] = e end
+  end
+  local handed = 0
+  while #ranked > 0 do
+    table.sort(ranked, function(a, b) return before(now, a, b) end)
+    local i, passed = pick(now, node, ranked, free, slots)
+    if not i then break end
+    for _, j in ipairs(passed) do  -- passed over for affinity
+      local p = ranked[j]
+      p.passes = p.passes + 1
+      redis.call('HSET', K.qmeta, p.rid, record(p))
+    end
+    local e = ranked[i]
+    local k = need(e.gens, slots)
+    -- the slots are the waiter's while its place in the queue lasts: they lapse with it (a waiter whose place
+    -- lapsed asks again as a new arrival, which could take other slots besides, or wait behind these)
+    local place = tonumber(redis.call('ZSCORE', K.queue, e.rid)) - now
+    reserve(node, e.rid, e.tenant, now, math.min(lease, place), k, true)
+    e.mark = 'g:' .. node
+    redis.call('HSET', K.qmeta, e.rid, record(e))
+    redis.call('PUBLISH', K.events, 'granted ' .. e.rid .. ' ' .. node .. ' ' .. k)
+    table.remove(ranked, i)
+    free, handed = free - k, handed + k
+    if free == 0 then break end
+  end
+  return handed
+end
+
+-- a waiter running several generations left the queue (it got its slots, was shed, or gave up): the free
+-- slots the nodes it could run on held back for it go to the next in line now, not at their next release.
+-- The queue is read and ranked once, not once per node: a full hand-over runs only on a node that will
+-- hand a slot over.
+local function pass_on(nodes, now, lease)
+  local waiting = nil  -- every waiter not yet handed a slot, in queue order
+  for _, node in ipairs(nodes) do
+    local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
+    local cap, slots = tonumber(f[1]), tonumber(f[4])
+    local free = 0
+    if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, node) == 0 then
+      -- (a lease ending at `now` is over, as hand_over drops it)
+      free = cap - redis.call('ZCOUNT', resv_key(node), '(' .. now, '+inf')
+    end
+    if free > 0 then
+      if waiting == nil then
+        waiting = {}
+        for _, e in ipairs(queue_entries(now)) do
+          if e.mark == '' then waiting[#waiting + 1] = e end
+        end
+        table.sort(waiting, function(a, b) return before(now, a, b) end)
+      end
+      local ranked = {}  -- the first of them this node could serve (pick looks no further)
+      for _, e in ipairs(waiting) do
+        if #ranked >= AFFINITY_SKIP then break end
+        if eligible(e, node, f[3], slots, cap) and claims(e, node, free, slots) then
+          ranked[#ranked + 1] = e
+        end
+      end
+      if #ranked > 0 and pick(now, node, ranked, free, slots) then
+        hand_over(node, now, lease)
+        waiting = nil  -- it marked some
+      end
+    end
+  end
+end
+
+-- give back the k slots `rid` holds on `node` (nil or 0: however many it holds) and hand them to waiting
+-- requests, unless `keep`; the slots nobody was handed are announced, one `freed` message each
+local function release(node, rid, tenant, now, lease, keep, k)
+  local rkey = resv_key(node)
+  if not k or k <= 0 then k = held(rkey, rid) end
+  local removed = 0
+  if k > 0 then removed = redis.call('ZREM', rkey, unpack(members(rid, k))) end
+  redis.call('ZREM', tenant_key(tenant), rid)
+  loads[tenant] = nil
+  if removed > 0 then
+    local handed = keep and 0 or hand_over(node, now, lease)
+    for _ = 1, removed - handed do
+      redis.call('PUBLISH', K.events, 'freed ' .. node)
+    end
+  end
+  return removed
+end

@@ -1,0 +1,351 @@
+-- Reserve slots for one request on the best candidate node, or queue it, or say why not (Store.reserve).
+-- ARGV after the common three: the request, as JSON (macpool/store/api.py, Store._reserve_request).
+-- Returns {status, node, count, affinity[, slots]}: status reserved (node, its reservations now, the
+-- affinity outcome, the slots it holds), queued (count: the requests waiting), full, shed or limited (count:
+-- what the tenant has in flight and queued).
+local req = cjson.decode(ARGV[4])
+local now, rid, lease, gens = NOW, req.rid, req.lease, req.generations
+local prio, tenant, model = req.priority, req.tenant, req.model
+local queue_lease = req.queue_lease  -- waiters renew their place every attempt, so this is short
+local excluded = table.concat(req.excluded, '\n')  -- nodes its router no longer sends it to (record format)
+local prefixes = req.prefixes  -- prompt-prefix hashes, longest first
+local nodes = {}  -- every candidate's id, as given
+for i, c in ipairs(req.candidates) do nodes[i] = c[1] end
+
+-- this request leaves the queue: if it runs several generations, the slots held back for it go on
+local function leave(e)
+  if e.gens > 1 then pass_on(nodes, now, queue_lease) end
+end
+
+local function dequeue(me)
+  redis.call('ZREM', K.queue, rid)
+  redis.call('HDEL', K.qmeta, rid)
+  leave(me)
+end
+
+-- remember that `node` now holds this request's prompt prefixes (least recently used ones dropped)
+local function remember(node)
+  if #prefixes == 0 then return end
+  local pairs_, scores = {}, {}
+  for _, hash in ipairs(prefixes) do
+    pairs_[#pairs_ + 1] = hash; pairs_[#pairs_ + 1] = node
+    scores[#scores + 1] = now; scores[#scores + 1] = hash
+  end
+  redis.call('HSET', K.affinity, unpack(pairs_))
+  redis.call('ZADD', K.lru, unpack(scores))
+  -- at most 1,000 of the oldest per call (Lua's unpack has a limit; a lowered bound converges over calls)
+  local over = math.min(redis.call('ZCARD', K.lru) - req.affinity_max_entries, 1000)
+  if over > 0 then
+    local old = redis.call('ZRANGE', K.lru, 0, over - 1)
+    redis.call('ZREMRANGEBYRANK', K.lru, 0, over - 1)
+    redis.call('HDEL', K.affinity, unpack(old))
+  end
+end
+
+-- `me`, a waiter a release handed slots to: take them (the answer), or turn them down and wait on (nil).
+-- `turned_down` is set when this request declined them (a node its router no longer sends it to).
+local turned_down = false
+local function take_handed_over(me)
+  local node = string.sub(me.mark, 3)
+  local wanted = false  -- a release hands a slot over by model only: is its node one this request takes?
+  for _, id in ipairs(nodes) do
+    if id == node then wanted = true end
+  end
+  local rkey = resv_key(node)
+  local k = wanted and held(rkey, rid) or 0
+  if k > 0 then
+    -- the slots were handed over with the short queue lease (in case this waiter's router is dead): now
+    -- that the waiter is alive to take them, they get the full lease
+    redis.call('ZREM', K.queue, rid)
+    redis.call('HDEL', K.qmeta, rid)
+    redis.call('ZADD', rkey, 'XX', unpack(scored(rid, k, now + lease)))
+    redis.call('PEXPIRE', rkey, lease * 2)  -- (the hand-over may have created the key, with a short TTL)
+    redis.call('ZADD', tenant_key(tenant), 'XX', now + lease, rid)
+    redis.call('PEXPIRE', tenant_key(tenant), lease * 2)
+    remember(node)
+    leave(me)
+    local outcome = ''
+    if me.hashed ~= '' then
+      outcome = me.pref == node and 'hit' or (me.pref ~= '' and 'overridden' or 'miss')
+    end
+    return {'reserved', node, redis.call('ZCOUNT', rkey, now, '+inf'), outcome, k}
+  end
+  if not wanted then
+    -- declined: the slots go on to the next in line (this request, still marked, is not among them)
+    release(node, rid, me.tenant, now, queue_lease, false)
+    me.declined, turned_down = excluded, true
+    if not declined(me, node) then
+      me.declined = excluded == '' and node or excluded .. '\n' .. node
+    end
+  end
+  -- (or a handed-over slot that lapsed before it was taken: this request waits on like any other)
+  me.mark = ''
+  redis.call('HSET', K.qmeta, rid, record(me))
+  return nil
+end
+
+-- a new arrival of a tenant at its limit of requests in flight and queued: how many it has (else nil)
+local function over_key_limit(entries)
+  if req.key_limit <= 0 then return nil end
+  local n = redis.call('ZCOUNT', tenant_key(tenant), now, '+inf')
+  for _, e in ipairs(entries) do
+    if e.tenant == tenant and e.mark == '' then n = n + 1 end
+  end
+  if n >= req.key_limit then return n end
+  return nil
+end
+
+-- the other waiters: how many (and batch ones), the last batch one, those queued ahead of this request for
+-- the same model, and those ahead of it asking for another model that run several generations (who may hold
+-- slots back on the nodes it could go to)
+local function scan_queue(entries, me)
+  local mine = {rid = rid, prio = prio, tenant = tenant, enq = me and me.enq or now}
+  local q = {ahead = {}, others = {}, waiting = 0, waiting_batch = 0, last_batch = nil}
+  for _, e in ipairs(entries) do
+    if e.mark == '' and e.rid ~= rid then
+      q.waiting = q.waiting + 1
+      if e.prio == 'batch' then
+        q.waiting_batch = q.waiting_batch + 1
+        if q.last_batch == nil or before(now, q.last_batch, e) then q.last_batch = e end
+      end
+      if e.model == model then
+        if before(now, e, mine) then q.ahead[#q.ahead + 1] = e end
+      elseif e.gens > 1 and before(now, e, mine) then
+        q.others[#q.others + 1] = e
+      end
+    end
+  end
+  return q
+end
+
+-- the candidates that take requests now: candidate c is node ids[c], with ns[c] reservations, capacity
+-- caps[c], llama-server's slots[c], and tps[c] / rnd[c] to break ties (arrays, not a table per candidate:
+-- this runs for every request, over every candidate)
+local ids, ns, caps, slots, tps, rnd, known = {}, {}, {}, {}, {}, {}, {}
+local function read_candidates()
+  for _, cand in ipairs(req.candidates) do
+    local id = cand[1]
+    known[id] = true
+    local f = redis.call('HMGET', node_key(id), 'capacity', 'state', 'slots')
+    local cap = tonumber(f[1])
+    if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, id) == 0 then
+      local rkey = resv_key(id)
+      redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
+      local c = #ids + 1
+      ids[c], ns[c], caps[c], slots[c] = id, redis.call('ZCARD', rkey), cap, tonumber(f[3])
+      tps[c], rnd[c] = cand[2], cand[3]
+    end
+  end
+end
+
+-- the models candidate `c` serves, read only for a waiter asking for another name than this request
+local mods = {}
+local function models_of(c)
+  if mods[c] == nil then mods[c] = redis.call('HGET', node_key(ids[c]), 'models') or '' end
+  return mods[c]
+end
+
+-- whether queue entry `e` could run on candidate `c` (it needs k slots there)
+local function runs_on(e, c)
+  local k = need(e.gens, slots[c])
+  return k <= caps[c] and not declined(e, ids[c]) and (e.model == model or serves(models_of(c), e.model)), k
+end
+
+-- the node a request running several generations waits on when it fits on none now: of those it could run
+-- on, the one with the most free slots (ties: the lowest id), so the fewest slots wait idle for it. Its free
+-- slots are held back for it; the other nodes' go to the requests behind it meanwhile.
+local function designate(e)
+  local best_id, most = '', -1
+  for c = 1, #ids do
+    if runs_on(e, c) then
+      local f = caps[c] - ns[c]
+      if f > most or (f == most and ids[c] < best_id) then best_id, most = ids[c], f end
+    end
+  end
+  return best_id
+end
+
+-- whether `node`, not one of the candidates, could run queue entry `e` now (the node it waits on, say, where
+-- this request is not sent: its router tried it, or its circuit is open, or it is too small for this request)
+local function runs_elsewhere(e, node)
+  local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
+  local cap = tonumber(f[1])
+  return cap ~= nil and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, node) == 0
+    and serves(f[3], e.model) and not declined(e, node) and need(e.gens, tonumber(f[4])) <= cap
+end
+
+-- A request ahead running several generations that fits on none of the candidates now waits for slots to
+-- free on one (its `hold`): that node holds its free slots back for it (as hand_over does), from this request
+-- too, and the request is not counted among those ahead taking the other nodes' free slots (waiting_on).
+-- Slots held back for one are not room for those behind it, so they are looked at in queue order.
+local function hold_back(q)
+  local several = q.others
+  for _, e in ipairs(q.ahead) do
+    if e.gens > 1 then several[#several + 1] = e end
+  end
+  if #several > 1 then table.sort(several, function(a, b) return before(now, a, b) end) end
+  local held_back, waiting_on = {}, {}
+  for _, e in ipairs(several) do
+    local fits, runs = false, {}
+    for c = 1, #ids do
+      local ok, k = runs_on(e, c)
+      if ok then
+        runs[ids[c]] = true
+        if ns[c] + k <= caps[c] and not held_back[ids[c]] then fits = true; break end
+      end
+    end
+    if not fits then
+      waiting_on[e.rid] = true
+      local hold = e.hold
+      if hold ~= '' and not runs[hold] and (known[hold] or not runs_elsewhere(e, hold)) then
+        hold = designate(e)  -- gone, drained, or turned down since
+      end
+      if hold == '' then
+        for id in pairs(runs) do held_back[id] = true end
+      else
+        held_back[hold] = true
+      end
+    end
+  end
+  return held_back, waiting_on
+end
+
+-- the least-utilised candidate with the free slots this request needs (ties: faster node, then random), as
+-- {id, util, n (its reservations), k (the slots it would hold)} or nil; the free slots of the candidates not
+-- held back; and `open`: node id -> candidate number, for the nodes with room for this request
+local function least_utilised(held_back)
+  local best, free, open = nil, 0, {}
+  local best_util, best_tps, best_rnd = 2.0, -1.0, 0.0
+  for c = 1, #ids do
+    local n, cap = ns[c], caps[c]
+    local k = need(gens, slots[c])
+    if not held_back[ids[c]] then
+      if n < cap then free = free + cap - n end
+      if n + k <= cap then
+        local util = n / cap
+        open[ids[c]] = c
+        local better = util < best_util
+        if util == best_util then
+          better = tps[c] > best_tps or (tps[c] == best_tps and rnd[c] < best_rnd)
+        end
+        if better then
+          best = {id = ids[c], util = util, n = n, k = k}
+          best_util, best_tps, best_rnd = util, tps[c], rnd[c]
+        end
+      end
+    end
+  end
+  return best, free, open
+end
+
+-- prefix affinity: the node that served the longest known prefix, unless it is much busier (SGLang's rule).
+-- Returns the outcome ('' without prefixes, hit, miss or overridden) and the node preferred (kept with a
+-- queued request); `best` moves to the prefix's node on a hit.
+local function apply_affinity(best, open)
+  if #prefixes == 0 then return '', '' end
+  local outcome, pref = 'miss', ''
+  local owners = redis.call('HMGET', K.affinity, unpack(prefixes))
+  for i = 1, #prefixes do
+    local owner = owners[i]
+    if owner and pref == '' and known[owner] then pref = owner end
+    if owner and best then
+      local o = open[owner]
+      if o == nil then
+        outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
+      elseif ns[o] - best.n >= req.affinity_abs and ns[o] / caps[o] > best.util * req.affinity_rel then
+        outcome = 'overridden'
+        break
+      else
+        best.id, best.n, best.k, outcome = owner, ns[o], need(gens, slots[o]), 'hit'
+        break
+      end
+    end
+  end
+  return outcome, pref
+end
+
+-- the slots on `best` left to the requests ahead: all of theirs, except those that turned down a slot there,
+-- could never run there (more generations at once than it holds) or wait on another node
+local function slots_ahead(best, open, q, waiting_on)
+  local n = 0
+  for _, e in ipairs(q.ahead) do
+    local ok, k = runs_on(e, open[best.id])
+    if ok and not waiting_on[e.rid] then n = n + k end
+  end
+  return n
+end
+
+-- still waiting: renew its place (and the nodes it turns down: circuits close, and open)
+local function renew_place(me, q)
+  redis.call('ZADD', K.queue, now + queue_lease, rid)
+  local was, changed = me.hold, false
+  if not turned_down and me.declined ~= excluded then me.declined, changed = excluded, true end
+  if me.gens > 1 then me.hold = designate(me) end
+  if changed or me.hold ~= was then redis.call('HSET', K.qmeta, rid, record(me)) end
+  if me.hold ~= was and was ~= '' then pass_on({was}, now, queue_lease) end  -- it waits elsewhere now
+  return {'queued', '', q.waiting + 1, ''}
+end
+
+-- a new arrival joins the queue if there is room (an interactive one takes the last batch request's place)
+local function join_queue(q, pref)
+  local waiting = q.waiting
+  if waiting >= req.queue_size or (prio == 'batch' and q.waiting_batch >= req.batch_queue_max) then
+    if prio == 'batch' then
+      return {waiting < req.queue_size and 'shed' or 'full', '', waiting, ''}
+    end
+    if q.last_batch == nil then
+      return {'full', '', waiting, ''}
+    end
+    q.last_batch.mark = 'shed'
+    redis.call('HSET', K.qmeta, q.last_batch.rid, record(q.last_batch))
+    redis.call('PUBLISH', K.events, 'shed ' .. q.last_batch.rid)
+    waiting = waiting - 1
+  end
+  redis.call('ZADD', K.queue, now + queue_lease, rid)
+  local entry = {prio = prio, tenant = tenant, model = model, enq = now, mark = '', pref = pref,
+                 hashed = #prefixes > 0 and '1' or '', passes = 0, declined = excluded, gens = gens, hold = ''}
+  if gens > 1 then entry.hold = designate(entry) end
+  redis.call('HSET', K.qmeta, rid, record(entry))
+  redis.call('PEXPIRE', K.queue, lease * 2)
+  redis.call('PEXPIRE', K.qmeta, lease * 2)
+  return {'queued', '', waiting + 1, ''}
+end
+
+local function main()
+  local entries = queue_entries(now)
+  local me = nil
+  if req.dequeue then
+    for _, e in ipairs(entries) do
+      if e.rid == rid then me = e end
+    end
+    if me and me.mark == 'shed' then
+      dequeue(me)
+      return {'shed', '', 0, ''}
+    end
+    if me and string.sub(me.mark, 1, 2) == 'g:' then
+      local taken = take_handed_over(me)
+      if taken then return taken end
+      entries = queue_entries(now)  -- the hand-over may have marked another entry
+    end
+  end
+  if me == nil then
+    local n = over_key_limit(entries)
+    if n then return {'limited', '', n, ''} end
+  end
+  local q = scan_queue(entries, me)
+  read_candidates()
+  local held_back, waiting_on = hold_back(q)
+  local best, free, open = least_utilised(held_back)
+  local outcome, pref = apply_affinity(best, open)
+  if best and slots_ahead(best, open, q, waiting_on) + best.k <= free then
+    reserve(best.id, rid, tenant, now, lease, best.k)
+    if me then dequeue(me) end
+    remember(best.id)
+    return {'reserved', best.id, best.n + best.k, outcome, best.k}
+  end
+  if not req.enqueue then return {'full', '', q.waiting, ''} end
+  if me then return renew_place(me, q) end
+  return join_queue(q, pref)
+end
+
+return main()

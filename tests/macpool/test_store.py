@@ -1,0 +1,96 @@
+"""macpool/store: the typed API against a real Redis, with the time passed in rather than slept."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from redis.asyncio import Redis
+
+from macpool.contract import NodeDoc, now_ms
+from macpool.store import Candidate, Keys, Release, ReserveRequest, Store
+from macpool.store.events import Drained, Freed, Gone, Granted, Heartbeat, Shed, drain_message, parse_event
+from macpool.store.scripts import source
+
+LEASE = 60_000
+
+
+def node(node_id: str, capacity: int) -> NodeDoc:
+    return NodeDoc(node_id=node_id, url=f"http://{node_id}", models=["m"], capacity=capacity, state="ready",
+                   updated_at_ms=now_ms())
+
+
+def with_store(redis_url: str, keys: Keys, scenario: Callable[[Store], Awaitable[None]]) -> None:
+    async def run() -> None:
+        redis = Redis.from_url(redis_url)
+        try:
+            await scenario(Store(redis, keys))
+        finally:
+            await redis.aclose()
+
+    asyncio.run(run())
+
+
+def test_every_key_lives_under_a_hash_tagged_prefix(redis_url: str) -> None:
+    """A prefix holding a hash tag (Redis Cluster's one slot per pool) works end to end, and nothing the
+    scripts write escapes it."""
+    keys = Keys("{pool-a}:")
+
+    async def scenario(store: Store) -> None:
+        await store.heartbeat(node("n1", 1), 5_000)
+        ask = ReserveRequest("r1", [Candidate("n1")], LEASE, queue_size=4, enqueue=True, model="m",
+                             prefixes=("h1",))
+        assert (await store.reserve(ask)).status == "reserved"
+        wait = ReserveRequest("r2", [Candidate("n1")], LEASE, queue_size=4, enqueue=True, model="m")
+        assert (await store.reserve(wait)).status == "queued"
+        assert await store.release(Release("r1", "n1")) == 1
+        assert await store.leave_queue("r2")  # it had been handed r1's slot
+        await store.drain("n1", True)
+        assert await store.deregister("n1")
+        written = [key.decode() for key in await store.redis.keys("*")]
+        assert written and all(key.startswith("{pool-a}:") for key in written), written
+
+    with_store(redis_url, keys, scenario)
+
+
+def test_the_pool_read_counts_waiters_as_of_the_time_given(redis_url: str) -> None:
+    async def scenario(store: Store) -> None:
+        t = now_ms()
+        await store.heartbeat(node("n1", 1), 60_000)
+        await store.reserve(ReserveRequest("busy", [Candidate("n1")], LEASE, model="m"), now=t)
+        for rid, tenant, gens in (("w1", "a", 1), ("w2", "b", 3)):
+            ask = ReserveRequest(rid, [Candidate("n1")], LEASE, queue_size=4, enqueue=True, model="m",
+                                 tenant=tenant, priority="batch" if tenant == "b" else "interactive",
+                                 batch_queue_max=4, generations=gens)
+            assert (await store.reserve(ask, now=t)).status == "queued"
+        pool = await store.read_pool(["a", "b", "anonymous"], now=t)
+        assert pool.reservations == {"n1": 1}
+        assert pool.queue_depth == 2 and pool.queued_slots == 1 + 3
+        assert pool.queued == {"a": {"interactive": 1}, "b": {"batch": 1}}
+        assert pool.in_flight == {"a": 0, "b": 0, "anonymous": 1}
+        # past the waiters' places in the queue and the lease: nothing waits, nothing is held
+        later = await store.read_pool(now=t + LEASE + 1)
+        assert later.queue_depth == 0 and later.reservations == {"n1": 0}
+
+    with_store(redis_url, Keys(), scenario)
+
+
+def test_the_admission_scripts_share_one_library_and_the_others_stand_alone() -> None:
+    library = source("lib").strip()
+    for name in ("reserve", "release", "leave"):
+        assert source(name).startswith(library)
+    for name in ("renew", "heartbeat", "deregister"):
+        assert "local function queue_entries" not in source(name)
+
+
+def test_every_event_the_scripts_send_reads_back() -> None:
+    doc = node("n1", 2)
+    assert parse_event(f"node {doc.encode()}") == Heartbeat(doc)
+    assert parse_event("granted router-1:abc n1 2") == Granted("router-1:abc", "n1", 2)
+    assert parse_event("freed n1") == Freed("n1")
+    assert parse_event("gone n1") == Gone("n1")
+    assert parse_event("shed router-1:abc") == Shed("router-1:abc")
+    assert parse_event(drain_message("n1", True)) == Drained("n1", True)
+    assert parse_event(drain_message("n1", False)) == Drained("n1", False)
+    for unreadable in ("node {not json", "granted r1 n1", "hello n1", ""):
+        assert parse_event(unreadable) is None
