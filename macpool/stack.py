@@ -158,24 +158,12 @@ class Stack:
     def wait_nodes(
         self, router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False
     ) -> dict[str, Any]:
-        """Until the router at ``router_url`` sees ``count`` ready nodes (``exact``: exactly that many);
-        returns its ``/api/pool`` document. Fails early when one of the processes has died."""
-        deadline = time.monotonic() + timeout
-        seen: object = None
-        while time.monotonic() < deadline and not self._closed:
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-                doc: dict[str, Any] = httpx.get(router_url + "/api/pool", timeout=5).json()
-                seen = int(doc["pool"]["nodes_ready"])
-                if seen == count or (seen > count and not exact):
-                    return doc
-            dead = self.dead()
-            if dead:
-                names = ", ".join(f"{p.name} (exit {p.child.returncode()}, log: {p.log_path})" for p in dead)
-                raise ProcessError(f"waiting for {count} ready nodes at {router_url}: {names} exited")
-            time.sleep(0.1)
-        raise ProcessError(
-            f"router {router_url} saw {seen} of {count} ready nodes within {timeout}s (logs: {self.logs})"
-        )
+        """``wait_nodes`` below, failing early when one of this stack's processes has exited."""
+        return wait_nodes(router_url, count, timeout=timeout, exact=exact, stack=self)
+
+    @property
+    def stopped(self) -> bool:
+        return self._closed
 
     def dead(self) -> list[Proc]:
         """The processes that have exited."""
@@ -245,8 +233,31 @@ class Stack:
         return path if path not in taken else self.logs / f"{name}-{port}.log"
 
 
+def wait_nodes(
+    router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False, stack: Stack | None = None
+) -> dict[str, Any]:
+    """Until the router at ``router_url`` sees ``count`` ready nodes (``exact``: exactly that many); returns
+    its ``/api/pool`` document. With ``stack``, fails early when one of its processes has exited and gives
+    up when it is stopped."""
+    deadline = time.monotonic() + timeout
+    seen: object = None
+    while time.monotonic() < deadline and not (stack is not None and stack.stopped):
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
+            doc: dict[str, Any] = httpx.get(router_url + "/api/pool", timeout=5).json()
+            seen = int(doc["pool"]["nodes_ready"])
+            if seen == count or (seen > count and not exact):
+                return doc
+        dead = stack.dead() if stack is not None else []
+        if dead:
+            names = ", ".join(f"{p.name} (exit {p.child.returncode()}, log: {p.log_path})" for p in dead)
+            raise ProcessError(f"waiting for {count} ready nodes at {router_url}: {names} exited")
+        time.sleep(0.1)
+    logs = f" (logs: {stack.logs})" if stack is not None else ""
+    raise ProcessError(f"router {router_url} saw {seen} of {count} ready nodes within {timeout}s{logs}")
+
+
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-__all__ = ["LOOPBACK", "Proc", "ProcessError", "Stack", "free_port"]
+__all__ = ["LOOPBACK", "Proc", "ProcessError", "Stack", "free_port", "wait_nodes"]
