@@ -58,13 +58,15 @@ class Stack:
     """The processes of one pool, in start order; ``stop`` (or leaving the ``with``) ends them all.
 
     ``logs`` is the folder of the per-process logs (a new temporary one by default; removed on a clean exit
-    unless ``keep_logs``). ``clean_env`` drops every ``MACPOOL_*`` variable of this shell from the
-    children's environment, so that they are exactly what their arguments say.
+    unless ``keep_logs``). ``stop_timeout`` bounds each process's graceful stop. ``clean_env`` drops every
+    ``MACPOOL_*`` variable of this shell from the children's environment, so that they are exactly what
+    their arguments say.
     """
 
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="macpool-stack-")))
     keep_logs: bool = False
     clean_env: bool = False
+    stop_timeout: float = STOP_TIMEOUT_S
     procs: list[Proc] = field(default_factory=list)
     redis_servers: list[RedisServer] = field(default_factory=list)
     _closed: bool = False
@@ -166,15 +168,16 @@ class Stack:
         return self._closed
 
     def dead(self) -> list[Proc]:
-        """The processes that have exited."""
-        return [p for p in list(self.procs) if p.child.returncode() is not None]
+        """The processes that exited on their own (not stopped or signalled through their ``Child``)."""
+        return [p for p in list(self.procs) if not p.child.signalled and p.child.returncode() is not None]
 
     # --- stopping ------------------------------------------------------------------------------------
 
-    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """SIGTERM to every process at once (last started first: the router takes no new work while the
-        agents leave the pool), wait up to ``timeout`` for each, then SIGKILL its group; Redis last.
-        Interrupted (a second Ctrl-C or SIGTERM), it kills everything at once."""
+        agents leave the pool), wait up to ``timeout`` (default ``stop_timeout``) for each, then SIGKILL its
+        group; Redis last. Interrupted (a second Ctrl-C or SIGTERM), it kills everything at once."""
+        timeout = self.stop_timeout if timeout is None else timeout
         with self._lock:
             self._closed = True
             procs = list(reversed(self.procs))

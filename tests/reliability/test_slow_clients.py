@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import SpawnFactory
+from macpool.stack import Stack
 from tests.reliability.conftest import Node, Rig, chat, wait_until
 
 pytestmark = pytest.mark.slow
@@ -19,8 +19,8 @@ IDLE_S = 2.0
 
 
 @pytest.fixture
-def setup(spawn: SpawnFactory, redis_url: str) -> tuple[Rig, Node, str]:
-    rig = Rig(spawn, redis_url)
+def setup(stack: Stack, redis_url: str) -> tuple[Rig, Node, str]:
+    rig = Rig(stack, redis_url)
     # a long context so a stream can outlast every socket buffer between the simulator and the client
     node = rig.node("slow", cap=2, speed=50, sim_args=("--ctx-size", "262144"))
     router = rig.router("--idle-timeout", str(IDLE_S), "--first-byte-timeout", "10")
@@ -87,9 +87,9 @@ def test_reader_that_never_reads_is_cut_off(setup: tuple[Rig, Node, str]) -> Non
         sock.close()
 
 
-def test_requests_read_too_slowly_are_cut_off(spawn: SpawnFactory, redis_url: str) -> None:
+def test_requests_read_too_slowly_are_cut_off(stack: Stack, redis_url: str) -> None:
     """Slowloris headers, a trickled body and a silent connection are closed by --request-read-timeout."""
-    rig = Rig(spawn, redis_url)
+    rig = Rig(stack, redis_url)
     node = rig.node("cut", cap=1, speed=50)
     router = rig.router("--request-read-timeout", "1.5")
     rig.wait_ready(router, nodes=1)
