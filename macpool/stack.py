@@ -97,12 +97,15 @@ class Stack:
         timeout: float = 60.0,
         env: dict[str, str] | None = None,
         host: str = LOOPBACK,
+        log_path: Path | None = None,
     ) -> Proc:
         """Start ``argv`` (which serves HTTP on ``host``:``port``); unless ``wait`` is false, return once
-        ``ready`` answers 200 (``ready=None``: do not wait at all)."""
+        ``ready`` answers 200 (``ready=None``: do not wait at all). Its output goes to ``log_path``, by
+        default ``<name>.log`` in ``logs``."""
         with self._lock:
             self._check_open()
-            child = Child(argv, name=name, env=env, log_path=self._log_path(name, port))
+            log_path = log_path or self._log_path(name, port)
+            child = Child(argv, name=name, env=env, log_path=log_path)
             if self.clean_env:
                 inherited = {k: v for k, v in os.environ.items() if not k.startswith("MACPOOL_")}
                 child.env = {**inherited, **(env or {})}
