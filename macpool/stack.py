@@ -79,11 +79,11 @@ class Stack:
         """``url`` when given, else the URL of a new embedded Redis-protocol server on a free port."""
         if url:
             return url
-        with self._lock:
+        with self._lock:  # a stop from another thread waits for a starting server, then stops it
             self._check_open()
             server = RedisServer(password=password)
             self.redis_servers.append(server)
-        server.start()
+            server.start()
         return server.url
 
     def spawn(
