@@ -10,7 +10,7 @@
   cheap enough that one core drives a router core to saturation. It records status, time to the first SSE
   event, latency and the number of SSE events and body reads of every request.
 - ``Stack``: the real processes of one run (Redis-protocol server, upstreams, simulators, agents, routers,
-  peers), on loopback, optionally pinned to a CPU with ``taskset``, stopped in ``finally``.
+  peers) on the process harness (``macpool.stack``), optionally pinned to a CPU with ``taskset``.
 """
 
 from __future__ import annotations

@@ -70,11 +70,11 @@ class Pool:
 
     settings: DemoSettings
     log_dir: Path
-    # the demo is what its flags say: a MACPOOL_* setting left in this shell (a router's keys file, an
-    # agent's cap) would change the pool it starts and the snippets it prints
     stack: Stack = field(init=False)
 
     def __post_init__(self) -> None:
+        # clean_env: the demo is what its flags say; a MACPOOL_* setting left in this shell (a router's keys
+        # file, an agent's cap) would change the pool it starts and the snippets it prints
         self.stack = Stack(logs=self.log_dir, keep_logs=True, clean_env=True)
 
     @property
