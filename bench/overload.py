@@ -26,7 +26,6 @@ import multiprocessing
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,8 +38,7 @@ from rich.table import Table
 from bench.load import ClosedLoop, RequestRecord, SimClock, chat_body
 from bench.perfkit import ms, pct, shares
 from macpool import plotting
-from macpool.procs import Child, macpool_argv
-from macpool.redis_server import RedisServer, free_port
+from macpool.stack import Stack
 
 PRESET = "m5max-128g-14b-q4"
 NODES = 2
@@ -97,43 +95,12 @@ class Run:
     worst_state: str | None
 
 
-class Stack:
-    """The processes of one benchmark, stopped together."""
-
-    def __init__(self, conditions: Conditions, log_dir: Path) -> None:
-        self.conditions = conditions
-        self.log_dir = log_dir
-        self.children: list[Child] = []
-
-    def start(self, name: str, *args: str, ready: str = "/health") -> str:
-        port = free_port()
-        log = self.log_dir / f"{name}.log"
-        child = Child(macpool_argv(*args, "--port", str(port)), name=name, log_path=log)
-        self.children.append(child.start())
-        url = f"http://127.0.0.1:{port}"
-        child.wait_http(url + ready, timeout=60)
-        return url
-
-    def sim(self, name: str) -> str:
-        c = self.conditions
-        return self.start(
-            name, "sim", "--preset", PRESET, "--parallel", str(c.parallel),
-            "--ctx-size", str(c.parallel * c.ctx_per_slot), "--speed", str(c.speed),
-        )
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop(timeout=10)
-        self.children = []
-
-
-@contextlib.contextmanager
-def stack(conditions: Conditions, log_dir: Path) -> Iterator[Stack]:
-    processes = Stack(conditions, log_dir)
-    try:
-        yield processes
-    finally:
-        processes.stop()
+def start_sim(processes: Stack, c: Conditions, name: str) -> str:
+    """A simulated Mac under the run's conditions; its URL."""
+    return processes.sim(
+        name, "--preset", PRESET, "--parallel", str(c.parallel),
+        "--ctx-size", str(c.parallel * c.ctx_per_slot), "--speed", str(c.speed),
+    ).url
 
 
 async def drive(name: str, targets: list[str], sims: list[str], conditions: Conditions, clients: int) -> Run:
@@ -247,8 +214,8 @@ def run(conditions: Conditions, log_dir: Path, console: Console) -> dict[str, An
             direct = direct_run(c, logs, clients, f"direct {tag}")
         runs += [routed] if direct is None else [routed, direct]
         levels.append(level_summary(c, routed, direct))
-    with stack(c, log_dir) as processes:
-        sim = processes.sim("knee-sim")
+    with Stack(logs=log_dir, keep_logs=True) as processes:
+        sim = start_sim(processes, c, "knee-sim")
         console.print(f"knee: {c.cap} clients at one fresh simulator ...")
         knee = asyncio.run(drive("knee (1 node)", [sim], [sim], c, c.cap))
     runs.append(knee)
@@ -272,25 +239,22 @@ def run(conditions: Conditions, log_dir: Path, console: Console) -> dict[str, An
 
 def routed_run(c: Conditions, log_dir: Path, clients: int, name: str) -> Run:
     """``clients`` through the router to a fresh pool: Redis, the simulated Macs and their agents."""
-    with RedisServer() as redis, stack(c, log_dir) as processes:
-        sims = [processes.sim(f"sim-{i}") for i in range(NODES)]
+    with Stack(logs=log_dir, keep_logs=True) as processes:
+        redis_url = processes.redis()
+        sims = [start_sim(processes, c, f"sim-{i}") for i in range(NODES)]
         for i, sim in enumerate(sims):
-            processes.start(
-                f"agent-{i}", "agent", "run", "--upstream", sim, "--redis-url", redis.url,
-                "--node-id", f"mac-{i}", "--cap", str(c.cap),
-            )
-        router = processes.start(
-            "router", "router", "--redis-url", redis.url, "--queue-size", str(c.queue_size),
-            "--queue-timeout", str(c.queue_timeout),
+            processes.agent(f"agent-{i}", sim, redis_url, f"mac-{i}", "--cap", str(c.cap))
+        router = processes.router(
+            "router", redis_url, "--queue-size", str(c.queue_size), "--queue-timeout", str(c.queue_timeout),
         )
-        _wait_nodes(router, NODES)
-        return asyncio.run(drive(name, [router], sims, c, clients))
+        processes.wait_nodes(router.url, NODES, timeout=30)
+        return asyncio.run(drive(name, [router.url], sims, c, clients))
 
 
 def direct_run(c: Conditions, log_dir: Path, clients: int, name: str) -> Run:
     """The same load straight at fresh simulators: nothing in front of them refuses anything."""
-    with stack(c, log_dir) as processes:
-        sims = [processes.sim(f"direct-sim-{i}") for i in range(NODES)]
+    with Stack(logs=log_dir, keep_logs=True) as processes:
+        sims = [start_sim(processes, c, f"direct-sim-{i}") for i in range(NODES)]
         return asyncio.run(drive(name, sims, sims, c, clients))
 
 
@@ -316,16 +280,6 @@ def level_summary(c: Conditions, routed: Run, direct: Run | None) -> dict[str, A
         "worst_state": routed.worst_state,
         "direct_worst_state": None if direct is None else direct.worst_state,
     }
-
-
-def _wait_nodes(router: str, count: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(router + "/api/pool", timeout=2).json()["pool"]["nodes_ready"] >= count:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"the router did not see {count} ready nodes within {timeout}s")
 
 
 def table(result: dict[str, Any]) -> Table:

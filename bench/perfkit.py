@@ -10,7 +10,7 @@
   cheap enough that one core drives a router core to saturation. It records status, time to the first SSE
   event, latency and the number of SSE events and body reads of every request.
 - ``Stack``: the real processes of one run (Redis-protocol server, upstreams, simulators, agents, routers,
-  peers), on loopback, optionally pinned to a CPU with ``taskset``, stopped in ``finally``.
+  peers) on the process harness (``macpool.stack``), optionally pinned to a CPU with ``taskset``.
 """
 
 from __future__ import annotations
@@ -27,19 +27,20 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import httptools
-import httpx
 
 from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
-from macpool.procs import Child, ProcessError, macpool_argv
-from macpool.redis_server import RedisServer, free_port
+from macpool.stack import Proc as Proc
+from macpool.stack import Stack as ProcStack
+from macpool.stack import free_port
+from macpool.stack import wait_nodes as wait_nodes
 from macpool.store import Store
 
 MODEL = "sim"
@@ -700,31 +701,27 @@ def run_and_report(
     return 0
 
 
-@dataclass
-class Proc:
-    child: Child
-    url: str
-    port: int
+class Stack:
+    """Every process of one benchmark run, on the process harness (``macpool.stack``): the bench's own
+    upstream, and simulators, agents and routers pinned to a CPU with ``taskset`` where a bench asks."""
+
+    def __init__(self, logs: Path | None = None, keep_logs: bool = False) -> None:
+        self.procs = ProcStack(keep_logs=keep_logs) if logs is None else ProcStack(logs, keep_logs=keep_logs)
 
     @property
-    def pid(self) -> int:
-        return self.child.pid
+    def logs(self) -> Path:
+        return self.procs.logs
 
+    @property
+    def keep_logs(self) -> bool:
+        return self.procs.keep_logs
 
-@dataclass
-class Stack:
-    """Every process of one benchmark run; ``close`` stops them all (last started first)."""
-
-    logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="macpool-bench-")))
-    children: list[Child] = field(default_factory=list)
-    redis_servers: list[RedisServer] = field(default_factory=list)
-    keep_logs: bool = False
+    @keep_logs.setter
+    def keep_logs(self, keep: bool) -> None:
+        self.procs.keep_logs = keep
 
     def start_redis(self) -> str:
-        server = RedisServer()
-        self.redis_servers.append(server)
-        server.start()
-        return server.url
+        return self.procs.redis()
 
     def spawn(
         self,
@@ -735,12 +732,7 @@ class Stack:
         timeout: float = 60.0,
         env: dict[str, str] | None = None,
     ) -> Proc:
-        child = Child(argv, name=name, log_path=self.logs / f"{name}.log", env=env)
-        self.children.append(child)
-        child.start()
-        url = f"http://{LOOP}:{port}"
-        child.wait_http(url + ready, timeout=timeout)
-        return Proc(child, url, port)
+        return self.procs.spawn(name, argv, port, ready=ready, timeout=timeout, env=env)
 
     def upstream(
         self,
@@ -752,26 +744,10 @@ class Stack:
     ) -> Proc:
         port = free_port()
         argv = [
-            sys.executable,
-            "-m",
-            "bench.perfkit",
-            "upstream",
-            "--port",
-            str(port),
-            "--events",
-            str(config.events),
-            "--interval-ms",
-            str(config.interval_s * 1000),
-            "--first-delay-ms",
-            str(config.first_delay_s * 1000),
-            "--capacity",
-            str(config.capacity),
-            "--nodes",
-            str(config.nodes),
-            "--tokens",
-            str(config.tokens),
-            "--node-prefix",
-            prefix,
+            sys.executable, "-m", "bench.perfkit", "upstream", "--port", str(port),
+            "--events", str(config.events), "--interval-ms", str(config.interval_s * 1000),
+            "--first-delay-ms", str(config.first_delay_s * 1000), "--capacity", str(config.capacity),
+            "--nodes", str(config.nodes), "--tokens", str(config.tokens), "--node-prefix", prefix,
         ]
         if redis_url:
             argv += ["--redis-url", redis_url]
@@ -780,81 +756,33 @@ class Stack:
         return self.spawn(name, pinned(argv, cpu), port)
 
     def sim(self, name: str, machine: Path, parallel: int, speed: float, cpu: int | None = None) -> Proc:
-        port = free_port()
-        argv = macpool_argv(
-            "sim",
-            "--machine",
-            str(machine),
-            "--parallel",
-            str(parallel),
-            "--speed",
-            str(speed),
-            "--alias",
-            MODEL,
-            "--port",
-            str(port),
+        return self.procs.sim(
+            name, "--machine", str(machine), "--parallel", str(parallel), "--speed", str(speed),
+            "--alias", MODEL, prefix=pinned([], cpu),
         )
-        return self.spawn(name, pinned(argv, cpu), port)
 
     def agent(
         self, name: str, upstream: str, redis_url: str, node_id: str, cap: int, cpu: int | None = None
     ) -> Proc:
-        port = free_port()
-        argv = macpool_argv(
-            "agent",
-            "run",
-            "--upstream",
-            upstream,
-            "--redis-url",
-            redis_url,
-            "--node-id",
-            node_id,
-            "--cap",
-            str(cap),
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
+        return self.procs.agent(
+            name, upstream, redis_url, node_id, "--cap", str(cap), "--log-level", "warning",
+            prefix=pinned([], cpu),
         )
-        return self.spawn(name, pinned(argv, cpu), port)
 
     def router(self, name: str, redis_url: str, *extra: str, cpu: int | None = None) -> Proc:
-        port = free_port()
-        argv = macpool_argv(
-            "router", "--redis-url", redis_url, "--port", str(port), "--log-level", "warning", *extra
-        )
-        return self.spawn(name, pinned(argv, cpu), port)
+        return self.procs.router(name, redis_url, "--log-level", "warning", *extra, prefix=pinned([], cpu))
 
     def close(self) -> None:
-        for child in reversed(self.children):
-            with contextlib.suppress(Exception):
-                child.stop(timeout=10)
-        self.children.clear()
-        for server in self.redis_servers:
-            with contextlib.suppress(Exception):
-                server.close()
-        self.redis_servers.clear()
+        self.procs.stop()
 
     def __enter__(self) -> Stack:
+        self.procs.__enter__()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self.close()
-        if exc_type is None and not self.keep_logs:  # a failed run's logs stay for its error message
-            shutil.rmtree(self.logs, ignore_errors=True)
-
-
-def wait_nodes(router_url: str, nodes: int, timeout: float = 60.0) -> None:
-    """Until the router's pool view holds ``nodes`` ready nodes."""
-    deadline = time.monotonic() + timeout
-    seen = -1
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-            seen = int(httpx.get(router_url + "/api/pool", timeout=5).json()["pool"]["nodes_ready"])
-            if seen >= nodes:
-                return
-        time.sleep(0.1)
-    raise ProcessError(f"router {router_url} saw {seen} of {nodes} ready nodes within {timeout}s")
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.procs.__exit__(exc_type, exc, tb)
 
 
 # A machine for overhead runs: the seed box's decode speed, but memory so roomy that hundreds of

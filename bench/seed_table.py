@@ -23,8 +23,7 @@ from rich.table import Table
 
 from bench.sweep import Row, SweepConfig, plot, rows_json, run_sweep
 from macpool import plotting
-from macpool.procs import Child, ProcessError, macpool_argv
-from macpool.redis_server import free_port
+from macpool.stack import ProcessError, Stack
 from simulator.machine import load_preset
 
 PRESET = "m5max-128g-14b-q4"
@@ -114,30 +113,18 @@ def table(rows: list[Row], comparison: list[dict[str, Any]]) -> Table:
     return t
 
 
-def start_simulator(conditions: Conditions, log: Path | None) -> tuple[Child, str]:
-    port = free_port()
-    argv = macpool_argv(
-        "sim", "--preset", PRESET, "--host", "127.0.0.1", "--port", str(port),
-        "--parallel", str(conditions.parallel),
-        "--ctx-size", str(conditions.parallel * conditions.ctx_per_slot),
-        "--speed", str(conditions.speed), "--metrics",
-    )
-    child = Child(argv, name="sim", log_path=log).start()
-    url = f"http://127.0.0.1:{port}"
-    child.wait_http(url + "/health", timeout=30)
-    return child, url
-
-
 def run(conditions: Conditions, console: Console, log: Path | None = None) -> list[Row]:
-    child, url = start_simulator(conditions, log)
-    try:
+    with Stack() as processes:
+        sim = processes.sim(
+            "sim", "--preset", PRESET, "--host", "127.0.0.1", "--parallel", str(conditions.parallel),
+            "--ctx-size", str(conditions.parallel * conditions.ctx_per_slot),
+            "--speed", str(conditions.speed), "--metrics", timeout=30, log_path=log,
+        )
         config = SweepConfig(
-            target=url, concurrency=[s.concurrency for s in SEED], prompt_tokens=conditions.prompt_tokens,
+            target=sim.url, concurrency=[s.concurrency for s in SEED], prompt_tokens=conditions.prompt_tokens,
             max_tokens=conditions.max_tokens, requests_per_client=conditions.requests_per_client,
         )
         return asyncio.run(run_sweep(config, console))
-    finally:
-        child.stop(timeout=5)
 
 
 def build_parser() -> argparse.ArgumentParser:

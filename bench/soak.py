@@ -35,8 +35,7 @@ import httpx
 import psutil
 import redis
 
-from macpool.procs import Child, macpool_argv
-from macpool.redis_server import RedisServer, free_port
+from macpool.stack import Proc, Stack, free_port
 from macpool.store import Keys
 from simulator import tokens
 
@@ -87,88 +86,67 @@ class SoakResult:
 @dataclass
 class SoakNode:
     node_id: str
-    sim: Child
-    sim_url: str
-    agent_port: int
-    redis_url: str
-    log_dir: Path
-    agent: Child | None = None
+    sim: Proc
+    agent_port: int  # the same across restarts: the router knows the node by its URL
+    agent: Proc | None = None
+
+    @property
+    def sim_url(self) -> str:
+        return self.sim.url
 
     @property
     def agent_url(self) -> str:
         return f"http://127.0.0.1:{self.agent_port}"
 
-    def agent_child(self) -> Child:
-        argv = macpool_argv(
-            "agent", "run", "--upstream", self.sim_url, "--redis-url", self.redis_url,
-            "--node-id", self.node_id, "--port", str(self.agent_port), "--token", AGENT_TOKEN,
-            "--heartbeat-interval", "0.5", "--drain-timeout", "10",
-        )
-        return Child(argv, name=f"agent-{self.node_id}", log_path=self.log_dir / f"agent-{self.node_id}.log")
-
 
 class SoakPool:
-    """Every process of one soak; ``close()`` stops them all."""
+    """Every process of one soak, on the process harness; ``close()`` stops them all."""
 
     def __init__(self, options: SoakOptions, log_dir: Path) -> None:
         self.options = options
-        self.log_dir = log_dir
-        self.redis = RedisServer()
+        self.stack = Stack(logs=log_dir, keep_logs=True)
+        self.redis_url = ""
         self.nodes: list[SoakNode] = []
-        self.router: Child | None = None
-        self.router_url = ""
+        self.router: Proc | None = None
+
+    @property
+    def router_url(self) -> str:
+        return self.router.url if self.router is not None else ""
 
     def start(self) -> None:
-        self.redis.start()
         opts = self.options
+        self.redis_url = self.stack.redis()
         for i in range(opts.nodes):
             node_id = f"soak-{i}"
-            sim_port = free_port()
-            sim = Child(
-                macpool_argv("sim", "--preset", PRESET, "--parallel", str(opts.cap * 2), "--speed",
-                             str(opts.speed), "--port", str(sim_port)),
-                name=f"sim-{node_id}", log_path=self.log_dir / f"sim-{node_id}.log",
-            ).start()
-            sim_url = f"http://127.0.0.1:{sim_port}"
-            node = SoakNode(node_id, sim, sim_url, free_port(), self.redis.url, self.log_dir)
-            node.sim.wait_http(node.sim_url + "/health", timeout=60)
-            node.agent = node.agent_child().start()
+            sim = self.stack.sim(
+                f"sim-{node_id}", "--preset", PRESET, "--parallel", str(opts.cap * 2),
+                "--speed", str(opts.speed),
+            )
+            node = SoakNode(node_id, sim, free_port())
+            self.start_agent(node, wait=False)
             self.nodes.append(node)
-        router_port = free_port()
-        self.router_url = f"http://127.0.0.1:{router_port}"
-        self.router = Child(
-            macpool_argv(
-                "router", "--redis-url", self.redis.url, "--port", str(router_port),
-                "--agent-token", AGENT_TOKEN,
-                "--admin-key", ADMIN_KEY, "--queue-size", str(opts.cap), "--queue-timeout", "1",
-                "--lease-seconds", "15", "--circuit-cooldown", "1",
-            ),
-            name="router", log_path=self.log_dir / "router.log",
-        ).start()
-        self.router.wait_http(self.router_url + "/health", timeout=60)
-        for node in self.nodes:
-            assert node.agent is not None
-            node.agent.wait_http(node.agent_url + "/health", timeout=60)
-        self.wait_ready(len(self.nodes), timeout=60)
+        self.router = self.stack.router(
+            "router", self.redis_url, "--agent-token", AGENT_TOKEN, "--admin-key", ADMIN_KEY,
+            "--queue-size", str(opts.cap), "--queue-timeout", "1", "--lease-seconds", "15",
+            "--circuit-cooldown", "1", wait=False,
+        )
+        self.stack.wait_serving(timeout=60)
+        self.stack.wait_nodes(self.router_url, len(self.nodes), timeout=60)
 
     def pool_doc(self) -> dict[str, Any]:
         data: dict[str, Any] = httpx.get(self.router_url + "/api/pool", timeout=10).json()
         return data
 
-    def wait_ready(self, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if self.pool_doc()["pool"]["nodes_ready"] >= count:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"the router did not see {count} ready nodes within {timeout}s")
+    def start_agent(self, node: SoakNode, wait: bool = True) -> None:
+        node.agent = self.stack.agent(
+            f"agent-{node.node_id}", node.sim_url, self.redis_url, node.node_id, "--token", AGENT_TOKEN,
+            "--heartbeat-interval", "0.5", "--drain-timeout", "10", port=node.agent_port, wait=wait,
+        )
 
     def restart_agent(self, node: SoakNode) -> None:
         if node.agent is not None:
-            node.agent.stop(timeout=20)
-        node.agent = node.agent_child().start()
-        node.agent.wait_http(node.agent_url + "/health", timeout=60)
+            node.agent.child.stop(timeout=20)
+        self.start_agent(node)
 
     def admin(self, node: SoakNode, action: str) -> int:
         response = httpx.post(
@@ -182,13 +160,7 @@ class SoakPool:
         return psutil.Process(self.router.pid).memory_info().rss / 1e6
 
     def close(self) -> None:
-        if self.router is not None:
-            self.router.stop()
-        for node in self.nodes:
-            if node.agent is not None:
-                node.agent.stop()
-            node.sim.stop()
-        self.redis.close()
+        self.stack.stop()
 
 
 async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[str, int, str | None]:
@@ -302,7 +274,7 @@ async def sample_rss(pool: SoakPool, samples: list[tuple[float, float]], stop: a
 def leftovers(pool: SoakPool) -> dict[str, Any]:
     """Every counter that must be back at zero once the load has stopped."""
     keys = Keys()
-    store = redis.Redis.from_url(pool.redis.url)
+    store = redis.Redis.from_url(pool.redis_url)
     try:
         reservations = {n.node_id: int(store.zcard(keys.reservations(n.node_id))) for n in pool.nodes}
         queue = int(store.zcard(keys.queue))

@@ -17,7 +17,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,8 +25,8 @@ from typing import Any
 
 import httpx
 
-from macpool.procs import Child, ProcessError, macpool_argv
-from macpool.redis_server import RedisServer, RedisServerError, free_port
+from macpool.redis_server import RedisServerError
+from macpool.stack import Proc, ProcessError, Stack, free_port
 
 # A heterogeneous pool: the seed's big Mac, a mid-size one with a larger model, a small one.
 PRESETS = ("m5max-128g-14b-q4", "m4max-64g-32b-q4", "m2pro-32g-8b-q4")
@@ -67,103 +66,72 @@ class DemoSettings:
 
 @dataclass
 class Pool:
-    """The processes of one demo, in start order."""
+    """The processes of one demo, on the process harness; ``stop`` ends them all."""
 
     settings: DemoSettings
     log_dir: Path
-    redis: RedisServer | None = None
-    children: list[Child] = field(default_factory=list)
-    _closed: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    stack: Stack = field(init=False)
+
+    def __post_init__(self) -> None:
+        # clean_env: the demo is what its flags say; a MACPOOL_* setting left in this shell (a router's keys
+        # file, an agent's cap) would change the pool it starts and the snippets it prints
+        self.stack = Stack(logs=self.log_dir, keep_logs=True, clean_env=True)
+
+    @property
+    def reach_host(self) -> str:
+        # a wildcard bind is reached (and loaded, with --load) through loopback
+        return "127.0.0.1" if self.settings.host in ("0.0.0.0", "::", "") else self.settings.host
 
     @property
     def router_url(self) -> str:
-        # a wildcard bind is reached (and loaded, with --load) through loopback
-        host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "::", "") else self.settings.host
-        return f"http://{host}:{self.settings.port}"
-
-    def spawn(self, name: str, *args: str) -> Child:
-        # start() runs in a thread; stop() may come from a signal meanwhile and must see every child
-        with self._lock:
-            if self._closed:
-                raise DemoError("stopped while starting")
-            child = Child(macpool_argv(*args), name=name, log_path=self.log_dir / f"{name}.log")
-            # the demo is what its flags say: a MACPOOL_* setting left in this shell (a router's keys file,
-            # an agent's cap) would change the pool it starts and the snippets it prints
-            child.env = {key: value for key, value in child.env.items() if not key.startswith("MACPOOL_")}
-            self.children.append(child)
-            return child.start()
+        return f"http://{self.reach_host}:{self.settings.port}"
 
     def start(self, say: Callable[[str], None]) -> None:
-        s = self.settings
-        redis_url = s.redis_url
-        if not redis_url:
-            with self._lock:
-                if self._closed:
-                    raise DemoError("stopped while starting")
-                self.redis = RedisServer().start()
-                redis_url = self.redis.url
+        """Start every process (they start together), then wait until each serves and the router sees every
+        node; runs in a thread while ``stop`` may come from a signal."""
+        try:
+            self._start(say)
+        except ProcessError as exc:
+            raise DemoError(str(exc)) from None
+
+    def _start(self, say: Callable[[str], None]) -> None:
+        s, stack = self.settings, self.stack
+        redis_url = stack.redis(s.redis_url)
+        if not s.redis_url:
             say(f"redis      {redis_url} (embedded)")
-        sims = [free_port() for _ in range(s.nodes)]
-        agents = [free_port() for _ in range(s.nodes)]
         presets = demo_presets()
-        for i, port in enumerate(sims):
-            preset = presets[i % len(presets)]
-            self.spawn(
-                f"sim-{i + 1}", "sim", "--preset", preset, "--alias", DEMO_MODEL, "--metrics",
-                "--port", str(port), "--speed", str(s.speed),
+        sims = [
+            stack.sim(
+                f"sim-{i + 1}", "--preset", presets[i % len(presets)], "--alias", DEMO_MODEL, "--metrics",
+                "--speed", str(s.speed), wait=False,
             )
-        for i, (sim_port, port) in enumerate(zip(sims, agents, strict=True)):
-            self.spawn(
-                f"agent-{i + 1}", "agent", "run", "--upstream", f"http://127.0.0.1:{sim_port}",
-                "--redis-url", redis_url, "--key-prefix", DEMO_PREFIX, "--node-id", f"mac-{i + 1}",
-                "--port", str(port), "--advertise-url", f"http://127.0.0.1:{port}",
-                f"--token={s.agent_token}", "--heartbeat-interval", str(s.heartbeat_interval),
+            for i in range(s.nodes)
+        ]
+        for i, sim in enumerate(sims):
+            port = free_port()
+            stack.agent(
+                f"agent-{i + 1}", sim.url, redis_url, f"mac-{i + 1}", "--key-prefix", DEMO_PREFIX,
+                "--advertise-url", f"http://127.0.0.1:{port}", f"--token={s.agent_token}",
+                "--heartbeat-interval", str(s.heartbeat_interval), port=port, wait=False,
             )
-        self.spawn(
-            "router", "router", "--redis-url", redis_url, "--key-prefix", DEMO_PREFIX, "--host", s.host,
-            "--port", str(s.port), f"--admin-key={s.admin_key}", f"--agent-token={s.agent_token}",
+        stack.router(
+            "router", redis_url, "--key-prefix", DEMO_PREFIX, "--host", s.host, f"--admin-key={s.admin_key}",
+            f"--agent-token={s.agent_token}",
             "--shutdown-timeout", "3",  # Ctrl-C ends a demo's long streams soon, with an SSE error event
+            port=s.port, host=self.reach_host, wait=False,
         )
-        urls = [f"http://127.0.0.1:{p}/health" for p in sims + agents] + [f"{self.router_url}/health"]
-        for child, url in zip(self.children, urls, strict=True):
-            try:
-                child.wait_http(url, timeout=READY_TIMEOUT_S)
-            except ProcessError as exc:
-                raise DemoError(f"{child.name} did not start (log: {child.log_path}): {exc}") from None
-        self._wait_nodes(s.nodes)
+        stack.wait_serving(timeout=READY_TIMEOUT_S)
+        stack.wait_nodes(self.router_url, s.nodes, timeout=READY_TIMEOUT_S)
 
-    def _wait_nodes(self, count: int) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        ready = 0
-        while time.monotonic() < deadline and not self._closed:
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                ready = int(httpx.get(f"{self.router_url}/api/pool", timeout=2).json()["pool"]["nodes_ready"])
-                if ready >= count:
-                    return
-            time.sleep(0.2)
-        raise DemoError(f"only {ready} of {count} nodes joined the pool (logs: {self.log_dir})")
-
-    def dead(self) -> list[Child]:
-        return [c for c in self.children if not c.alive() and c.returncode() is not None]
+    def dead(self) -> list[Proc]:
+        return self.stack.dead()
 
     def stop(self) -> None:
         """Router first (no new work), then agents (they leave the pool), sims, Redis last."""
-        with self._lock:
-            self._closed = True
-        for child in reversed(self.children):
-            child.signal(signal.SIGTERM)
-        for child in reversed(self.children):
-            child.stop(timeout=10)
-        if self.redis is not None:
-            self.redis.close()
+        self.stack.stop()
 
     def kill(self) -> None:
-        for child in self.children:
-            with contextlib.suppress(ProcessLookupError, ProcessError):
-                child.kill()
-        if self.redis is not None:
-            self.redis.kill()
+        self.stack.kill()
 
 
 def models_of(router_url: str) -> list[str]:
@@ -306,10 +274,10 @@ async def serve(pool: Pool, say: Callable[[str], None]) -> None:
         reported: set[str] = set()
         while not stop.is_set():
             await _pause(stop, 1.0)
-            for child in pool.dead():
-                if child.name not in reported:
-                    reported.add(child.name)
-                    say(f"warning: {child.name} exited with {child.returncode()} (log: {child.log_path})")
+            for proc in pool.dead():
+                if proc.name not in reported:
+                    reported.add(proc.name)
+                    say(f"warning: {proc.name} exited with {proc.child.returncode()} (log: {proc.log_path})")
             if load is not None and load.done():
                 stats = load.result()
                 say(f"load finished: {stats.ok} completed, {stats.rejected} rejected (503), "

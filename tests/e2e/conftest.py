@@ -21,7 +21,7 @@ import redis
 from macpool import tiny_model
 from macpool.llama_build import find_llama_server
 from macpool.procs import Child, macpool_argv
-from macpool.redis_server import free_port
+from macpool.stack import Proc, Stack, free_port
 from tests.conftest import wait_until as shared_wait_until
 
 PARALLEL = 2
@@ -64,6 +64,13 @@ class RealSetup:
             "--ctx-per-slot", str(ctx_per_slot), "--llama-log", str(self.logs / f"llama-{node_id}.log"),
             *extra, "--", "-t", "1",
         )
+
+    def agent(self, stack: Stack, redis_url: str, node_id: str, parallel: int, ctx_per_slot: int,
+              *extra: str) -> Proc:
+        """Start ``agent_argv``'s agent on ``stack``, without waiting: ``/status`` says when it serves."""
+        port = free_port()
+        argv = self.agent_argv(redis_url, node_id, port, parallel, ctx_per_slot, *extra)
+        return stack.spawn(f"agent-{node_id}", argv, port, ready="/status", wait=False)
 
 
 def real_setup(redis_server: str, tmp_path_factory: pytest.TempPathFactory, name: str) -> RealSetup:
@@ -140,31 +147,17 @@ class Pool:
 @pytest.fixture(scope="module")
 def pool(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     setup = real_setup(redis_server, tmp_path_factory, "e2e")
-    logs = setup.logs
-    children: list[Child] = []
-    try:
-        router_port = free_port()
-        router = Child(
-            macpool_argv(
-                "router", "--redis-url", redis_server, "--port", str(router_port),
-                "--queue-size", str(QUEUE_SIZE), "--queue-timeout", str(QUEUE_TIMEOUT),
-            ),
-            name="router", log_path=logs / "router.log",
-        ).start()
-        children.append(router)
-        result = Pool(redis_server, f"http://127.0.0.1:{router_port}", router, setup.model)
+    with Stack(logs=setup.logs, keep_logs=True, stop_timeout=15) as stack:
+        router = stack.router(
+            "router", redis_server, "--queue-size", str(QUEUE_SIZE), "--queue-timeout", str(QUEUE_TIMEOUT),
+            wait=False,
+        )
+        result = Pool(redis_server, router.url, router.child, setup.model)
         for node_id, cap in NODE_CAPS.items():
-            port = free_port()
             extra = ("--cap", str(cap)) if cap is not None else ()
-            argv = setup.agent_argv(redis_server, node_id, port, PARALLEL, CTX_PER_SLOT, *extra)
-            agent = Child(argv, name=node_id, log_path=logs / f"agent-{node_id}.log").start()
-            children.append(agent)
-            result.nodes.append(Node(node_id, cap, agent, f"http://127.0.0.1:{port}"))
-        router.wait_http(result.router_url + "/health", timeout=30)
-        for node in result.nodes:
-            node.agent.wait_http(node.url + "/status", timeout=60)
+            agent = setup.agent(stack, redis_server, node_id, PARALLEL, CTX_PER_SLOT, *extra)
+            result.nodes.append(Node(node_id, cap, agent.child, agent.url))
+        stack.wait_serving(router, timeout=30)
+        stack.wait_serving(timeout=60)
         result.wait_all_ready(timeout=90)
         yield result
-    finally:
-        for child in reversed(children):
-            child.stop(timeout=15)

@@ -24,8 +24,7 @@ import pytest
 import redis
 
 from macpool.contract import now_ms
-from macpool.procs import Child, macpool_argv
-from macpool.redis_server import free_port
+from macpool.stack import Stack
 from macpool.store import Keys
 from tests.e2e.conftest import real_setup, wait_until
 
@@ -76,30 +75,16 @@ class AffinityPool:
 @pytest.fixture(scope="module")
 def affinity_pool(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AffinityPool]:
     setup = real_setup(redis_server, tmp_path_factory, "affinity")
-    logs = setup.logs
-    children: list[Child] = []
-    try:
+    with Stack(logs=setup.logs, keep_logs=True, stop_timeout=15) as stack:
         pool = AffinityPool(redis_server, {}, {})
         for name, extra in (("on", ()), ("off", ("--no-affinity",))):
-            port = free_port()
-            argv = macpool_argv("router", "--redis-url", redis_server, "--port", str(port), *extra)
-            children.append(Child(argv, name=f"router-{name}", log_path=logs / f"router-{name}.log").start())
-            pool.routers[name] = f"http://127.0.0.1:{port}"
+            pool.routers[name] = stack.router(f"router-{name}", redis_server, *extra, wait=False).url
         for node_id in NODES:
-            port = free_port()
-            argv = setup.agent_argv(redis_server, node_id, port, PARALLEL, CTX_PER_SLOT)
-            children.append(Child(argv, name=node_id, log_path=logs / f"agent-{node_id}.log").start())
-            pool.agents[node_id] = f"http://127.0.0.1:{port}"
-        ready_paths = ["/health"] * len(pool.routers) + ["/status"] * len(pool.agents)
-        urls = [*pool.routers.values(), *pool.agents.values()]
-        for child, url, path in zip(children, urls, ready_paths, strict=True):
-            child.wait_http(url + path, timeout=60)
+            pool.agents[node_id] = setup.agent(stack, redis_server, node_id, PARALLEL, CTX_PER_SLOT).url
+        stack.wait_serving(timeout=60)
         for router in pool.routers.values():
             wait_until(partial(_all_ready, router), 90, f"both nodes ready in {router}")
         yield pool
-    finally:
-        for child in reversed(children):
-            child.stop(timeout=15)
 
 
 def _all_ready(router: str) -> bool:

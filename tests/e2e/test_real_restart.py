@@ -11,8 +11,7 @@ import time
 import httpx
 import pytest
 
-from macpool.procs import Child
-from macpool.redis_server import free_port
+from macpool.stack import Stack
 
 from .conftest import Pool, real_setup, wait_until
 
@@ -52,11 +51,9 @@ def test_a_stream_past_the_drain_timeout_is_cut_by_the_gateway_at_once(
     """SIGTERM with a long stream open and --drain-timeout 1: the stream ends about then, with the gateway's
     error event - not seconds later, when llama-server (told to stop first, before) is finally killed."""
     setup = real_setup(redis_server, tmp_path_factory, "drain")
-    port = free_port()
-    argv = setup.agent_argv(redis_server, "drain-node", port, 1, 4096, "--drain-timeout", "1")
-    agent = Child(argv, name="drain-node", log_path=setup.logs / "agent.log").start()
-    try:
-        url = f"http://127.0.0.1:{port}"
+    with Stack(logs=setup.logs, keep_logs=True, stop_timeout=15) as stack:
+        proc = setup.agent(stack, redis_server, "drain-node", 1, 4096, "--drain-timeout", "1")
+        agent, url = proc.child, proc.url
         wait_until(lambda: httpx.get(url + "/status", timeout=5).json()["state"] == "ready", 90, "ready")
         body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3900, "ignore_eos": True,
                 "stream": True}
@@ -71,5 +68,3 @@ def test_a_stream_past_the_drain_timeout_is_cut_by_the_gateway_at_once(
         last = json.loads(events[-1][len(b"data: "):])
         assert last["error"]["message"] == "the node shut down mid-stream", last
         assert took < 4.0, took  # the drain timeout (1 s), the gateway's own (1 s), and the event
-    finally:
-        agent.stop(timeout=15)

@@ -3,50 +3,41 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
+from macpool.stack import Stack
 from simulator.machine import preset_names
-from tests.operator.helpers import ADMIN_KEY, AGENT_TOKEN, HEARTBEAT_S, Pool, wait_until
+from tests.operator.helpers import ADMIN_KEY, AGENT_TOKEN, HEARTBEAT_S, Pool
 
-SpawnFactory = Callable[..., Any]
+START_TIMEOUT_S = 60.0
 
 
 @pytest.fixture
-def pool(redis_url: str, spawn: SpawnFactory) -> Callable[..., Pool]:
+def pool(redis_url: str, stack: Stack) -> Callable[..., Pool]:
     """``pool(nodes=3)``: a running pool whose router knows every node as ready."""
 
     def _pool(nodes: int = 3, speed: float = 1.0, router_args: tuple[str, ...] = ()) -> Pool:
         presets = sorted(preset_names())
         sims = {
-            f"mac-{i + 1}": spawn(
-                "sim", "--preset", presets[i % len(presets)], "--alias", "op-model", "--metrics",
-                "--speed", str(speed),
-                name=f"sim-{i + 1}", timeout=60,
+            f"mac-{i + 1}": stack.sim(
+                f"sim-{i + 1}", "--preset", presets[i % len(presets)], "--alias", "op-model", "--metrics",
+                "--speed", str(speed), timeout=START_TIMEOUT_S,
             )
             for i in range(nodes)
         }
         agents = {
-            node_id: spawn(
-                "agent", "run", "--upstream", sim.url, "--redis-url", redis_url, "--node-id", node_id,
-                "--token", AGENT_TOKEN, "--heartbeat-interval", str(HEARTBEAT_S), name=f"agent-{node_id}",
-                timeout=60,
+            node_id: stack.agent(
+                f"agent-{node_id}", sim.url, redis_url, node_id, "--token", AGENT_TOKEN,
+                "--heartbeat-interval", str(HEARTBEAT_S), timeout=START_TIMEOUT_S,
             )
             for node_id, sim in sims.items()
         }
-        router = spawn(
-            "router", "--redis-url", redis_url, "--admin-key", ADMIN_KEY, "--agent-token", AGENT_TOKEN,
-            *router_args, name="router", timeout=60,
+        router = stack.router(
+            "router", redis_url, "--admin-key", ADMIN_KEY, "--agent-token", AGENT_TOKEN, *router_args,
+            timeout=START_TIMEOUT_S,
         )
-        result = Pool(router=router, agents=agents, sims=sims)
-
-        def all_ready() -> bool:
-            pool_doc = result.view()["pool"]
-            assert isinstance(pool_doc, dict)
-            return int(pool_doc["nodes_ready"]) == nodes
-
-        wait_until(all_ready, 60, f"{nodes} ready nodes in /api/pool")
-        return result
+        stack.wait_nodes(router.url, nodes, timeout=60, exact=True)
+        return Pool(router=router, agents=agents, sims=sims)
 
     return _pool

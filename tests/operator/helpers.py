@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
+from tests.conftest import Server as Server
 from tests.conftest import wait_until as wait_until
-
-Server = Any  # tests/conftest.py's Server: .child, .url, .port
 
 ADMIN_KEY = "operator-test-admin"
 AGENT_TOKEN = "operator-test-token"

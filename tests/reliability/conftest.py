@@ -16,9 +16,10 @@ import redis
 
 from macpool.contract import now_ms
 from macpool.redis_server import RedisServer
+from macpool.stack import Stack
 from macpool.store import Keys
 from tests.conftest import Node as Node
-from tests.conftest import Server, SpawnFactory
+from tests.conftest import Server, spawner
 from tests.conftest import chat as chat
 from tests.conftest import wait_until as wait_until
 
@@ -26,6 +27,7 @@ AGENT_TOKEN = "reliability-agent-token-7f3a"
 ADMIN_KEY = "reliability-admin-key-91c2"
 PRESET = "m5max-128g-14b-q4"
 HEARTBEAT = "0.3"
+START_TIMEOUT_S = 30.0
 # what must never appear in anything a client receives
 LEAK_MARKERS = ("Traceback", 'File "', AGENT_TOKEN, "x-macpool-token")
 
@@ -54,27 +56,20 @@ def sse_events(raw: bytes) -> list[dict[str, Any]]:
 
 
 class Rig:
-    """Builds the processes of one test against one Redis."""
+    """Builds the processes of one test against one Redis, on the test's process harness."""
 
-    def __init__(self, spawn: SpawnFactory, redis_url: str) -> None:
-        self.spawn = spawn
+    def __init__(self, stack: Stack, redis_url: str) -> None:
+        self.stack = stack
+        self.spawn = spawner(stack)
         self.redis_url = redis_url
         self.keys = Keys()
 
     def sim(
         self, node_id: str, *args: str, parallel: int = 8, speed: float = 20.0, ready_path: str = "/health"
     ) -> Server:
-        return self.spawn(
-            "sim",
-            "--preset",
-            PRESET,
-            "--parallel",
-            str(parallel),
-            "--speed",
-            str(speed),
-            *args,
-            name=f"sim-{node_id}",
-            ready_path=ready_path,
+        return self.stack.sim(
+            f"sim-{node_id}", "--preset", PRESET, "--parallel", str(parallel), "--speed", str(speed), *args,
+            ready=ready_path, timeout=START_TIMEOUT_S,
         )
 
     def agent(
@@ -87,25 +82,10 @@ class Rig:
         port: int | None = None,
         ready_path: str | None = "/health",
     ) -> Server:
-        return self.spawn(
-            "agent",
-            "run",
-            "--upstream",
-            upstream,
-            "--redis-url",
-            redis_url or self.redis_url,
-            "--node-id",
-            node_id,
-            "--cap",
-            str(cap),
-            "--token",
-            AGENT_TOKEN,
-            "--heartbeat-interval",
-            HEARTBEAT,
-            *args,
-            name=f"agent-{node_id}",
-            port=port,
-            ready_path=ready_path,
+        return self.stack.agent(
+            f"agent-{node_id}", upstream, redis_url or self.redis_url, node_id, "--cap", str(cap),
+            "--token", AGENT_TOKEN, "--heartbeat-interval", HEARTBEAT, *args,
+            port=port, ready=ready_path, timeout=START_TIMEOUT_S,
         )
 
     def node(
@@ -125,21 +105,9 @@ class Rig:
     def router(
         self, *args: str, redis_url: str | None = None, port: int | None = None, name: str = "router"
     ) -> Server:
-        return self.spawn(
-            "router",
-            "--redis-url",
-            redis_url or self.redis_url,
-            "--agent-token",
-            AGENT_TOKEN,
-            "--admin-key",
-            ADMIN_KEY,
-            "--stale-after",
-            "2",
-            "--refresh-interval",
-            "0.5",
-            *args,
-            name=name,
-            port=port,
+        return self.stack.router(
+            name, redis_url or self.redis_url, "--agent-token", AGENT_TOKEN, "--admin-key", ADMIN_KEY,
+            "--stale-after", "2", "--refresh-interval", "0.5", *args, port=port, timeout=START_TIMEOUT_S,
         )
 
     @staticmethod
@@ -148,12 +116,7 @@ class Rig:
         return data
 
     def wait_ready(self, router: Server, nodes: int, timeout: float = 30.0) -> dict[str, Any]:
-        doc: dict[str, Any] = wait_until(
-            lambda: (d := self.pool_doc(router))["pool"]["nodes_ready"] == nodes and d,
-            timeout,
-            f"{nodes} ready nodes",
-        )
-        return doc
+        return self.stack.wait_nodes(router.url, nodes, timeout=timeout, exact=True)
 
     @staticmethod
     def model(router: Server) -> str:
@@ -177,8 +140,8 @@ class Rig:
 
 
 @pytest.fixture
-def rig(spawn: SpawnFactory, redis_url: str) -> Iterator[Rig]:
-    yield Rig(spawn, redis_url)
+def rig(stack: Stack, redis_url: str) -> Rig:
+    return Rig(stack, redis_url)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import SpawnFactory
+from macpool.stack import Stack
 from tests.raw_http import parse_head
 from tests.reliability.conftest import Node, Rig, assert_clean, wait_until
 
@@ -27,8 +27,8 @@ FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(Healt
 
 
 @pytest.fixture
-def target(spawn: SpawnFactory, redis_url: str) -> tuple[Rig, Node, str]:
-    rig = Rig(spawn, redis_url)
+def target(stack: Stack, redis_url: str) -> tuple[Rig, Node, str]:
+    rig = Rig(stack, redis_url)
     node = rig.node("fz", cap=2, speed=50)
     router = rig.router("--max-body-bytes", str(MAX_BODY), "--queue-size", "2", "--queue-timeout", "0.2")
     rig.wait_ready(router, nodes=1)

@@ -25,6 +25,7 @@ import pytest
 
 from macpool.procs import Child
 from macpool.redis_server import RedisServer, free_port
+from macpool.stack import Stack
 from tests.conftest import Server, SpawnFactory, metric
 from tests.reliability.conftest import ADMIN_KEY, AGENT_TOKEN, HEARTBEAT, Node, Rig, assert_clean, wait_until
 
@@ -109,11 +110,11 @@ def request(i: int, client: httpx.Client, model: str, internal: tuple[str, ...])
     return leave, f"sse {json.loads(events[-1])['error']['code']}"  # a clean error event, nothing else
 
 
-def test_nothing_leaks_whatever_ends_a_request(spawn: SpawnFactory, own_redis: RedisServer) -> None:
-    rig = Rig(spawn, own_redis.url)
+def test_nothing_leaks_whatever_ends_a_request(stack: Stack, own_redis: RedisServer) -> None:
+    rig = Rig(stack, own_redis.url)
 
     def agent(node_id: str, upstream: str, port: int | None = None) -> Server:
-        return counted(spawn, "agent", "run", "--upstream", upstream, "--redis-url", own_redis.url,
+        return counted(rig.spawn, "agent", "run", "--upstream", upstream, "--redis-url", own_redis.url,
                        "--node-id", node_id, "--cap", "3", "--token", AGENT_TOKEN,
                        "--heartbeat-interval", HEARTBEAT, name=f"agent-{node_id}", port=port)
 
@@ -123,7 +124,7 @@ def test_nothing_leaks_whatever_ends_a_request(spawn: SpawnFactory, own_redis: R
                    "--admin-key", ADMIN_KEY, "--stale-after", "2", "--refresh-interval", "0.5",
                    "--queue-size", "6", "--queue-timeout", "1", "--idle-timeout", "3",
                    "--first-byte-timeout", "3", "--response-timeout", "5", "--connect-timeout", "1")
-    router = counted(spawn, *router_args, name="router")
+    router = counted(rig.spawn, *router_args, name="router")
     rig.wait_ready(router, nodes=3)
     model = rig.model(router)
     internal = tuple(url for node in nodes for url in (node.agent.url, node.sim.url))

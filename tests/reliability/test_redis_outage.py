@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from macpool.redis_server import RedisServer
-from tests.conftest import SpawnFactory
+from macpool.stack import Stack
 from tests.reliability.conftest import Rig, assert_clean, chat, wait_until
 
 pytestmark = pytest.mark.slow
@@ -19,8 +19,8 @@ CAP = 2
 OUTAGE_S = 10.0
 
 
-def test_redis_outage_and_recovery(spawn: SpawnFactory, own_redis: RedisServer) -> None:
-    rig = Rig(spawn, own_redis.url)
+def test_redis_outage_and_recovery(stack: Stack, own_redis: RedisServer) -> None:
+    rig = Rig(stack, own_redis.url)
     nodes = [rig.node(f"n{i}", cap=CAP, speed=20) for i in (1, 2)]
     router = rig.router("--queue-size", "2", "--queue-timeout", "0.5")
     rig.wait_ready(router, nodes=2)
@@ -84,9 +84,9 @@ def test_redis_outage_and_recovery(spawn: SpawnFactory, own_redis: RedisServer) 
 
 
 def test_a_running_stream_is_counted_again_after_redis_restarts_empty(
-    spawn: SpawnFactory, own_redis: RedisServer
+    stack: Stack, own_redis: RedisServer
 ) -> None:
-    rig = Rig(spawn, own_redis.url)
+    rig = Rig(stack, own_redis.url)
     node = rig.node("n1", cap=CAP, speed=1)
     router = rig.router("--lease-seconds", "1.5")  # renewed every 0.5 s
     rig.wait_ready(router, nodes=1)

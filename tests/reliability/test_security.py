@@ -18,6 +18,7 @@ import router.auth as auth
 from macpool import tiny_model
 from macpool.llama_build import find_llama_server
 from macpool.redis_server import RedisServer, free_port
+from macpool.stack import Stack
 from tests.conftest import Server, SpawnFactory
 from tests.reliability.conftest import (
     ADMIN_KEY,
@@ -197,7 +198,7 @@ def test_client_keys_are_hashed_and_compared_in_constant_time(
         assert len(calls) == len(ring.keys)
 
 
-def test_redis_password_and_acl_user(spawn: SpawnFactory, tmp_path: Path) -> None:
+def test_redis_password_and_acl_user(stack: Stack, tmp_path: Path) -> None:
     password, acl_password = "pw-Redis-s3cret", "acl-Pass-w0rd"
     with RedisServer(password=password) as server:
         admin = redis.Redis(port=server.port, password=password)
@@ -218,7 +219,7 @@ def test_redis_password_and_acl_user(spawn: SpawnFactory, tmp_path: Path) -> Non
             limited.get("someone-else:key")  # the ACL is live: only macpool:* keys
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(port=server.port).ping()
-        rig = Rig(spawn, server.url)  # the password URL for the agents
+        rig = Rig(stack, server.url)  # the password URL for the agents
         rig.node("acl", cap=2)
         router = rig.router(redis_url=user_url)  # the ACL user for the router
         rig.wait_ready(router, nodes=1)

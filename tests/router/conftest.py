@@ -2,83 +2,47 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
+from macpool.stack import Stack
 from tests.conftest import Node as Node
+from tests.conftest import Server as Server
 from tests.conftest import wait_until as wait_until
-
-# the root conftest's Server (child, url, port) and spawn factory
-Server = Any
-SpawnFactory = Callable[..., Any]
 
 AGENT_TOKEN = "router-test-agent-token"
 PRESET = "m5max-128g-14b-q4"
-
-
-
+START_TIMEOUT_S = 30.0
 
 
 class Pool:
-    """Factory for the processes of one test; the ``spawn`` fixture stops them all afterwards."""
+    """Factory for the processes of one test, on the test's process harness (which stops them all)."""
 
-    def __init__(self, spawn: SpawnFactory, redis_url: str) -> None:
-        self.spawn = spawn
+    def __init__(self, stack: Stack, redis_url: str) -> None:
+        self.stack = stack
         self.redis_url = redis_url
 
     def node(self, node_id: str, cap: int, *, parallel: int = 8, speed: float = 50.0) -> Node:
-        sim = self.spawn(
-            "sim",
-            "--preset",
-            PRESET,
-            "--parallel",
-            str(parallel),
-            "--speed",
-            str(speed),
-            name=f"sim-{node_id}",
+        sim = self.stack.sim(
+            f"sim-{node_id}", "--preset", PRESET, "--parallel", str(parallel), "--speed", str(speed),
+            timeout=START_TIMEOUT_S,
         )
-        agent = self.spawn(
-            "agent",
-            "run",
-            "--upstream",
-            sim.url,
-            "--redis-url",
-            self.redis_url,
-            "--node-id",
-            node_id,
-            "--cap",
-            str(cap),
-            "--token",
-            AGENT_TOKEN,
-            name=f"agent-{node_id}",
+        agent = self.stack.agent(
+            f"agent-{node_id}", sim.url, self.redis_url, node_id, "--cap", str(cap), "--token", AGENT_TOKEN,
+            timeout=START_TIMEOUT_S,
         )
         return Node(node_id, sim, agent)
 
     def router(self, *args: str, env: dict[str, str] | None = None) -> Server:
-        return self.spawn(
-            "router",
-            "--redis-url",
-            self.redis_url,
-            "--agent-token",
-            AGENT_TOKEN,
-            *args,
-            name="router",
-            env=env,
+        return self.stack.router(
+            "router", self.redis_url, "--agent-token", AGENT_TOKEN, *args, env=env, timeout=START_TIMEOUT_S
         )
 
-    @staticmethod
-    def wait_ready(router: Server, nodes: int, timeout: float = 30.0) -> dict[str, Any]:
+    def wait_ready(self, router: Server, nodes: int, timeout: float = 30.0) -> dict[str, Any]:
         """Wait until the router sees ``nodes`` ready nodes; returns its /api/pool document."""
-
-        def ready() -> dict[str, Any] | None:
-            doc: dict[str, Any] = httpx.get(router.url + "/api/pool", timeout=5).json()
-            return doc if doc["pool"]["nodes_ready"] == nodes else None
-
-        result: dict[str, Any] = wait_until(ready, timeout)
-        return result
+        return self.stack.wait_nodes(router.url, nodes, timeout=timeout, exact=True)
 
     @staticmethod
     def model(router: Server) -> str:
@@ -94,5 +58,5 @@ def queued(router_url: str) -> int:
 
 
 @pytest.fixture
-def pool(spawn: SpawnFactory, redis_url: str) -> Pool:
-    return Pool(spawn, redis_url)
+def pool(stack: Stack, redis_url: str) -> Pool:
+    return Pool(stack, redis_url)
