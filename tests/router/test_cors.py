@@ -59,7 +59,7 @@ def test_a_browser_on_an_allowed_origin_can_call_the_router_and_read_every_answe
             assert {"retry-after", "x-macpool-reason", "x-request-id"} <= exposed
             chunks = stream.iter_raw()  # held: a dropped iterator closes the connection
             next(chunks)
-            # the one slot is held: refusals, most of them from the router's memory of "full" (below ASGI),
+            # the one slot is held: refusals, most of them from the router's memory of "full",
             # each with the headers
             for _ in range(30):
                 full = client.post(router.url + "/v1/chat/completions", json=chat(model), headers=browser)
