@@ -30,11 +30,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
-from macpool.asgi import BodyTooLarge, TrailingSlash, UpgradeWithBody, answering_shutdown, read_body
+from macpool.asgi import BodyTooLarge, ShutdownAnswering, TrailingSlash, UpgradeWithBody, read_body
 from macpool.contract import Priority, generations
 from macpool.errors import error_response
 from macpool.settings import origin_list
 from macpool.store import ANONYMOUS, Keys, Store
+from macpool.store.events import drain_message
 from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
@@ -199,7 +200,7 @@ class Router:
         )
 
     def shutdown_answer(self, request: Request) -> Response:
-        """A request cancelled by the server's shutdown timeout before its answer began (answering_shutdown):
+        """A request cancelled by the server's shutdown timeout before its answer began (ShutdownAnswering):
         it reached no client yet, so it is a 503 to retry - elsewhere, behind a balancer."""
         self.metrics.requests.labels(model="", node="", status="router_shutdown").inc()
         headers = {"Retry-After": "1", "X-Macpool-Reason": "router_shutdown"}
@@ -269,28 +270,21 @@ class Router:
         services = self.services
         if drained and node_id not in services.pool.snapshot.nodes:
             return error_response(404, f"node {node_id!r} is not in the pool", "node_not_found")
-        keys = self.keys
         try:
-            async with services.redis.pipeline(transaction=True) as pipe:
-                if drained:
-                    pipe.sadd(keys.drained, node_id)
-                else:
-                    pipe.srem(keys.drained, node_id)
-                pipe.publish(keys.events, f"{'drain' if drained else 'undrain'} {node_id}")
-                await pipe.execute()
+            await services.pool.store.drain(node_id, drained)
         except (RedisError, OSError) as exc:  # the drain lives in Redis: without it, nothing was changed
             action = "drain" if drained else "undrain"
             log.warning("%s of node %s failed: redis unreachable (%s: %s)", action, node_id,
                         type(exc).__name__, exc, extra={"node": node_id})
             message = f"Redis is unreachable: node {node_id!r} was not {action}ed; retry"
             return error_response(503, message, "pool_unavailable", headers={"Retry-After": "1"})
-        services.pool.apply(f"{'drain' if drained else 'undrain'} {node_id}")
+        services.pool.apply(drain_message(node_id, drained))
         return JSONResponse({"node_id": node_id, "drained": drained})
 
     # --- wiring ------------------------------------------------------------------------------------
 
     def routes(self) -> list[BaseRoute]:
-        proxy = answering_shutdown(self.proxy, self.shutdown_answer)
+        proxy = ShutdownAnswering(self.proxy, self.shutdown_answer)
         routes: list[BaseRoute] = [Route(path, proxy, methods=["POST"]) for path in PROXIED_PATHS]
         routes += [
             Route("/v1/models", self.models, methods=["GET"]),
