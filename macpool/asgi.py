@@ -87,25 +87,32 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def answering_shutdown(endpoint: Endpoint, answer: Callable[[Request], Response]) -> Endpoint:
-    """``endpoint``, answering with ``answer(request)`` when the server cancels it at its shutdown timeout
-    before its response began (rather than uvicorn's plain-text 500 and a logged traceback).
+class ShutdownAnswering:
+    """``endpoint`` as an ASGI app for a ``Route``, answering with ``answer(request)`` when the server cancels
+    it at its shutdown timeout before its response began (rather than uvicorn's plain-text 500 and a logged
+    traceback).
 
     Cancellations a :class:`Guard` sends are taken back inside the endpoint: one that reaches this far is
-    the server's. A response already being sent handles its own (an SSE error event).
+    the server's. A response already being sent handles its own (an SSE error event). Starlette routes an
+    ASGI app (an object, not a function) as it is, so a relayed stream's chunks reach the server without a
+    function endpoint's per-send wrapper; an exception still reaches the app's exception handlers.
     """
 
-    async def endpoint_answering_shutdown(request: Request) -> Response:
+    def __init__(self, endpoint: Endpoint, answer: Callable[[Request], Response]) -> None:
+        self.endpoint = endpoint
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive, send)
         try:
-            return await endpoint(request)
+            response = await self.endpoint(request)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or not task.cancelling():
                 raise
             task.uncancel()
-            return answer(request)
-
-    return endpoint_answering_shutdown
+            response = self.answer(request)
+        await response(scope, receive, send)
 
 
 class Guard:

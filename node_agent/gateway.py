@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from macpool.asgi import Guard, TrailingSlash, answering_shutdown
+from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash
 from macpool.contract import generations, slots_needed
 from macpool.errors import error_body, error_response
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
@@ -373,7 +373,7 @@ class Gateway:
 
     def shutdown_answer(self, request: Request) -> Response:
         """A request cancelled by the agent's stop (its drain timeout passed) before its answer began: the
-        router tries another node (macpool/asgi.py ``answering_shutdown``)."""
+        router tries another node (macpool/asgi.py ``ShutdownAnswering``)."""
         self.runtime.metrics.requests.labels(request.scope["path"], "503").inc()
         return self._unavailable("node_draining", "this node shut down before answering; retry elsewhere")
 
@@ -413,7 +413,7 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def create_app(runtime: Runtime) -> Starlette:
     """The gateway app over one agent's runtime state."""
     gateway = Gateway(runtime)
-    generate = answering_shutdown(gateway.generate, gateway.shutdown_answer)
+    generate = ShutdownAnswering(gateway.generate, gateway.shutdown_answer)
     routes = [Route(path, generate, methods=["POST"]) for path in PROXIED]
     routes += [
         Route("/v1/models", gateway.passthrough, methods=["GET"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from starlette.applications import Starlette
@@ -13,7 +14,7 @@ from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 from starlette.types import Message
 
-from macpool.asgi import BodyTooLarge, TrailingSlash, UpgradeWithBody, answering_shutdown, read_body
+from macpool.asgi import BodyTooLarge, ShutdownAnswering, TrailingSlash, UpgradeWithBody, read_body
 
 
 async def echo(request: Request) -> Response:
@@ -101,16 +102,25 @@ def test_a_request_cancelled_by_the_servers_shutdown_gets_the_answer() -> None:
     def shutting_down(request: Request) -> Response:
         return JSONResponse({"shutdown": True}, status_code=503)
 
-    endpoint = answering_shutdown(slow, shutting_down)
-    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+    endpoint = ShutdownAnswering(slow, shutting_down)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
 
     async def main() -> None:
-        task = asyncio.create_task(endpoint(request))
+        task = asyncio.create_task(endpoint(scope, receive, send))
         await started.wait()
         task.cancel()  # as uvicorn does past its graceful-shutdown timeout
-        response = await task
-        assert response.status_code == 503 and bytes(response.body) == b'{"shutdown":true}'
+        await task
         assert not task.cancelled()
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
+        assert b"".join(m.get("body", b"") for m in sent[1:]) == b'{"shutdown":true}'
 
     asyncio.run(main())
 
@@ -126,7 +136,14 @@ def test_a_cancellation_that_is_not_the_servers_goes_on() -> None:
             task.uncancel()  # a Guard's, claimed by the endpoint
         raise asyncio.CancelledError  # a cancellation of the endpoint's own making, not a cancelled task
 
-    endpoint = answering_shutdown(taken_back, lambda request: Response(status_code=503))
-    request = Request({"type": "http", "method": "POST", "path": "/", "headers": []})
+    endpoint = ShutdownAnswering(taken_back, lambda request: Response(status_code=503))
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        raise AssertionError("nothing is sent")
+
     with pytest.raises(asyncio.CancelledError):
-        asyncio.run(endpoint(request))
+        asyncio.run(endpoint(scope, receive, send))

@@ -37,7 +37,7 @@ def test_router_and_agent_write_json_lines(redis_url: str, spawn: SpawnFactory) 
     wait_until(lambda: httpx.get(router.url + "/ready", timeout=5).status_code == 200)
     answer = httpx.post(router.url + "/v1/chat/completions", json=chat("op-model", 4, False), timeout=30)
     assert answer.status_code == 200, answer.text
-    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:  # a request no parser takes
+    with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:  # no parser takes it
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: r\r\nBad\x01Name: x\r\n\r\n")
         assert sock.recv(100).startswith(b"HTTP/1.1 400")
     # a node gone without a word (its heartbeat still fresh): the router's line names the node and the request
