@@ -384,7 +384,7 @@ class Heartbeat:
             self._redis_retry_at = time.monotonic() + self._redis_backoff
             if self.redis_ok:
                 log.warning("redis at %s unreachable (%s: %s); serving under the local cap, retrying",
-                            _address(self.redis), type(exc).__name__, exc)
+                            self.store.address, type(exc).__name__, exc)
             self.redis_ok = False
             self.runtime.details["redis_ok"] = False
             return
@@ -421,9 +421,3 @@ class Heartbeat:
 
     async def remove_node(self) -> None:
         await self.store.deregister(self.runtime.settings.node_id, self.instance)
-
-
-def _address(redis: Redis) -> str:
-    """Where the Redis client connects (host:port, or a unix socket's path), never its password."""
-    kwargs = redis.connection_pool.connection_kwargs
-    return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"

@@ -128,7 +128,7 @@ class PoolView:
         self.redis_seen = time.monotonic()
         if self._outage_logged:
             self._outage_logged = False
-            log.info("redis at %s answers again; pool view refreshed", self._address)
+            log.info("redis at %s answers again; pool view refreshed", self.store.address)
             await self._drop_idle_connections()
         self.version += 1
         for doc in snapshot.nodes.values():
@@ -181,12 +181,7 @@ class PoolView:
         if not self._outage_logged:
             self._outage_logged = True
             log.warning("redis at %s unreachable (%s: %s: %s); routing from the last view of the pool, "
-                        "retrying", self._address, where, type(exc).__name__, exc)
-
-    @property
-    def _address(self) -> str:
-        kwargs = self.redis.connection_pool.connection_kwargs
-        return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
+                        "retrying", self.store.address, where, type(exc).__name__, exc)
 
     def _on_event(self, data: bytes) -> None:
         try:
@@ -388,7 +383,3 @@ class PoolView:
                 metrics.queued.labels(priority=priority, tenant=tenant).set(waiting)
         for tenant, in_flight in self.snapshot.in_flight.items():
             metrics.tenant_in_flight.labels(tenant=tenant).set(in_flight)
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
