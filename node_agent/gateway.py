@@ -18,7 +18,6 @@ from typing import Any, cast
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -27,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from macpool.asgi import Guard, TrailingSlash, answering_shutdown
 from macpool.contract import generations, slots_needed
-from macpool.errors import error_body, error_response
+from macpool.errors import error_body, error_response, exception_handlers
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
 
 from . import unstream
@@ -397,19 +396,6 @@ class Gateway:
         return Response(generate_latest(self.runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    headers = dict(exc.headers) if isinstance(exc, HTTPException) and exc.headers else None  # 405's Allow
-    message = {404: "not found", 405: "method not allowed"}.get(status, "error")
-    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "error")
-    return error_response(status, message, code, headers=headers)
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal agent error", "internal_error")
-
-
 def create_app(runtime: Runtime) -> Starlette:
     """The gateway app over one agent's runtime state."""
     gateway = Gateway(runtime)
@@ -422,6 +408,6 @@ def create_app(runtime: Runtime) -> Starlette:
         Route("/metrics", gateway.metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, middleware=[Middleware(TrailingSlash)],
-                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+                    exception_handlers=exception_handlers("agent", log))
     app.router.redirect_slashes = False  # TrailingSlash's rule instead: no redirect to the client's Host
     return app
