@@ -5,6 +5,7 @@ its client goes away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -106,6 +107,15 @@ def answering_shutdown(endpoint: Endpoint, answer: Callable[[Request], Response]
             return answer(request)
 
     return endpoint_answering_shutdown
+
+
+async def end_stream(send: Send, event: bytes) -> None:
+    """Send ``event`` as a response's last chunk and complete it, within a second: at shutdown, and a
+    client that has gone is no error."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Guard:

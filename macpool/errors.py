@@ -34,6 +34,12 @@ def error_body(status: int, message: str, code: str, type_: str | None = None) -
     return json.dumps({"error": error}).encode()
 
 
+def sse_error(status: int, message: str, code: str, *, ended: bool = True) -> bytes:
+    """An error as the SSE event that ends a stream (llama-server frames its own failures so). ``ended``:
+    the stream's last chunk closed its event; if not, the error starts a new one rather than extend it."""
+    return (b"" if ended else b"\n\n") + b"data: " + error_body(status, message, code) + b"\n\n"
+
+
 def error_response(
     status: int,
     message: str,

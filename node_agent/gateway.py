@@ -8,7 +8,6 @@ the router and is passed through untouched).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
@@ -24,9 +23,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from macpool.asgi import Guard, TrailingSlash, answering_shutdown
+from macpool.asgi import Guard, TrailingSlash, answering_shutdown, end_stream
 from macpool.contract import generations, slots_needed
-from macpool.errors import error_body, error_response, exception_handlers
+from macpool.errors import error_response, exception_handlers, sse_error
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
 
 from . import unstream
@@ -122,8 +121,7 @@ class ProxyResponse(StreamingResponse):
             self._runtime.metrics.upstream_errors.labels("mid_stream").inc()
             if not self._streamed:
                 raise
-            event = error_body(502, "llama-server failed mid-stream", "upstream_midstream")
-            yield (b"" if ended else b"\n\n") + b"data: " + event + b"\n\n"
+            yield sse_error(502, "llama-server failed mid-stream", "upstream_midstream", ended=ended)
         finally:
             await self._upstream.aclose()
 
@@ -147,7 +145,8 @@ class ProxyResponse(StreamingResponse):
                     # nobody else cancels a response: the agent is stopping and its drain timeout has passed
                     if not (self._streamed and started):
                         raise
-                    await _end_with_error(send, ended, "the node shut down mid-stream")
+                    event = sse_error(502, "the node shut down mid-stream", "upstream_midstream", ended=ended)
+                    await end_stream(send, event)
             finally:
                 guard.finish()
         finally:
@@ -162,15 +161,6 @@ class ProxyResponse(StreamingResponse):
             self._runtime.in_flight -= self._slots
             self._runtime.metrics.in_flight.set(self._runtime.in_flight)
             self._slots = 0
-
-
-async def _end_with_error(send: Send, ended: bool, message: str) -> None:
-    """End a stream with an SSE error event (as llama-server's own failure would), within a second."""
-    event = (b"" if ended else b"\n\n") + b"data: " + error_body(502, message, "upstream_midstream") + b"\n\n"
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(1.0):
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Gateway:

@@ -17,9 +17,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from macpool import upstream
-from macpool.asgi import Guard
+from macpool.asgi import Guard, end_stream
 from macpool.contract import NodeDoc, slots_needed
-from macpool.errors import error_body, error_response
+from macpool.errors import error_response, sse_error
 from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
 from router.metrics import RouterMetrics
@@ -503,12 +503,8 @@ class Relay(Response):
         self.outcome = "router_shutdown"
         if not (self.streaming and self.started):
             return False
-        event = (b"" if self.ended else b"\n\n") + b"data: "
-        event += error_body(503, "the router is shutting down; retry", "router_shutdown") + b"\n\n"
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(1.0):
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await end_stream(send, sse_error(503, "the router is shutting down; retry", "router_shutdown",
+                                         ended=self.ended))
         return True
 
     def _failed_upstream(self, kind: str) -> None:
@@ -528,9 +524,7 @@ class Relay(Response):
             return  # returning without completing the response makes the server drop the connection
         message = ("the node stopped answering mid-stream" if kind == "idle_timeout"
                    else "the node failed mid-stream")
-        # never glue the event onto an event the node cut off half-way
-        event = (b"" if self.ended else b"\n\n") + b"data: " + error_body(502, message, f"upstream_{kind}")
-        event += b"\n\n"
+        event = sse_error(502, message, f"upstream_{kind}", ended=self.ended)
         await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
