@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from macpool.contract import NodeDoc, now_ms
+from macpool.contract import NODE_STATES, NodeDoc, now_ms
 from macpool.store import PoolSnapshot, Store
 from macpool.store.events import Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
 from router.loops import every
@@ -371,7 +371,7 @@ class PoolView:
         metrics.pool_slots.labels(state="busy").set(totals["busy"])
         metrics.queue_depth.set(totals["queued"])
         metrics.saturation.set(totals["saturation"])
-        counts: dict[str, int] = dict.fromkeys(("starting", "ready", "draining", "unhealthy", "paging"), 0)
+        counts: dict[str, int] = dict.fromkeys(NODE_STATES, 0)
         for doc in self.fresh_nodes():
             state: str = "draining" if doc.node_id in self.snapshot.drained else doc.state
             counts[state] = counts.get(state, 0) + 1
