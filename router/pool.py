@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from macpool.contract import NODE_STATES, NodeDoc, now_ms
+from macpool.loops import every
 from macpool.store import PoolSnapshot, Store
 from macpool.store.events import Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
-from router.loops import every
 from router.metrics import RouterMetrics
 from router.settings import Settings
 
@@ -105,7 +105,7 @@ class PoolView:
         await self.refresh()
         self._tasks = [
             asyncio.create_task(self._listen(), name="pool-events"),
-            asyncio.create_task(every(self.settings.refresh_interval, self.refresh, "pool refresh")),
+            asyncio.create_task(every(self.settings.refresh_interval, self.refresh, "pool refresh", log)),
         ]
 
     async def stop(self) -> None:
