@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 from macpool.asgi import Guard, TrailingSlash, answering_shutdown, end_stream
 from macpool.contract import generations, slots_needed
 from macpool.errors import error_response, exception_handlers, sse_error
-from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
+from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER, connection_listed
 
 from . import unstream
 from .runtime import Runtime
@@ -41,14 +41,9 @@ PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/comple
 log = logging.getLogger("macpool.agent")
 
 
-def _connection_listed(connection: str | None) -> set[str]:
-    """Headers a ``Connection`` header names are hop-by-hop too (RFC 9110 7.6.1)."""
-    return {name.strip().lower() for name in (connection or "").split(",")}
-
-
 def _request_headers(request: Request) -> list[tuple[bytes, bytes]]:
     raw: list[tuple[bytes, bytes]] = request.scope["headers"]  # lower-case names (ASGI)
-    listed = {name.encode("latin-1") for name in _connection_listed(request.headers.get("connection"))}
+    listed = connection_listed(raw)
     return [
         (name, value)
         for name, value in raw
@@ -58,11 +53,9 @@ def _request_headers(request: Request) -> list[tuple[bytes, bytes]]:
 
 def _response_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
     """The upstream response's headers to pass on, as the raw list a response sends (lower-case names)."""
-    listed = {name.encode("latin-1") for name in _connection_listed(upstream.headers.get("connection"))}
-    headers = [
-        (name, value) for name, value in ((name.lower(), value) for name, value in upstream.headers.raw)
-        if name not in _DROP_RESPONSE_RAW and name not in listed
-    ]
+    raw = [(name.lower(), value) for name, value in upstream.headers.raw]
+    drop = _DROP_RESPONSE_RAW | connection_listed(raw)
+    headers = [(name, value) for name, value in raw if name not in drop]
     if _is_event_stream(upstream) and not any(name == b"x-accel-buffering" for name, _ in headers):
         headers.append((b"x-accel-buffering", b"no"))
     return headers

@@ -20,7 +20,7 @@ from macpool import upstream
 from macpool.asgi import Guard, end_stream
 from macpool.contract import NodeDoc, slots_needed
 from macpool.errors import error_response, sse_error
-from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER
+from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER, connection_listed
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
@@ -358,7 +358,7 @@ class Forwarder:
         return url
 
     def _upstream_headers(self, call: Call) -> list[tuple[bytes, bytes]]:
-        drop = _DROP_UPSTREAM | _connection_listed(call.headers)
+        drop = _DROP_UPSTREAM | connection_listed(call.headers)
         headers = [(k, v) for k, v in call.headers if k not in drop and not k.startswith(b"x-macpool-")]
         headers.append((b"x-request-id", call.request_id.encode()))
         if call.stream and call.generations == 1:  # else the agent parses the body to count them
@@ -408,7 +408,7 @@ class Relay(Response):
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         raw = [(k.lower(), v) for k, v in self.upstream.headers.raw]
-        drop = _DROP_DOWNSTREAM | _connection_listed(raw)
+        drop = _DROP_DOWNSTREAM | connection_listed(raw)
         headers = [(k, v) for k, v in raw if k not in drop]
         if self.streaming:
             headers = [(k, v) for k, v in headers if k not in (b"content-type", b"cache-control",
@@ -532,13 +532,6 @@ class Relay(Response):
 def _ids(node_id: str, call: Call) -> dict[str, str]:
     """A log record's fields (in ``--log-format json``): which node, which request (its X-Request-ID)."""
     return {"node": node_id, "request_id": call.request_id}
-
-
-def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """Headers a ``Connection`` header names are hop-by-hop too (RFC 9110 7.6.1)."""
-    return frozenset(
-        name.strip().lower() for key, value in headers if key == b"connection" for name in value.split(b",")
-    )
 
 
 async def _node_full_kind(upstream: httpx.Response) -> str:
