@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Literal, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
 
 
 class TrailingSlash:
@@ -151,6 +152,20 @@ class Guard:
             return False
         self.task.uncancel()
         return True
+
+    async def run(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, or None when the guard cancelled it (the cancellation is taken back). On any
+        other exit the guard is finished first, so that the server's answer to an error is not cancelled."""
+        try:
+            return await work
+        except asyncio.CancelledError:
+            self.finish()
+            if not self.claim():
+                raise
+            return None
+        except BaseException:
+            self.finish()
+            raise
 
     def finish(self) -> None:
         """No cancellation from here on (the response is complete, or the request's cleanup runs)."""

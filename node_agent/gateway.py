@@ -219,12 +219,9 @@ class Gateway:
         guard = Guard(request.receive)
         response: Response | None = None
         try:
-            response = await self._forward(request, body, parsed, slots)
-        except asyncio.CancelledError:
-            guard.finish()
-            if not guard.claim():
-                raise
-            response = self._client_gone(request)  # cancelled, the upstream connection is closed
+            response = await guard.run(self._forward(request, body, parsed, slots))
+            if response is None:
+                response = self._client_gone(request)  # cancelled, the upstream connection is closed
         finally:
             if isinstance(response, ProxyResponse):
                 response.guard = guard  # the same watch goes on; the response releases the slots when it ends

@@ -134,17 +134,10 @@ class Forwarder:
         if refusal is not None:
             return refusal
         guard = Guard(receive)
-        try:
-            response = await self._handle(call)
-        except asyncio.CancelledError:
-            guard.finish()
-            if not guard.claim():
-                raise
+        response = await guard.run(self._handle(call))
+        if response is None:
             self.metrics.requests.labels(model=call.model, node=call.node, status="client_closed").inc()
             return Response(status_code=499)  # nobody is listening any more
-        except BaseException:
-            guard.finish()  # the watch must not cancel the server's own error answer
-            raise
         if isinstance(response, Relay):
             response.guard = guard  # the same watch goes on while the answer is relayed
         else:
