@@ -288,10 +288,7 @@ class _QueueRecord:
     @classmethod
     def parse(cls, text: str) -> _QueueRecord:
         f = text.split("\t")
-        if len(f) < 5:
-            return cls("", "", "malformed", 0)
-        gens = f[9] if len(f) > 9 else ""
-        return cls(f[0], f[1], f[4], int(gens) if gens.isdigit() else 1)
+        return cls(f[0], f[1], f[4], int(f[9]))
 
 
 def _encode(request: ReserveRequest) -> str:
