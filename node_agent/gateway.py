@@ -86,6 +86,8 @@ class ProxyResponse(StreamingResponse):
         self._started = started
         self._slots = slots  # counted against the cap until the response ends (0: a read-only request)
         self._streamed = _is_event_stream(upstream)
+        self._head_sent = False
+        self._ended = True  # the last chunk sent closed its SSE event
         self._chunks = self._body()
         # what StreamingResponse.__init__ would set, with the headers taken over as bytes (no str round trip)
         self.body_iterator = self._chunks
@@ -122,28 +124,28 @@ class ProxyResponse(StreamingResponse):
         # Starlette's StreamingResponse would run an anyio task group of two tasks per response; one plain
         # task watching for the client's disconnect does the same job (macpool/asgi.py Guard)
         guard = self.guard or Guard(receive)
-        started, ended = False, True
         try:
             try:
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
-                started = True
-                async for chunk in self._chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    ended = chunk.endswith(b"\n\n")
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await guard.run(self._send(send))
             except asyncio.CancelledError:
-                guard.finish()
-                if not guard.claim():
-                    # nobody else cancels a response: the agent is stopping and its drain timeout has passed
-                    if not (self._streamed and started):
-                        raise
-                    event = sse_error(502, "the node shut down mid-stream", "upstream_midstream", ended=ended)
-                    await end_stream(send, event)
+                # not the guard's: nobody else cancels a response - the agent is stopping and its drain
+                # timeout has passed; a stream ends with an error event, anything else is cut off
+                if not (self._streamed and self._head_sent):
+                    raise
+                message = "the node shut down mid-stream"
+                await end_stream(send, sse_error(502, message, "upstream_midstream", ended=self._ended))
             finally:
                 guard.finish()
         finally:
             await self._release()
+
+    async def _send(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._head_sent = True
+        async for chunk in self._chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._ended = chunk.endswith(b"\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _release(self) -> None:
         # the generator may never have started (client gone before the first send), or stopped at a yield

@@ -427,11 +427,11 @@ class Relay(Response):
         timers = [loop.call_later(idle, watchdog)]
         try:
             try:
-                await self._relay(send)
+                await guard.run(self._relay(send))
             except asyncio.CancelledError:
                 # not the guard's: nobody else cancels a relay - the server is stopping and its shutdown
                 # timeout has passed; a stream ends with an error event, anything else is cut off
-                if not guard.claim() and not await self._shutting_down(send):
+                if not await self._shutting_down(send):
                     raise
             finally:
                 guard.finish()
