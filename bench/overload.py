@@ -43,10 +43,10 @@ from macpool.stack import Stack
 PRESET = "m5max-128g-14b-q4"
 NODES = 2
 WARMUP = 0.2  # share of each run left out of the throughput figure (the start-up burst)
-# clients per load process: one event loop driving 160 clients (a 503 every few ms, each retried 50 ms later)
-# spent a whole core and fell behind, and its lag was in every latency it measured (a refusal's p50 ~115 ms)
+# clients per load process: an event loop driving many more (a 503 every few ms, each retried 50 ms later)
+# spends a whole core and falls behind, and its own lag then shows in every latency it records
 CLIENTS_PER_PROCESS = 32
-START_DELAY_S = 2.0  # the load processes are started (~0.5 s here), then all begin together
+START_DELAY_S = 2.0  # time for every load process to start, so that all begin together
 
 
 @dataclass

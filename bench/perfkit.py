@@ -35,6 +35,7 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import httptools
+import psutil
 
 from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
 from macpool.stack import Proc as Proc
@@ -612,31 +613,30 @@ async def measured_chat_load(
 
 def cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of a process (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
 
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of a process and all its descendants (nginx's workers, LiteLLM's server process)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        with contextlib.suppress(OSError):
-            total += cpu_seconds(current)
-        todo.extend(children.get(current, []))
+    try:
+        root = psutil.Process(pid)
+        family = [root, *root.children(recursive=True)]
+    except psutil.Error:  # ended already: nothing left to count
+        return 0.0
+    total = 0.0
+    for process in family:
+        with contextlib.suppress(psutil.Error):  # a descendant that ended meanwhile
+            times = process.cpu_times()
+            total += times.user + times.system
     return total
 
 
 def cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
+    """The CPUs this process may run on (every CPU where the system does not say: macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def pinned(argv: list[str], cpu: int | None) -> list[str]:

@@ -5,14 +5,16 @@ its client goes away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Literal, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
 
 
 class TrailingSlash:
@@ -115,6 +117,15 @@ class ShutdownAnswering:
         await response(scope, receive, send)
 
 
+async def end_stream(send: Send, event: bytes) -> None:
+    """Send ``event`` as a response's last chunk and complete it, within a second: at shutdown, and a
+    client that has gone is no error."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(1.0):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 class Guard:
     """Cancels a request's task when its client goes away, or when the router gives up on it (a stall).
 
@@ -148,6 +159,20 @@ class Guard:
             return False
         self.task.uncancel()
         return True
+
+    async def run(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, or None when the guard cancelled it (the cancellation is taken back). On any
+        other exit the guard is finished first, so that the server's answer to an error is not cancelled."""
+        try:
+            return await work
+        except asyncio.CancelledError:
+            self.finish()
+            if not self.claim():
+                raise
+            return None
+        except BaseException:
+            self.finish()
+            raise
 
     def finish(self) -> None:
         """No cancellation from here on (the response is complete, or the request's cleanup runs)."""

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
 NodeState = Literal["starting", "ready", "draining", "unhealthy", "paging"]
+NODE_STATES: tuple[NodeState, ...] = get_args(NodeState)  # every state, for metrics that show each one
 MemoryState = Literal["healthy", "near_ceiling", "paging", "collapsed"]
 Priority = Literal["interactive", "batch"]
 

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
+
+ExceptionHandler = Callable[[Request, Exception], Awaitable[Response]]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -27,6 +34,12 @@ def error_body(status: int, message: str, code: str, type_: str | None = None) -
     return json.dumps({"error": error}).encode()
 
 
+def sse_error(status: int, message: str, code: str, *, ended: bool = True) -> bytes:
+    """An error as the SSE event that ends a stream (llama-server frames its own failures so). ``ended``:
+    the stream's last chunk closed its event; if not, the error starts a new one rather than extend it."""
+    return (b"" if ended else b"\n\n") + b"data: " + error_body(status, message, code) + b"\n\n"
+
+
 def error_response(
     status: int,
     message: str,
@@ -40,3 +53,26 @@ def error_response(
         media_type="application/json",
         headers=headers,
     )
+
+
+def exception_handlers(service: str, log: logging.Logger) -> dict[Any, ExceptionHandler]:
+    """Starlette's ``exception_handlers`` for an app: an HTTPException (no route, a method not allowed) is
+    answered with its status and headers (405's Allow); anything else is logged with its traceback and
+    answered 500 ``internal <service> error``, with no detail for the client."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = {404: f"no route for {request.url.path}", 405: f"{request.method} is not allowed here"}
+        return error_response(
+            exc.status_code,
+            message.get(exc.status_code, str(exc.detail)),
+            codes.get(exc.status_code, "http_error"),
+            headers=dict(exc.headers) if exc.headers else None,
+        )
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal {service} error", "internal_error")
+
+    return {HTTPException: http_error, Exception: internal_error}

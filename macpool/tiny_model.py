@@ -68,8 +68,8 @@ class ModelSpec:
 VARIANTS: dict[str, ModelSpec] = {
     # 107,200 parameters, ~430 KB: the recordings' model.
     "tiny": ModelSpec("tiny", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128),
-    # ~19 M parameters in F16 (~38 MB): ~5 ms a token with `-t 1` on an idle core (900 tokens: ~5 s),
-    # loads in well under a second.
+    # ~19 M parameters in F16 (~38 MB): a generation takes seconds on one CPU thread (`-t 1`), so a test
+    # can act while it runs, and the model still loads at once.
     "small": ModelSpec("small", n_layer=6, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, f16=True),
 }
 

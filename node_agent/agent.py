@@ -47,7 +47,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the gateway's port before anything starts, so a taken port is a one-line error."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only then (else Nagle and
-    # delayed ACKs add ~40 ms to every small response)
+    # delayed ACKs hold every small response back by a delayed-ACK timeout)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

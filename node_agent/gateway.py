@@ -8,7 +8,6 @@ the router and is passed through untouched).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
@@ -18,17 +17,16 @@ from typing import Any, cast
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash
+from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash, end_stream
 from macpool.contract import generations, slots_needed
-from macpool.errors import error_body, error_response
-from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER
+from macpool.errors import error_response, exception_handlers, sse_error
+from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER, connection_listed
 
 from . import unstream
 from .runtime import Runtime
@@ -43,14 +41,9 @@ PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/comple
 log = logging.getLogger("macpool.agent")
 
 
-def _connection_listed(connection: str | None) -> set[str]:
-    """Headers a ``Connection`` header names are hop-by-hop too (RFC 9110 7.6.1)."""
-    return {name.strip().lower() for name in (connection or "").split(",")}
-
-
 def _request_headers(request: Request) -> list[tuple[bytes, bytes]]:
     raw: list[tuple[bytes, bytes]] = request.scope["headers"]  # lower-case names (ASGI)
-    listed = {name.encode("latin-1") for name in _connection_listed(request.headers.get("connection"))}
+    listed = connection_listed(raw)
     return [
         (name, value)
         for name, value in raw
@@ -60,11 +53,9 @@ def _request_headers(request: Request) -> list[tuple[bytes, bytes]]:
 
 def _response_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
     """The upstream response's headers to pass on, as the raw list a response sends (lower-case names)."""
-    listed = {name.encode("latin-1") for name in _connection_listed(upstream.headers.get("connection"))}
-    headers = [
-        (name, value) for name, value in ((name.lower(), value) for name, value in upstream.headers.raw)
-        if name not in _DROP_RESPONSE_RAW and name not in listed
-    ]
+    raw = [(name.lower(), value) for name, value in upstream.headers.raw]
+    drop = _DROP_RESPONSE_RAW | connection_listed(raw)
+    headers = [(name, value) for name, value in raw if name not in drop]
     if _is_event_stream(upstream) and not any(name == b"x-accel-buffering" for name, _ in headers):
         headers.append((b"x-accel-buffering", b"no"))
     return headers
@@ -95,6 +86,8 @@ class ProxyResponse(StreamingResponse):
         self._started = started
         self._slots = slots  # counted against the cap until the response ends (0: a read-only request)
         self._streamed = _is_event_stream(upstream)
+        self._head_sent = False
+        self._ended = True  # the last chunk sent closed its SSE event
         self._chunks = self._body()
         # what StreamingResponse.__init__ would set, with the headers taken over as bytes (no str round trip)
         self.body_iterator = self._chunks
@@ -123,8 +116,7 @@ class ProxyResponse(StreamingResponse):
             self._runtime.metrics.upstream_errors.labels("mid_stream").inc()
             if not self._streamed:
                 raise
-            event = error_body(502, "llama-server failed mid-stream", "upstream_midstream")
-            yield (b"" if ended else b"\n\n") + b"data: " + event + b"\n\n"
+            yield sse_error(502, "llama-server failed mid-stream", "upstream_midstream", ended=ended)
         finally:
             await self._upstream.aclose()
 
@@ -132,27 +124,28 @@ class ProxyResponse(StreamingResponse):
         # Starlette's StreamingResponse would run an anyio task group of two tasks per response; one plain
         # task watching for the client's disconnect does the same job (macpool/asgi.py Guard)
         guard = self.guard or Guard(receive)
-        started, ended = False, True
         try:
             try:
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
-                started = True
-                async for chunk in self._chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    ended = chunk.endswith(b"\n\n")
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await guard.run(self._send(send))
             except asyncio.CancelledError:
-                guard.finish()
-                if not guard.claim():
-                    # nobody else cancels a response: the agent is stopping and its drain timeout has passed
-                    if not (self._streamed and started):
-                        raise
-                    await _end_with_error(send, ended, "the node shut down mid-stream")
+                # not the guard's: nobody else cancels a response - the agent is stopping and its drain
+                # timeout has passed; a stream ends with an error event, anything else is cut off
+                if not (self._streamed and self._head_sent):
+                    raise
+                message = "the node shut down mid-stream"
+                await end_stream(send, sse_error(502, message, "upstream_midstream", ended=self._ended))
             finally:
                 guard.finish()
         finally:
             await self._release()
+
+    async def _send(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        self._head_sent = True
+        async for chunk in self._chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._ended = chunk.endswith(b"\n\n")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _release(self) -> None:
         # the generator may never have started (client gone before the first send), or stopped at a yield
@@ -163,15 +156,6 @@ class ProxyResponse(StreamingResponse):
             self._runtime.in_flight -= self._slots
             self._runtime.metrics.in_flight.set(self._runtime.in_flight)
             self._slots = 0
-
-
-async def _end_with_error(send: Send, ended: bool, message: str) -> None:
-    """End a stream with an SSE error event (as llama-server's own failure would), within a second."""
-    event = (b"" if ended else b"\n\n") + b"data: " + error_body(502, message, "upstream_midstream") + b"\n\n"
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(1.0):
-            await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class Gateway:
@@ -237,12 +221,9 @@ class Gateway:
         guard = Guard(request.receive)
         response: Response | None = None
         try:
-            response = await self._forward(request, body, parsed, slots)
-        except asyncio.CancelledError:
-            guard.finish()
-            if not guard.claim():
-                raise
-            response = self._client_gone(request)  # cancelled, the upstream connection is closed
+            response = await guard.run(self._forward(request, body, parsed, slots))
+            if response is None:
+                response = self._client_gone(request)  # cancelled, the upstream connection is closed
         finally:
             if isinstance(response, ProxyResponse):
                 response.guard = guard  # the same watch goes on; the response releases the slots when it ends
@@ -361,7 +342,7 @@ class Gateway:
             return error_response(502, "the node's llama-server is not reachable", "upstream_unavailable")
 
     def _url(self, path: str, query: bytes) -> httpx.URL:
-        """The parsed upstream URL, cached: parsing it was ~4 % of the agent's CPU per request."""
+        """The parsed upstream URL, cached: a URL is parsed once, not on every request."""
         base = self.runtime.upstream_url
         url = self._urls.get((base, path, query))
         if url is None:
@@ -397,19 +378,6 @@ class Gateway:
         return Response(generate_latest(self.runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    headers = dict(exc.headers) if isinstance(exc, HTTPException) and exc.headers else None  # 405's Allow
-    message = {404: "not found", 405: "method not allowed"}.get(status, "error")
-    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "error")
-    return error_response(status, message, code, headers=headers)
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal agent error", "internal_error")
-
-
 def create_app(runtime: Runtime) -> Starlette:
     """The gateway app over one agent's runtime state."""
     gateway = Gateway(runtime)
@@ -422,6 +390,6 @@ def create_app(runtime: Runtime) -> Starlette:
         Route("/metrics", gateway.metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, middleware=[Middleware(TrailingSlash)],
-                    exception_handlers={HTTPException: _http_error, Exception: _internal_error})
+                    exception_handlers=exception_handlers("agent", log))
     app.router.redirect_slashes = False  # TrailingSlash's rule instead: no redirect to the client's Host
     return app

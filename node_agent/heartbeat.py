@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from macpool import __version__
 from macpool.contract import MemoryFigures, NodeDoc, NodeState, heartbeat_ttl_ms, now_ms
+from macpool.loops import every
 from macpool.store import Keys, Store
 
 from . import capacity
@@ -27,25 +28,6 @@ from .runtime import Runtime
 log = logging.getLogger("macpool.agent")
 
 UpstreamCondition = Literal["healthy", "loading", "unreachable"]
-
-
-async def ticker(interval: float, wake: asyncio.Event | None = None) -> AsyncIterator[int]:
-    """Drift-free ticks: tick n is due at start + n x interval; missed ticks are skipped, not bunched.
-    Setting ``wake`` brings the next tick forward (it is cleared then); the schedule stays as it was."""
-    start = time.monotonic()
-    n = 0
-    while True:
-        yield n
-        n = max(n + 1, int((time.monotonic() - start) / interval) + 1)
-        delay = max(0.0, start + n * interval - time.monotonic())
-        if wake is None:
-            await asyncio.sleep(delay)
-            continue
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), delay)
-        if wake.is_set():
-            wake.clear()
-            n -= 1  # the due tick is still due
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -186,11 +168,8 @@ class Heartbeat:
         self.pressure.recover_beats = settings.pressure_recover_beats
 
     async def run(self) -> None:
-        async for _ in ticker(self.runtime.settings.heartbeat_interval, self.runtime.beat_now):
-            try:
-                await self.beat()
-            except Exception:  # one failed iteration must not end the loop
-                log.exception("heartbeat iteration failed")
+        await every(self.runtime.settings.heartbeat_interval, self.beat, "heartbeat", log,
+                    wake=self.runtime.beat_now, first_now=True)
 
     async def beat(self) -> None:
         """Observe, decide and publish once."""
@@ -384,7 +363,7 @@ class Heartbeat:
             self._redis_retry_at = time.monotonic() + self._redis_backoff
             if self.redis_ok:
                 log.warning("redis at %s unreachable (%s: %s); serving under the local cap, retrying",
-                            _address(self.redis), type(exc).__name__, exc)
+                            self.store.address, type(exc).__name__, exc)
             self.redis_ok = False
             self.runtime.details["redis_ok"] = False
             return
@@ -421,9 +400,3 @@ class Heartbeat:
 
     async def remove_node(self) -> None:
         await self.store.deregister(self.runtime.settings.node_id, self.instance)
-
-
-def _address(redis: Redis) -> str:
-    """Where the Redis client connects (host:port, or a unix socket's path), never its password."""
-    kwargs = redis.connection_pool.connection_kwargs
-    return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"

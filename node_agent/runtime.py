@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from macpool.contract import NodeDoc, NodeState
+from macpool.contract import NODE_STATES, NodeDoc, NodeState
 
 from .settings import AgentSettings
 
@@ -110,5 +110,5 @@ class Runtime:
 
     def set_state(self, state: NodeState) -> None:
         self.state = state
-        for name in ("starting", "ready", "draining", "unhealthy", "paging"):
+        for name in NODE_STATES:
             self.metrics.state.labels(name).set(1 if name == state else 0)

@@ -27,7 +27,7 @@ from typing import Any
 
 MAX_PREFIXES = 16
 # messages or blocks hashed: a longer prompt keeps its node by its first ones. Each costs a json.dumps or a
-# hash, on the event loop: 250,000 tiny messages (an 8 MB body) held it 2 s, for 16 hashes kept
+# hash on the event loop, so a body of very many tiny messages must not be hashed whole for 16 hashes kept
 MAX_PARTS = 256
 # prefixes shorter than this (~100 tokens) are not worth steering for: their prefill is cheap, and pinning
 # every short identical prompt to one node would only skew the load

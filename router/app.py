@@ -22,7 +22,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
@@ -32,7 +31,7 @@ from starlette.types import ASGIApp
 
 from macpool.asgi import BodyTooLarge, ShutdownAnswering, TrailingSlash, UpgradeWithBody, read_body
 from macpool.contract import Priority, generations
-from macpool.errors import error_response
+from macpool.errors import error_response, exception_handlers
 from macpool.settings import origin_list
 from macpool.store import ANONYMOUS, Keys, Store
 from macpool.store.events import drain_message
@@ -324,7 +323,7 @@ def create_app(settings: Settings) -> Starlette:
         routes=router.routes(),
         middleware=[Middleware(TrailingSlash)],
         lifespan=router.lifespan,
-        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+        exception_handlers=exception_handlers("router", log),
     )
     app.router.redirect_slashes = False  # TrailingSlash's rule instead: no redirect to the client's Host
     app.state.begin_shutdown = router.begin_shutdown  # the server's signal handler calls it (router/cli.py)
@@ -403,23 +402,6 @@ def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str, bool
         except UnicodeEncodeError:  # a lone surrogate (a valid JSON escape, not a valid string)
             raise BadRequest(400, "`model` is not valid Unicode", "invalid_model") from None
     return payload, model, payload.get("stream") is True
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    codes = {404: "not_found", 405: "method_not_allowed"}
-    message = {404: f"no route for {request.url.path}", 405: f"{request.method} is not allowed here"}
-    return error_response(
-        exc.status_code,
-        message.get(exc.status_code, str(exc.detail)),
-        codes.get(exc.status_code, "http_error"),
-        headers=dict(exc.headers) if exc.headers else None,
-    )
-
-
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal router error", "internal_error")
 
 
 def _redacted(url: str) -> str:

@@ -17,10 +17,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from macpool import upstream
-from macpool.asgi import Guard
+from macpool.asgi import Guard, end_stream
 from macpool.contract import NodeDoc, slots_needed
-from macpool.errors import error_body, error_response
-from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER
+from macpool.errors import error_response, sse_error
+from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER, connection_listed
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
@@ -134,17 +134,10 @@ class Forwarder:
         if refusal is not None:
             return refusal
         guard = Guard(receive)
-        try:
-            response = await self._handle(call)
-        except asyncio.CancelledError:
-            guard.finish()
-            if not guard.claim():
-                raise
+        response = await guard.run(self._handle(call))
+        if response is None:
             self.metrics.requests.labels(model=call.model, node=call.node, status="client_closed").inc()
             return Response(status_code=499)  # nobody is listening any more
-        except BaseException:
-            guard.finish()  # the watch must not cancel the server's own error answer
-            raise
         if isinstance(response, Relay):
             response.guard = guard  # the same watch goes on while the answer is relayed
         else:
@@ -358,7 +351,7 @@ class Forwarder:
         return url
 
     def _upstream_headers(self, call: Call) -> list[tuple[bytes, bytes]]:
-        drop = _DROP_UPSTREAM | _connection_listed(call.headers)
+        drop = _DROP_UPSTREAM | connection_listed(call.headers)
         headers = [(k, v) for k, v in call.headers if k not in drop and not k.startswith(b"x-macpool-")]
         headers.append((b"x-request-id", call.request_id.encode()))
         if call.stream and call.generations == 1:  # else the agent parses the body to count them
@@ -408,7 +401,7 @@ class Relay(Response):
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         raw = [(k.lower(), v) for k, v in self.upstream.headers.raw]
-        drop = _DROP_DOWNSTREAM | _connection_listed(raw)
+        drop = _DROP_DOWNSTREAM | connection_listed(raw)
         headers = [(k, v) for k, v in raw if k not in drop]
         if self.streaming:
             headers = [(k, v) for k, v in headers if k not in (b"content-type", b"cache-control",
@@ -434,11 +427,11 @@ class Relay(Response):
         timers = [loop.call_later(idle, watchdog)]
         try:
             try:
-                await self._relay(send)
+                await guard.run(self._relay(send))
             except asyncio.CancelledError:
                 # not the guard's: nobody else cancels a relay - the server is stopping and its shutdown
                 # timeout has passed; a stream ends with an error event, anything else is cut off
-                if not guard.claim() and not await self._shutting_down(send):
+                if not await self._shutting_down(send):
                     raise
             finally:
                 guard.finish()
@@ -503,12 +496,8 @@ class Relay(Response):
         self.outcome = "router_shutdown"
         if not (self.streaming and self.started):
             return False
-        event = (b"" if self.ended else b"\n\n") + b"data: "
-        event += error_body(503, "the router is shutting down; retry", "router_shutdown") + b"\n\n"
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(1.0):
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await end_stream(send, sse_error(503, "the router is shutting down; retry", "router_shutdown",
+                                         ended=self.ended))
         return True
 
     def _failed_upstream(self, kind: str) -> None:
@@ -528,9 +517,7 @@ class Relay(Response):
             return  # returning without completing the response makes the server drop the connection
         message = ("the node stopped answering mid-stream" if kind == "idle_timeout"
                    else "the node failed mid-stream")
-        # never glue the event onto an event the node cut off half-way
-        event = (b"" if self.ended else b"\n\n") + b"data: " + error_body(502, message, f"upstream_{kind}")
-        event += b"\n\n"
+        event = sse_error(502, message, f"upstream_{kind}", ended=self.ended)
         await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -538,13 +525,6 @@ class Relay(Response):
 def _ids(node_id: str, call: Call) -> dict[str, str]:
     """A log record's fields (in ``--log-format json``): which node, which request (its X-Request-ID)."""
     return {"node": node_id, "request_id": call.request_id}
-
-
-def _connection_listed(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """Headers a ``Connection`` header names are hop-by-hop too (RFC 9110 7.6.1)."""
-    return frozenset(
-        name.strip().lower() for key, value in headers if key == b"connection" for name in value.split(b",")
-    )
 
 
 async def _node_full_kind(upstream: httpx.Response) -> str:

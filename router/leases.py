@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import anyio
 
 from macpool.contract import NodeDoc
+from macpool.loops import every
 from macpool.store import ANONYMOUS, AffinityOutcome, Release, Store
 from macpool.store import Lease as StoredLease
-from router.loops import every
 from router.pool import PoolView
 from router.retry_after import RetryAfter
 from router.settings import Settings
@@ -60,7 +60,7 @@ class Leases:
 
     def start(self) -> None:
         interval = self.settings.lease_seconds / 3
-        self._renewer = asyncio.create_task(every(interval, self.renew_all, "lease renewal"))
+        self._renewer = asyncio.create_task(every(interval, self.renew_all, "lease renewal", log))
 
     def busy(self) -> bool:
         """Whether a lease is held or a release is on its way to Redis."""

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from macpool.contract import NodeDoc, now_ms
+from macpool.contract import NODE_STATES, NodeDoc, now_ms
+from macpool.loops import every
 from macpool.store import PoolSnapshot, Store
 from macpool.store.events import Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
-from router.loops import every
 from router.metrics import RouterMetrics
 from router.settings import Settings
 
@@ -105,7 +105,7 @@ class PoolView:
         await self.refresh()
         self._tasks = [
             asyncio.create_task(self._listen(), name="pool-events"),
-            asyncio.create_task(every(self.settings.refresh_interval, self.refresh, "pool refresh")),
+            asyncio.create_task(every(self.settings.refresh_interval, self.refresh, "pool refresh", log)),
         ]
 
     async def stop(self) -> None:
@@ -128,7 +128,7 @@ class PoolView:
         self.redis_seen = time.monotonic()
         if self._outage_logged:
             self._outage_logged = False
-            log.info("redis at %s answers again; pool view refreshed", self._address)
+            log.info("redis at %s answers again; pool view refreshed", self.store.address)
             await self._drop_idle_connections()
         self.version += 1
         for doc in snapshot.nodes.values():
@@ -181,12 +181,7 @@ class PoolView:
         if not self._outage_logged:
             self._outage_logged = True
             log.warning("redis at %s unreachable (%s: %s: %s); routing from the last view of the pool, "
-                        "retrying", self._address, where, type(exc).__name__, exc)
-
-    @property
-    def _address(self) -> str:
-        kwargs = self.redis.connection_pool.connection_kwargs
-        return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
+                        "retrying", self.store.address, where, type(exc).__name__, exc)
 
     def _on_event(self, data: bytes) -> None:
         try:
@@ -376,7 +371,7 @@ class PoolView:
         metrics.pool_slots.labels(state="busy").set(totals["busy"])
         metrics.queue_depth.set(totals["queued"])
         metrics.saturation.set(totals["saturation"])
-        counts: dict[str, int] = dict.fromkeys(("starting", "ready", "draining", "unhealthy", "paging"), 0)
+        counts: dict[str, int] = dict.fromkeys(NODE_STATES, 0)
         for doc in self.fresh_nodes():
             state: str = "draining" if doc.node_id in self.snapshot.drained else doc.state
             counts[state] = counts.get(state, 0) + 1
@@ -388,7 +383,3 @@ class PoolView:
                 metrics.queued.labels(priority=priority, tenant=tenant).set(waiting)
         for tenant, in_flight in self.snapshot.in_flight.items():
             metrics.tenant_in_flight.labels(tenant=tenant).set(in_flight)
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -136,6 +136,12 @@ class Store:
         self._heartbeat = redis.register_script(source("heartbeat"))
         self._deregister = redis.register_script(source("deregister"))
 
+    @property
+    def address(self) -> str:
+        """Where the Redis client connects (host:port, or a unix socket's path), never its password."""
+        kwargs = self.redis.connection_pool.connection_kwargs
+        return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
+
     def _common(self, now: int | None) -> list[str | int]:
         """The admission scripts' first ARGV (lib.lua): the prefix, the events channel, the time."""
         return [self.keys.prefix, self.keys.events, now_ms() if now is None else now]
@@ -282,10 +288,7 @@ class _QueueRecord:
     @classmethod
     def parse(cls, text: str) -> _QueueRecord:
         f = text.split("\t")
-        if len(f) < 5:
-            return cls("", "", "malformed", 0)
-        gens = f[9] if len(f) > 9 else ""
-        return cls(f[0], f[1], f[4], int(gens) if gens.isdigit() else 1)
+        return cls(f[0], f[1], f[4], int(f[9]))
 
 
 def _encode(request: ReserveRequest) -> str:

@@ -55,9 +55,8 @@ local function queue_entries(now)
     if metas[i] then
       local f = fields(metas[i])
       out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
-                       mark = f[5] or '', pref = f[6] or '', hashed = f[7] or '',
-                       passes = tonumber(f[8]) or 0, declined = f[9] or '', gens = tonumber(f[10]) or 1,
-                       hold = f[11] or ''}
+                       mark = f[5], pref = f[6], hashed = f[7], passes = tonumber(f[8]),
+                       declined = f[9], gens = tonumber(f[10]), hold = f[11]}
     end
   end
   return out

@@ -83,7 +83,7 @@ class Entry:
     passes: int
     declined: frozenset[str]
     gens: int
-    hold: str  # the node a waiter running several generations waits on ("": an older router's, every node)
+    hold: str  # the node a waiter running several generations waits on ("": none, so every node it runs on)
 
 
 @dataclass
@@ -445,7 +445,7 @@ class Fuzz:
 
     def a_waiter_leaving(self) -> None:
         """Its queue timeout, or its client gone; the router names its nodes if it runs several generations
-        (and now and then not: an older router)."""
+        (and now and then not: the invariants must not depend on that hint)."""
         before = self.view()
         req = self.rng.choice([q for q in self.requests.values() if q.state == "waiting"])
         self.check(before, self.leave(req, req.gens == 1 or self.rng.random() < 0.8))

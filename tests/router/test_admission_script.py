@@ -533,15 +533,16 @@ def test_the_slot_held_back_for_a_waiter_goes_on_when_it_gives_up(store: Store) 
     assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
 
 
-def test_a_waiter_from_an_older_router_holds_back_every_node_it_could_run_on(store: Store) -> None:
-    # an entry without the node it waits on (written by an older router's script) keeps the old rule
+def test_a_waiter_with_no_node_to_wait_on_holds_back_every_node_it_could_run_on(store: Store) -> None:
+    # an entry with no node to wait on (hold "": reserve.lua's designate found no candidate to run it)
+    # holds back the free slots of every node it could run on
     for node in ("a", "b"):
         store.node(node, 2)
         store.ask(f"busy-{node}", [node])
     assert store.ask("pair", ["a", "b"], generations=2).status == "queued"
     meta = store.r.hget(KEYS.queue_meta, "pair")
     assert meta is not None and meta.split("\t")[10] == "a"
-    store.r.hset(KEYS.queue_meta, "pair", "\t".join(meta.split("\t")[:10]))
+    store.r.hset(KEYS.queue_meta, "pair", "\t".join([*meta.split("\t")[:10], ""]))
     time.sleep(0.005)
     assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
 
