@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Callable
 
-from tests.conftest import Server
+from tests.conftest import Server, wait_until
 from tests.node_agent.helpers import AgentFactory, status
 from tests.raw_http import at_eof, connect, exchange, head, read_reply
 
@@ -23,6 +23,8 @@ def test_the_agent_answers_a_body_not_sent_in_time_with_a_408(
 ) -> None:
     gateway = agent("--upstream", sim().url, "--token", TOKEN, "--request-read-timeout", "1")
     port = _port(gateway.url)
+    # admitting: a starting agent refuses at once, before it reads a body
+    wait_until(lambda: status(gateway.url)["state"] == "ready")
     body = json.dumps({"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
     stalled = head("/v1/chat/completions", f"X-Macpool-Token: {TOKEN}", f"Content-Length: {len(body)}",
                    method="POST") + body[:5]
