@@ -9,13 +9,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import httptools
 
 from bench.cpu import cpu_seconds
 from bench.stats import ms, pct
-from bench.wire import LOOP, build_request, chat_json
+from bench.wire import LOOP, HttpConnection, build_request, chat_json
 
 
 @dataclass
@@ -29,11 +29,12 @@ class Rec:
     reason: str = ""
 
 
-class _ClientConn(asyncio.Protocol):
+class _ClientConn(HttpConnection):
+    parser: httptools.HttpResponseParser
+
     def __init__(self, tally: list[int] | None = None) -> None:
         self.tally = tally if tally is not None else [0, 0]
         self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
         self.done: asyncio.Future[Rec] | None = None
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._reset(0.0)
@@ -49,21 +50,11 @@ class _ClientConn(asyncio.Protocol):
         self.reason = ""
         self.keep_alive = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.lost.done():
             self.lost.set_result(None)
         if self.done is not None and not self.done.done():
             self.done.set_result(Rec(0, time.perf_counter() - self.started, None))
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self.transport is not None:
-                self.transport.close()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         lname = name.lower()

@@ -18,11 +18,11 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import httptools
 
-from bench.wire import LOOP, MODEL, chunk_frame, completion_body, sse_event
+from bench.wire import LOOP, MODEL, HttpConnection, chunk_frame, completion_body, sse_event
 from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
 from macpool.store import Store
 
@@ -74,20 +74,18 @@ class FastUpstream:
         }
 
 
-class _ServerConn(asyncio.Protocol):
+class _ServerConn(HttpConnection):
+    parser: httptools.HttpRequestParser
+
     def __init__(self, server: FastUpstream) -> None:
         self.server = server
         self.parser = httptools.HttpRequestParser(self)
-        self.transport: asyncio.Transport | None = None
         self.url = b""
         self.body: list[bytes] = []
         self.closed = False
         self.writable = asyncio.Event()
         self.writable.set()
         self.counted: NodeStats | None = None  # the node this connection's request is counted against
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -104,13 +102,6 @@ class _ServerConn(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writable.set()
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self.transport is not None:
-                self.transport.close()
 
     def on_url(self, url: bytes) -> None:
         self.url += url

@@ -1,10 +1,14 @@
 """What the performance benches send and serve, as bytes: OpenAI-shaped chat requests, SSE events and
-completion bodies.
+completion bodies, and the httptools-parsed connection both ends of a bench's HTTP/1.1 build on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import cast
+
+import httptools
 
 MODEL = "sim"
 LOOP = "127.0.0.1"
@@ -66,3 +70,20 @@ def chat_json(stream: bool, max_tokens: int = 16, prompt_tokens: int = 16, salt:
             "stream": stream,
         }
     ).encode()
+
+
+class HttpConnection(asyncio.Protocol):
+    """An HTTP/1.1 connection parsed by httptools: the subclass sets ``parser`` and its callbacks."""
+
+    parser: httptools.HttpRequestParser | httptools.HttpResponseParser
+    transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
