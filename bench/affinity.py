@@ -38,9 +38,12 @@ from typing import Any
 
 import httpx
 
-from bench.perfkit import Proc, Stack, pct, run_and_report, wait_nodes
+from bench.report import run_and_report
+from bench.stack import Stack
+from bench.stats import pct
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
+from macpool.stack import Proc, wait_nodes
 from simulator import tokens
 
 PRESET = "m5max-128g-14b-q4"

@@ -14,7 +14,7 @@ Per level: TTFT (first SSE event) and latency p50/p99 for each path, and ``ttft_
 direct p50 in ``rounds_ttft_added_p50_ms``; and the router's and agent's CPU ms per request over the
 measured windows.
 
-``--upstream paced`` puts the bench's fast SSE upstream (``bench/perfkit.py``) where the simulator was: its
+``--upstream paced`` puts the bench's fast SSE upstream (``bench/upstream.py``) where the simulator was: its
 first event leaves at once and each stream then sends ``--max-tokens`` events ``--interval-ms`` apart, the
 pace of a real Mac's stream. The closed loop then holds that many streams open without saturating the proxies:
 what the router and agent add to a new request while they relay the others. The issue's target is judged on
@@ -34,23 +34,15 @@ from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
 
-from bench.perfkit import (
-    MODEL,
-    Proc,
-    Rec,
-    Stack,
-    UpstreamConfig,
-    build_request,
-    chat_json,
-    cpu_seconds,
-    dump,
-    raw_load,
-    summarize,
-    take_turns,
-    wait_nodes,
-    write_machine,
-)
+from bench.cpu import cpu_seconds
+from bench.loadclient import Rec, raw_load, summarize
+from bench.report import dump
+from bench.stack import Stack, write_machine
+from bench.stats import take_turns
+from bench.upstream import UpstreamConfig
+from bench.wire import MODEL, build_request, chat_json
 from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
+from macpool.stack import Proc, wait_nodes
 from macpool.store import Keys, Store
 
 LEVELS = [1, 16, 64, 256]

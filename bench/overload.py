@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.load import ClosedLoop, RequestRecord, SimClock, chat_body
-from bench.perfkit import ms, pct, shares
+from bench.stats import ms, pct, shares
 from macpool import plotting
 from macpool.stack import Stack
 

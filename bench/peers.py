@@ -4,7 +4,7 @@
   (``least_conn``), LiteLLM proxy (``least-busy``)} -> the same two simulators, at each concurrency level.
   The four paths take turns (``--rounds``, the order reversed every other round): percentiles are over
   all rounds' requests, and each round's added p50s are kept beside them (``rounds``).
-- Relay rate: each proxy, pinned to one core, in front of one fast SSE upstream (``bench.perfkit``): SSE
+- Relay rate: each proxy, pinned to one core, in front of one fast SSE upstream (``bench.upstream``): SSE
   events relayed per second of the proxy's CPU (all its processes), and per wall second.
 
 Ratios: ``litellm_over_macpool_ttft_added_p50`` (target >= 10), ``macpool_over_nginx_ttft_added_p50``,
@@ -27,28 +27,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.perfkit import (
-    MODEL,
-    Proc,
-    Stack,
-    UpstreamConfig,
-    build_request,
-    chat_json,
-    core_plan,
-    dump,
-    ensure_deb,
-    pin_self,
-    pinned,
-    raw_load,
-    shares,
-    summarize,
-    take_turns,
-    tree_cpu_seconds,
-    wait_nodes,
-    write_machine,
-)
+from bench.cpu import core_plan, pin_self, pinned, tree_cpu_seconds
+from bench.installers import ensure_deb
+from bench.loadclient import raw_load, summarize
+from bench.report import dump
+from bench.stack import Stack, write_machine
+from bench.stats import shares, take_turns
+from bench.upstream import UpstreamConfig
+from bench.wire import MODEL, build_request, chat_json
 from macpool.procs import ProcessError
 from macpool.redis_server import free_port
+from macpool.stack import Proc, wait_nodes
 
 VENV = Path.home() / ".cache" / "macpool" / "peers" / "litellm-venv"
 LEVELS = [1, 16, 64]

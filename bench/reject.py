@@ -30,23 +30,17 @@ from typing import Any
 from redis.asyncio import Redis
 from starlette.types import Receive, Scope, Send
 
-from bench.perfkit import (
-    Stack,
-    UpstreamConfig,
-    chat_json,
-    core_plan,
-    cpu_seconds,
-    dump,
-    ensure_deb,
-    measured_chat_load,
-    ms,
-    pct,
-    pin_self,
-    pinned,
-    wait_nodes,
-)
+from bench.cpu import core_plan, cpu_seconds, pin_self, pinned
+from bench.installers import ensure_deb
+from bench.loadclient import measured_chat_load
+from bench.report import dump
+from bench.stack import Stack
+from bench.stats import ms, pct
+from bench.upstream import UpstreamConfig
+from bench.wire import chat_json
 from macpool.errors import error_body
 from macpool.redis_server import free_port
+from macpool.stack import wait_nodes
 from macpool.store import Candidate, ReserveRequest, Store
 
 TARGET_REJECTIONS_PER_S = 5000

@@ -1,6 +1,6 @@
 """``macpool bench relay``: how many SSE chunks and short requests one router process (one core) relays.
 
-One router, pinned with ``taskset`` to one core, in front of one fast upstream node (``bench.perfkit``'s
+One router, pinned with ``taskset`` to one core, in front of one fast upstream node (``bench.upstream``'s
 ``FastUpstream``: the router is what is measured, not a simulated Mac). The load client and the upstream run
 on another core. Two phases:
 
@@ -23,21 +23,14 @@ from typing import Any
 
 import httpx
 
-from bench.perfkit import (
-    Stack,
-    UpstreamConfig,
-    build_request,
-    chat_json,
-    core_plan,
-    cpu_seconds,
-    dump,
-    measured_chat_load,
-    ms,
-    pct,
-    pin_self,
-    raw_load,
-    wait_nodes,
-)
+from bench.cpu import core_plan, cpu_seconds, pin_self
+from bench.loadclient import measured_chat_load, raw_load
+from bench.report import dump
+from bench.stack import Stack
+from bench.stats import ms, pct
+from bench.upstream import UpstreamConfig
+from bench.wire import build_request, chat_json
+from macpool.stack import wait_nodes
 
 TARGET_CHUNKS_PER_S = 20_000
 

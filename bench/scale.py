@@ -1,6 +1,6 @@
 """``macpool bench scale``: 50 lightweight nodes and two router replicas on one Redis.
 
-The nodes are one ``bench.perfkit`` fast upstream posing as ``--nodes`` nodes of ``--capacity`` slots each
+The nodes are one ``bench.upstream`` fast upstream posing as ``--nodes`` nodes of ``--capacity`` slots each
 (heartbeats included); every request holds its slot for ``--events`` x ``--interval-ms``. The upstream counts,
 per node, every request that arrived while the node already held ``capacity`` requests: that is
 over-admission, and it must be zero. Two routers share the Redis; the load is split evenly between them.
@@ -30,18 +30,13 @@ import httpx
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 
-from bench.perfkit import (
-    Stack,
-    UpstreamConfig,
-    build_request,
-    chat_json,
-    dump,
-    ms,
-    pct,
-    raw_load,
-    shares,
-    wait_nodes,
-)
+from bench.loadclient import raw_load
+from bench.report import dump
+from bench.stack import Stack
+from bench.stats import ms, pct, shares
+from bench.upstream import UpstreamConfig
+from bench.wire import build_request, chat_json
+from macpool.stack import wait_nodes
 from macpool.store import Keys, Store
 from macpool.store.scripts import source
 

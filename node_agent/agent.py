@@ -134,7 +134,8 @@ class Agent:
                 settings.llama_args,
                 settings.llama_log,
                 settings.restart_backoff_max,
-                on_restart=self._llama_server_died,
+                on_healthy=self.runtime.llama_up,
+                on_exit=self.runtime.llama_down,
                 on_url=self._set_upstream,
             )
             self.runtime.upstream_url = self.supervisor.url
@@ -144,15 +145,7 @@ class Agent:
             assert settings.upstream is not None
             self.runtime.upstream_url = settings.upstream.rstrip("/")
         probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
-        supervisor = self.supervisor
-        self.heartbeat = Heartbeat(
-            self.runtime,
-            self.redis,
-            probe,
-            shape,
-            kv_per_token,
-            supervisor_state=(supervisor.state if supervisor else lambda: None),
-        )
+        self.heartbeat = Heartbeat(self.runtime, self.redis, probe, shape, kv_per_token)
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
         config = server_config(
             create_app(self.runtime),
@@ -173,12 +166,6 @@ class Agent:
             settings.public_url,
             self.runtime.upstream_url,
         )
-
-    def _llama_server_died(self) -> None:
-        """Stop admitting at once, not at the next heartbeat: requests would only meet a dead port."""
-        self.runtime.metrics.restarts.inc()
-        self.runtime.set_state("unhealthy")
-        self.runtime.upstream_lost()
 
     def _set_upstream(self, url: str) -> None:
         self.runtime.upstream_url = url
@@ -230,9 +217,7 @@ class Agent:
         heartbeat = self.heartbeat
         if heartbeat is None:
             return
-        heartbeat.draining = True
-        self.runtime.set_state("draining")
-        self.runtime.admitting = False
+        self.runtime.begin_drain()
         log.info("draining: %d in flight, up to %.0fs", self.runtime.in_flight, self.settings.drain_timeout)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(heartbeat.beat(), 2)

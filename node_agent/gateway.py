@@ -153,8 +153,7 @@ class ProxyResponse(StreamingResponse):
         await self._chunks.aclose()
         await self._upstream.aclose()
         if self._slots:
-            self._runtime.in_flight -= self._slots
-            self._runtime.metrics.in_flight.set(self._runtime.in_flight)
+            self._runtime.release(self._slots)
             self._slots = 0
 
 
@@ -215,7 +214,7 @@ class Gateway:
         refusal = self._refusal(slots)
         if refusal is not None:
             return refusal
-        self._take_slots(slots)  # checked and taken with no await in between: atomic on one event loop
+        self.runtime.hold(slots)  # checked and taken with no await in between: atomic on one event loop
         # llama-server sends its response head only with the first token, so the wait for it covers the
         # prefill (and, passed through, a whole non-streamed generation): the client is watched from here
         guard = Guard(request.receive)
@@ -229,7 +228,7 @@ class Gateway:
                 response.guard = guard  # the same watch goes on; the response releases the slots when it ends
             else:
                 guard.finish()  # on every other path (an error included: its answer must not be cancelled)
-                self._take_slots(-slots)
+                self.runtime.release(slots)
         return response
 
     async def _forward(
@@ -257,11 +256,6 @@ class Gateway:
         message = f"the request body was not received within {self.runtime.settings.request_read_timeout:g} s"
         # the rest of the body is unread: the connection ends with the answer
         return error_response(408, message, "request_timeout", headers={"Connection": "close"})
-
-    def _take_slots(self, slots: int) -> None:
-        """Count ``slots`` more (fewer, when negative) against the cap."""
-        self.runtime.in_flight += slots
-        self.runtime.metrics.in_flight.set(self.runtime.in_flight)
 
     def _client_gone(self, request: Request) -> Response:
         self.runtime.metrics.requests.labels(request.scope["path"], "499").inc()

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -145,7 +144,6 @@ class Heartbeat:
     probe: MemoryProbe
     model_shape: ModelShape | None
     kv_bytes_per_token: int | None
-    supervisor_state: Callable[[], NodeState | None]  # "starting"/"unhealthy" while llama-server is not up
     started_at_ms: int = field(default_factory=now_ms)
     instance: str = field(default_factory=lambda: secrets.token_hex(8))  # this process, in the node record
     superseded_by: str | None = None  # the URL of the agent started later that holds our node id
@@ -156,7 +154,6 @@ class Heartbeat:
     upstream_seen: UpstreamCondition | None = None
     probe_failing: bool = False
     cap_warned_slots: int | None = None  # the slot count --cap was last found above
-    draining: bool = False
     redis_ok: bool = True
     _redis_retry_at: float = 0.0
     _redis_backoff: float = 0.0
@@ -249,11 +246,7 @@ class Heartbeat:
             settings.cap, memory_cap, settings.calibrated_cap, runtime.in_flight, pressure_reason, slots
         )
         state, reason = self._state(decision)
-        runtime.capacity = decision.capacity
-        runtime.total_slots = view.total_slots
-        runtime.admitting = state == "ready"
-        runtime.set_state(state)
-        runtime.metrics.capacity.set(decision.capacity)
+        state = runtime.capacity_decided(state, decision.capacity, view.total_slots)
         runtime.details["memory_probe"] = self.probe.name
         runtime.details["upstream"] = {"healthy": view.healthy, "reachable": view.reachable}
         return NodeDoc(
@@ -299,7 +292,7 @@ class Heartbeat:
         without exiting (hung, overloaded), once the supervisor has called it healthy.
         """
         condition = self.upstream.condition
-        if self.supervisor_state() is not None:
+        if self.runtime.llama_state is not None:
             self.upstream_seen = None
             return
         previous, self.upstream_seen = self.upstream_seen, condition
@@ -320,9 +313,9 @@ class Heartbeat:
             log.info("waiting for llama-server at %s: %s", url, self.upstream.problem)
 
     def _state(self, decision: capacity.Decision) -> tuple[NodeState, str]:
-        if self.draining:
+        if self.runtime.draining:
             return "draining", "draining: finishing in-flight requests, admitting nothing new"
-        supervised = self.supervisor_state()
+        supervised = self.runtime.llama_state
         if supervised is not None:
             return supervised, f"llama-server is {supervised}"
         if not self.upstream.healthy:
@@ -382,7 +375,7 @@ class Heartbeat:
             return
         if holder is None:
             log.info("node id %s is this agent's again (%s); back in the pool", doc.node_id, doc.url)
-        elif self.draining:
+        elif self.runtime.draining:
             log.info("node id %s is now held by an agent started later (%s); this one drains out of the "
                      "pool", doc.node_id, holder)
         else:

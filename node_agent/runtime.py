@@ -70,29 +70,107 @@ class AgentMetrics:
 
 @dataclass
 class Runtime:
-    """Mutable state of one agent process. Single event loop: plain ints are atomic between awaits."""
+    """Mutable state of one agent process. Single event loop: plain ints are atomic between awaits.
+
+    It alone writes the node's lifecycle (``state``, ``capacity``, ``admitting``, the in-flight count);
+    the heartbeat, the supervisor, the gateway and the agent call its named transitions. ``draining`` is
+    the last state: no transition leaves it.
+    """
 
     settings: AgentSettings
     metrics: AgentMetrics = field(default_factory=AgentMetrics)
     http: httpx.AsyncClient | None = None
     upstream_transport: httpx.AsyncBaseTransport | None = None  # the one ``http`` uses
     upstream_url: str = ""
-    state: NodeState = "starting"
-    capacity: int = 0
-    total_slots: int = 0  # llama-server's slots (/props), 0 until known
-    admitting: bool = False  # false while starting, unhealthy, draining or under memory pressure
-    in_flight: int = 0
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     # set to publish a heartbeat now rather than at the next tick (llama-server found dead)
     beat_now: asyncio.Event = field(default_factory=asyncio.Event)
+    _state: NodeState = field(default="starting", init=False)
+    _capacity: int = field(default=0, init=False)
+    _total_slots: int = field(default=0, init=False)
+    _admitting: bool = field(default=False, init=False)
+    _in_flight: int = field(default=0, init=False)
+    # the supervised llama-server's own state until it first answers /health (None: up, or not supervised)
+    _llama: NodeState | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._llama = "starting" if self.settings.supervise else None
+        self._show_state()
+
+    @property
+    def state(self) -> NodeState:
+        return self._state
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def total_slots(self) -> int:
+        """llama-server's slots (/props), 0 until known."""
+        return self._total_slots
+
+    @property
+    def admitting(self) -> bool:
+        """False while starting, unhealthy, draining or under memory pressure."""
+        return self._admitting
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def draining(self) -> bool:
+        return self._state == "draining"
+
+    @property
+    def llama_state(self) -> NodeState | None:
+        """"starting" or "unhealthy" while the supervised llama-server is not up; None otherwise."""
+        return self._llama
+
+    def capacity_decided(self, state: NodeState, capacity: int, total_slots: int) -> NodeState:
+        """The heartbeat's decision; returns the state in effect (a draining node stays draining)."""
+        self._capacity = capacity
+        self._total_slots = total_slots
+        self.metrics.capacity.set(capacity)
+        if not self.draining:
+            self._admitting = state == "ready"
+            self._set_state(state)
+        return self._state
+
+    def llama_up(self) -> None:
+        """The supervised llama-server answers /health: the next heartbeat decides from its figures."""
+        self._llama = None
+
+    def llama_down(self) -> None:
+        """The supervised llama-server exited (it is restarted): unhealthy until it answers again."""
+        self._llama = "unhealthy"
+        self.metrics.restarts.inc()
+        if not self.draining:
+            self._set_state("unhealthy")
+        self.upstream_lost()
 
     def upstream_lost(self) -> None:
         """llama-server stopped answering: admit nothing more and tell the routers at once, not at the next
         heartbeat (which also decides when it is back)."""
-        self.admitting = False
+        self._admitting = False
         self.beat_now.set()
+
+    def begin_drain(self) -> None:
+        """Admit nothing new, for good: the node only finishes what it holds."""
+        self._admitting = False
+        self._set_state("draining")
+
+    def hold(self, slots: int) -> None:
+        """Count ``slots`` more against the cap (the gateway has checked that they fit)."""
+        self._in_flight += slots
+        self.metrics.in_flight.set(self._in_flight)
+
+    def release(self, slots: int) -> None:
+        """The request holding ``slots`` ended."""
+        self.hold(-slots)
 
     def client(self) -> httpx.AsyncClient:
         if self.http is None:
@@ -108,7 +186,10 @@ class Runtime:
     def ttft_p50_ms(self) -> float | None:
         return statistics.median(self.ttft_samples) * 1000 if self.ttft_samples else None
 
-    def set_state(self, state: NodeState) -> None:
-        self.state = state
+    def _set_state(self, state: NodeState) -> None:
+        self._state = state
+        self._show_state()
+
+    def _show_state(self) -> None:
         for name in NODE_STATES:
-            self.metrics.state.labels(name).set(1 if name == state else 0)
+            self.metrics.state.labels(name).set(1 if name == self._state else 0)

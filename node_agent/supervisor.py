@@ -23,7 +23,6 @@ from pathlib import Path
 
 import httpx
 
-from macpool.contract import NodeState
 from macpool.redis_server import free_port
 
 log = logging.getLogger("macpool.agent")
@@ -60,7 +59,7 @@ def _die_with_parent() -> None:
 
 
 class Supervisor:
-    """One supervised llama-server. ``state()`` is None once it answers /health 200."""
+    """One supervised llama-server: ``on_healthy`` once it answers /health 200, ``on_exit`` when it exits."""
 
     def __init__(
         self,
@@ -71,7 +70,8 @@ class Supervisor:
         extra_args: list[str],
         log_path: Path | None = None,
         backoff_max: float = 30.0,
-        on_restart: Callable[[], None] | None = None,
+        on_healthy: Callable[[], None] | None = None,
+        on_exit: Callable[[], None] | None = None,
         on_url: Callable[[str], None] | None = None,
     ) -> None:
         self.command = command
@@ -81,21 +81,18 @@ class Supervisor:
         self.extra_args = extra_args
         self.log_path = log_path
         self.backoff_max = backoff_max
-        self.on_restart = on_restart
+        self.on_healthy = on_healthy
+        self.on_exit = on_exit
         self.on_url = on_url
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self._exited: asyncio.Future[int] | None = None
         self.restarts = 0
-        self._state: NodeState | None = "starting"
         self._stopping = False
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def state(self) -> NodeState | None:
-        return self._state
 
     def describe(self) -> dict[str, object]:
         pid = self.process.pid if self.process and self.process.returncode is None else None
@@ -139,10 +136,9 @@ class Supervisor:
                 code = await self._watch(client)
                 if self._stopping:
                     return
-                self._state = "unhealthy"
                 self.restarts += 1
-                if self.on_restart:
-                    self.on_restart()
+                if self.on_exit:
+                    self.on_exit()
                 if time.monotonic() - started > STABLE_AFTER_S:
                     backoff = 0.5
                 log.warning("llama-server exited with %s; restarting in %.1fs", code, backoff)
@@ -176,15 +172,16 @@ class Supervisor:
         log.info("llama-server started (pid %d) on %s", self.process.pid, self.url)
 
     async def _watch(self, client: httpx.AsyncClient) -> int:
-        """Wait for /health 200 (state starting/unhealthy until then), then for the process to exit."""
+        """Wait for /health 200 (``on_healthy`` then), then for the process to exit."""
         exited = self._exited
         assert exited is not None
-        while not exited.done() and self._state is not None:
+        while not exited.done():
             try:
                 response = await client.get(self.url + "/health", timeout=1.0)
                 if response.status_code == 200:
-                    self._state = None
                     log.info("llama-server is healthy")
+                    if self.on_healthy:
+                        self.on_healthy()
                     break
             except httpx.HTTPError:
                 pass

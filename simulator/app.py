@@ -11,7 +11,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -19,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from macpool.asgi import Guard
 from simulator import shapes, tokens
 from simulator.engine import Engine, Runner, Task
 from simulator.machine import Machine, MemoryState
@@ -110,21 +110,11 @@ class TaskResponse(Response):
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guard = Guard(receive)
         try:
-            async with anyio.create_task_group() as group:
-
-                async def serve() -> None:
-                    await self._serve(send)
-                    group.cancel_scope.cancel()
-
-                async def watch() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    group.cancel_scope.cancel()
-
-                group.start_soon(serve)
-                group.start_soon(watch)
+            await guard.run(self._serve(send))
         finally:
+            guard.finish()
             self.on_close()
 
     async def _serve(self, send: Send) -> None:

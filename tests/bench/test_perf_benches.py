@@ -19,7 +19,9 @@ import psutil
 import pytest
 
 from bench import peers
-from bench.perfkit import Rec, build_request, raw_load, take_turns
+from bench.loadclient import Rec, raw_load
+from bench.stats import take_turns
+from bench.wire import build_request
 from tests.bench.conftest import run_bench
 
 pytestmark = pytest.mark.timeout(600)

@@ -88,7 +88,7 @@ def test_calibrate_finds_the_knee_of_another_machine(sim: SimFactory, tmp_path: 
 
 def test_bad_figures_and_unwritable_outputs_fail_before_measuring(tmp_path: Path) -> None:
     # nothing listens at the upstream: each of these must be refused before the sweep tries to reach it
-    # (--levels 0 used to hang, --step 0 to raise from range(), an unwritable --json to lose the results)
+    # (--levels 0 would hang it, --step 0 raise from range(), an unwritable --json lose the results)
     broken = tmp_path / "broken.toml"
     broken.write_text("[agent\n")
     for args, said in ((["--levels", "0"], "--levels"), (["--step", "0"], "--step"),

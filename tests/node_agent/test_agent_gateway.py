@@ -406,8 +406,8 @@ def test_an_unexpected_error_is_answered_as_openai_json_and_logged(caplog: pytes
 
     transport = httpx.MockTransport(broken)
     runtime = Runtime(AgentSettings(upstream="http://upstream"), upstream_url="http://upstream",
-                      http=httpx.AsyncClient(transport=transport), upstream_transport=transport,
-                      state="ready", capacity=1, admitting=True)
+                      http=httpx.AsyncClient(transport=transport), upstream_transport=transport)
+    runtime.capacity_decided("ready", capacity=1, total_slots=1)
     with TestClient(create_app(runtime), raise_server_exceptions=False) as client:
         response = client.post(CHAT, json=chat(5, stream=False))
     assert response.status_code == 500

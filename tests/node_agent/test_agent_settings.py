@@ -98,8 +98,8 @@ def test_write_config_puts_the_cap_where_the_agent_reads_it(tmp_path: Path, layo
 
 
 def test_calibration_values_are_checked_like_any_setting(tmp_path: Path) -> None:
-    """A bad figure in a calibration file stops the agent at start with one line (it used to be taken as
-    is, and every heartbeat then failed with a traceback)."""
+    """A bad figure in a calibration file stops the agent at start with one line, rather than failing every
+    heartbeat with a traceback."""
     negative = ('{"recommended_cap": 4, "per_request_gb": -0.001}', "calibrated_per_request_gb=-0.001")
     for content, said in (('{"recommended_cap": "x"}', "calibrated_cap='x'"),
                           ('{"recommended_cap": -5}', "calibrated_cap=-5"), negative):

@@ -166,17 +166,20 @@ def sockets_and_pipes(pid: int) -> set[Inode]:
 
 async def descriptors_once_healthy(supervisor: Supervisor) -> tuple[set[Inode], set[Inode]]:
     """The sockets and pipes of the supervised server once healthy, and ours at that moment."""
+    healthy = asyncio.Event()
+    supervisor.on_healthy = healthy.set
     async with httpx.AsyncClient() as client:
         task = asyncio.create_task(supervisor.run(client))
+        waiter = asyncio.create_task(healthy.wait())
         try:
-            while supervisor.state() is not None:
-                assert not task.done(), "the supervisor stopped"
-                await asyncio.sleep(0.05)
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            assert healthy.is_set(), "the supervisor stopped"
             assert supervisor.process is not None
             return sockets_and_pipes(supervisor.process.pid), sockets_and_pipes(os.getpid())
         finally:
+            waiter.cancel()
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(task, waiter, return_exceptions=True)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

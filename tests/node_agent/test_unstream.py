@@ -77,7 +77,7 @@ def test_tool_calls_and_errors_fold() -> None:
         ("/v1/chat/completions", b'{"messages": [], "n": 2}', False),
         ("/v1/chat/completions", b'{"messages": [], "n": 1}', True),
         ("/v1/chat/completions", b'{"messages": [], "n": null}', True),  # llama-server's default, 1
-        # anything but a plain int 1 is llama-server's to judge (these used to crash the agent)
+        # anything but a plain int 1 is llama-server's to judge (and must not crash the agent)
         ("/v1/chat/completions", b'{"messages": [], "n": "abc"}', False),
         ("/v1/chat/completions", b'{"messages": [], "n": [1]}', False),
         ("/v1/chat/completions", b'{"messages": [], "n": 1e400}', False),

@@ -1,0 +1,135 @@
+"""The agent's lifecycle state and its named transitions (node_agent/runtime.py), in process."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client import CollectorRegistry
+from starlette.testclient import TestClient
+
+from macpool.contract import NODE_STATES
+from node_agent.gateway import create_app
+from node_agent.runtime import Runtime
+from node_agent.settings import AgentSettings
+from tests.conftest import chat
+
+CHAT = "/v1/chat/completions"
+BODY = chat(max_tokens=5, stream=False)
+
+
+def attached() -> Runtime:
+    return Runtime(AgentSettings(upstream="http://upstream"), upstream_url="http://upstream")
+
+
+def supervised() -> Runtime:
+    return Runtime(AgentSettings(llama_server="llama-server", model="m.gguf"))
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def shown_states(runtime: Runtime) -> list[str]:
+    registry = runtime.metrics.registry
+    return [s for s in NODE_STATES if sample(registry, "macpool_agent_state_info", state=s) == 1]
+
+
+def test_a_new_agent_is_starting_and_admits_nothing() -> None:
+    runtime = attached()
+    assert (runtime.state, runtime.capacity, runtime.admitting) == ("starting", 0, False)
+    assert shown_states(runtime) == ["starting"]
+    assert runtime.llama_state is None  # attached: the heartbeat judges llama-server from its answers
+    assert supervised().llama_state == "starting"
+
+
+def test_the_heartbeat_decision_sets_state_capacity_and_admission() -> None:
+    runtime = attached()
+    assert runtime.capacity_decided("ready", capacity=4, total_slots=8) == "ready"
+    assert (runtime.state, runtime.capacity, runtime.total_slots, runtime.admitting) == ("ready", 4, 8, True)
+    assert sample(runtime.metrics.registry, "macpool_agent_capacity_requests") == 4
+    assert shown_states(runtime) == ["ready"]
+    assert runtime.capacity_decided("paging", capacity=0, total_slots=8) == "paging"
+    assert not runtime.admitting and shown_states(runtime) == ["paging"]
+    assert runtime.capacity_decided("ready", capacity=3, total_slots=8) == "ready"
+    assert runtime.admitting
+
+
+def test_a_lost_upstream_stops_admission_and_asks_for_a_beat_now() -> None:
+    runtime = attached()
+    runtime.capacity_decided("ready", capacity=2, total_slots=2)
+    runtime.upstream_lost()
+    assert not runtime.admitting and runtime.beat_now.is_set()
+    assert runtime.state == "ready"  # the heartbeat says what it is now, at once
+    runtime.capacity_decided("unhealthy", capacity=2, total_slots=2)
+    assert (runtime.state, runtime.admitting) == ("unhealthy", False)
+
+
+def test_a_supervised_llama_server_going_down_and_up() -> None:
+    runtime = supervised()
+    runtime.llama_up()
+    assert runtime.llama_state is None
+    runtime.capacity_decided("ready", capacity=2, total_slots=2)
+    runtime.llama_down()
+    assert (runtime.state, runtime.admitting, runtime.llama_state) == ("unhealthy", False, "unhealthy")
+    assert runtime.beat_now.is_set()
+    assert sample(runtime.metrics.registry, "macpool_agent_llama_server_restarts_total") == 1
+    runtime.llama_up()
+    assert runtime.llama_state is None and runtime.state == "unhealthy"  # until the next heartbeat
+    runtime.capacity_decided("ready", capacity=2, total_slots=2)
+    assert runtime.admitting
+
+
+def test_draining_is_the_last_state() -> None:
+    runtime = supervised()
+    runtime.capacity_decided("ready", capacity=2, total_slots=2)
+    runtime.begin_drain()
+    assert (runtime.state, runtime.admitting, runtime.draining) == ("draining", False, True)
+    for state in NODE_STATES:
+        assert runtime.capacity_decided(state, capacity=5, total_slots=6) == "draining"
+        assert not runtime.admitting
+    assert runtime.capacity == 5  # still published: the routers see what it holds
+    runtime.llama_down()
+    runtime.llama_up()
+    runtime.upstream_lost()
+    assert (runtime.state, runtime.admitting) == ("draining", False)
+    assert shown_states(runtime) == ["draining"]
+
+
+def test_held_slots_are_counted_until_released() -> None:
+    runtime = attached()
+    runtime.hold(2)
+    runtime.hold(1)
+    assert runtime.in_flight == 3
+    runtime.release(2)
+    assert runtime.in_flight == 1
+    assert sample(runtime.metrics.registry, "macpool_agent_in_flight_requests") == 1
+
+
+def answering(runtime: Runtime) -> Runtime:
+    """``runtime`` relaying to an upstream that answers every request with one chat completion."""
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"object": "chat.completion", "choices": []})
+
+    transport = httpx.MockTransport(upstream)
+    runtime.http = httpx.AsyncClient(transport=transport)
+    runtime.upstream_transport = transport
+    return runtime
+
+
+def test_the_gateway_admits_by_the_runtime_state() -> None:
+    runtime = answering(attached())
+    with TestClient(create_app(runtime)) as client:
+        starting = client.post(CHAT, json=BODY)
+        assert starting.status_code == 503 and starting.json()["error"]["code"] == "node_unavailable"
+        runtime.capacity_decided("ready", capacity=1, total_slots=1)
+        assert client.post(CHAT, json=BODY).status_code == 200
+        assert runtime.in_flight == 0
+        runtime.hold(1)  # another request's slot
+        full = client.post(CHAT, json=BODY)
+        assert full.status_code == 503 and full.json()["error"]["code"] == "node_full"
+        runtime.release(1)
+        runtime.begin_drain()
+        draining = client.post(CHAT, json=BODY)
+        assert draining.status_code == 503 and draining.json()["error"]["code"] == "node_draining"
+        shown = client.get("/status").json()
+        assert (shown["state"], shown["admitting"], shown["in_flight"]) == ("draining", False, 0)
