@@ -28,6 +28,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ WARMUP = 0.2  # share of each run left out of the throughput figure (the start-u
 # clients per load process: an event loop driving many more (a 503 every few ms, each retried 50 ms later)
 # spends a whole core and falls behind, and its own lag then shows in every latency it records
 CLIENTS_PER_PROCESS = 32
-START_DELAY_S = 2.0  # time for every load process to start, so that all begin together
+READY_TIMEOUT_S = 120.0  # the most a load process may take to start (imports on a busy machine)
 
 
 @dataclass
@@ -124,14 +125,18 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
         duration = c.duration_s / c.speed
         jobs = [(url, k) for url, n in zip(targets, shares(clients, len(targets)), strict=True)
                 for k in shares(n, max(1, -(-n // CLIENTS_PER_PROCESS))) if k]
-        start_at = time.time() + START_DELAY_S
         loop = asyncio.get_running_loop()
-        with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        context = multiprocessing.get_context("spawn")
+        # every load process and this one meet here before the clients start: the measured window begins
+        # with all of them sending, however long a busy machine takes to start a process
+        ready = context.Barrier(len(jobs) + 1, timeout=READY_TIMEOUT_S)
+        with ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_keep_barrier,
+                                 initargs=(ready,)) as pool:
             running = asyncio.gather(*(
-                loop.run_in_executor(pool, _load, url, k, c.prompt_tokens, c.max_tokens, duration, start_at)
+                loop.run_in_executor(pool, _load, url, k, c.prompt_tokens, c.max_tokens, duration)
                 for url, k in jobs
             ))
-            await asyncio.sleep(max(0.0, start_at - time.time()))
+            await loop.run_in_executor(None, ready.wait)
             started = time.monotonic()
             await asyncio.sleep(duration * WARMUP)
             first = [await clock.stats() for clock in clocks]
@@ -147,13 +152,22 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
     return summarise(name, clients, records, tokens / sim_s if sim_s > 0 else 0.0, scale, final)
 
 
+_ready: list[Barrier] = []  # in a load process: where it waits for the others (``drive``)
+
+
+def _keep_barrier(ready: Barrier) -> None:
+    """A load process's initializer: the barrier can only reach it this way, when the process starts."""
+    _ready.append(ready)
+
+
 def _load(
-    url: str, clients: int, prompt_tokens: int, max_tokens: int, duration_s: float, start_at: float
+    url: str, clients: int, prompt_tokens: int, max_tokens: int, duration_s: float
 ) -> list[RequestRecord]:
-    """Some of the clients, in a process of their own, from ``start_at`` (``time.time()``) on."""
-    time.sleep(max(0.0, start_at - time.time()))
+    """Some of the clients, in a process of their own, once every load process is ready."""
     body = chat_body(prompt_tokens, max_tokens)
-    return asyncio.run(ClosedLoop(url, clients, body, requests_per_client=None, duration_s=duration_s).run())
+    loop = ClosedLoop(url, clients, body, requests_per_client=None, duration_s=duration_s)
+    _ready[0].wait()
+    return asyncio.run(loop.run())
 
 
 def summarise(name: str, clients: int, records: list[RequestRecord], throughput: float, scale: float,

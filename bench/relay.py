@@ -30,6 +30,7 @@ from bench.stack import Stack
 from bench.stats import ms, pct
 from bench.upstream import UpstreamConfig
 from bench.wire import build_request, chat_json
+from macpool import upstream as upstream_http
 from macpool.stack import wait_nodes
 
 TARGET_CHUNKS_PER_S = 20_000
@@ -100,7 +101,8 @@ async def measure_requests(
 async def transport_cost(
     url: str, transport: str, streams: int, requests: int, duration: float
 ) -> dict[str, Any]:
-    """CPU this process spends per relayed chunk and per short request through one httpx transport."""
+    """CPU this process spends per relayed chunk and per short request through one upstream client: an httpx
+    transport, or macpool's own relay call (``Upstream.send``, macpool/upstream.py)."""
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
     if transport == "aiohttp":
         from httpx_aiohttp import AiohttpTransport
@@ -108,12 +110,25 @@ async def transport_cost(
         client = httpx.AsyncClient(transport=AiohttpTransport(limits=limits), timeout=60.0)
     else:
         client = httpx.AsyncClient(limits=limits, timeout=60.0)
+    direct = upstream_http.Upstream(30.0, max_connections=4096)
+    timeouts = upstream_http.timeouts(connect=60.0, read=None)
     stream_body, short_body = chat_json(stream=True), chat_json(stream=False)
     path = url + "/n0/v1/chat/completions"
+    parsed = upstream_http.url(path)
     chunks = [0]
     stop = asyncio.Event()
 
     async def one_stream() -> None:
+        if transport == "upstream.send":
+            answer = await direct.send("POST", parsed, [], stream_body, timeouts)
+            try:
+                async for part in upstream_http.chunks(answer):
+                    chunks[0] += part.count(b"\n\n")
+                    if stop.is_set():
+                        return
+            finally:
+                upstream_http.close(answer)
+            return
         async with client.stream("POST", path, content=stream_body) as response:
             async for part in response.aiter_raw():
                 chunks[0] += part.count(b"\n\n")  # SSE events: a transport may hand over several at once
@@ -122,10 +137,13 @@ async def transport_cost(
 
     async def short(n: int) -> None:
         for _ in range(n):
+            if transport == "upstream.send":
+                await upstream_http.read(await direct.send("POST", parsed, [], short_body, timeouts))
+                continue
             response = await client.post(path, content=short_body)
             await response.aread()
 
-    async with client:
+    async with client, contextlib.aclosing(direct):
         tasks = [asyncio.create_task(one_stream()) for _ in range(streams)]
         await asyncio.sleep(1.0)
         c0, cpu0, t0 = chunks[0], time.process_time(), time.perf_counter()
@@ -147,14 +165,14 @@ async def transport_cost(
 
 
 def compare_transports(args: argparse.Namespace) -> dict[str, Any]:
-    """httpx's default transport (httpcore + h11) and httpx-aiohttp's, each as the upstream client of one
-    process."""
+    """httpx's default transport (httpcore + h11), httpx-aiohttp's, and the relays' direct call on aiohttp
+    (``Upstream.send``), each as the upstream client of one process."""
     _, other_cpu = core_plan()
     config = UpstreamConfig(events=10**9, interval_s=args.interval_ms / 1000.0, nodes=1)
     out: dict[str, Any] = {}
     with Stack() as stack:
         upstream = stack.upstream("upstream", config, cpu=other_cpu)
-        for transport in ("httpcore", "aiohttp"):
+        for transport in ("httpcore", "aiohttp", "upstream.send"):
             try:
                 import uvloop
 

@@ -112,7 +112,7 @@ class Agent:
         timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         # idle connections are given up after 4 s, before llama-server (Keep-Alive: timeout=5) or a simulator
         # on uvicorn (5 s) may close them: reusing one as the server closes it fails a request
-        transport = upstream.new_transport(UPSTREAM_IDLE_S)
+        transport = upstream.Upstream(UPSTREAM_IDLE_S)
         self.runtime.http = httpx.AsyncClient(timeout=timeout, transport=transport)
         self.runtime.upstream_transport = transport
         self.redis = Redis.from_url(

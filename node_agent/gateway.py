@@ -12,7 +12,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator
-from typing import Any, cast
+from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from macpool import upstream as http
 from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash, end_stream
 from macpool.contract import generations, slots_needed
 from macpool.errors import error_response, exception_handlers, sse_error
@@ -41,19 +42,19 @@ PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/comple
 log = logging.getLogger("macpool.agent")
 
 
-def _request_headers(request: Request) -> list[tuple[bytes, bytes]]:
+def _request_headers(request: Request) -> list[tuple[str, str]]:
     raw: list[tuple[bytes, bytes]] = request.scope["headers"]  # lower-case names (ASGI)
     listed = connection_listed(raw)
-    return [
+    return http.as_str(
         (name, value)
         for name, value in raw
         if name not in _DROP_REQUEST_RAW and name not in listed and not name.startswith(b"x-macpool-")
-    ]
+    )
 
 
-def _response_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
+def _response_headers(upstream: http.Response) -> list[tuple[bytes, bytes]]:
     """The upstream response's headers to pass on, as the raw list a response sends (lower-case names)."""
-    raw = [(name.lower(), value) for name, value in upstream.headers.raw]
+    raw = http.raw_headers(upstream)
     drop = _DROP_RESPONSE_RAW | connection_listed(raw)
     headers = [(name, value) for name, value in raw if name not in drop]
     if _is_event_stream(upstream) and not any(name == b"x-accel-buffering" for name, _ in headers):
@@ -61,16 +62,15 @@ def _response_headers(upstream: httpx.Response) -> list[tuple[bytes, bytes]]:
     return headers
 
 
-def _is_event_stream(upstream: httpx.Response) -> bool:
-    content_type: str = upstream.headers.get("content-type", "")
-    return content_type.startswith("text/event-stream")
+def _is_event_stream(upstream: http.Response) -> bool:
+    return http.content_type(upstream).startswith("text/event-stream")
 
 
 _RECOMPUTED = frozenset({b"content-type", b"content-length", b"x-accel-buffering", b"cache-control"})
 
 
-def _is_stream(upstream: httpx.Response) -> bool:
-    return upstream.status_code == 200 and _is_event_stream(upstream)
+def _is_stream(upstream: http.Response) -> bool:
+    return upstream.status == 200 and _is_event_stream(upstream)
 
 
 class ProxyResponse(StreamingResponse):
@@ -79,7 +79,7 @@ class ProxyResponse(StreamingResponse):
     guard: Guard | None = None  # the request's own, when it has one already (``Gateway.generate``)
 
     def __init__(
-        self, upstream: httpx.Response, runtime: Runtime, started: float, endpoint: str, slots: int
+        self, upstream: http.Response, runtime: Runtime, started: float, endpoint: str, slots: int
     ) -> None:
         self._upstream = upstream
         self._runtime = runtime
@@ -91,18 +91,17 @@ class ProxyResponse(StreamingResponse):
         self._chunks = self._body()
         # what StreamingResponse.__init__ would set, with the headers taken over as bytes (no str round trip)
         self.body_iterator = self._chunks
-        self.status_code = upstream.status_code
+        self.status_code = upstream.status
         self.media_type = None
         self.background = None
         self.raw_headers = _response_headers(upstream)
-        runtime.metrics.requests.labels(endpoint, str(upstream.status_code)).inc()
+        runtime.metrics.requests.labels(endpoint, str(upstream.status)).inc()
 
     async def _body(self) -> AsyncGenerator[bytes, None]:
         first = True
         ended = True  # the last chunk closed its SSE event (an error event must not extend a cut one)
         try:
-            # the transport's byte stream itself (Response.aiter_raw adds two generator layers per chunk)
-            async for chunk in cast(httpx.AsyncByteStream, self._upstream.stream):
+            async for chunk in http.chunks(self._upstream):
                 ended = chunk.endswith(b"\n\n")
                 if first and self._streamed:
                     elapsed = time.perf_counter() - self._started
@@ -118,7 +117,7 @@ class ProxyResponse(StreamingResponse):
                 raise
             yield sse_error(502, "llama-server failed mid-stream", "upstream_midstream", ended=ended)
         finally:
-            await self._upstream.aclose()
+            http.close(self._upstream)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Starlette's StreamingResponse would run an anyio task group of two tasks per response; one plain
@@ -151,7 +150,7 @@ class ProxyResponse(StreamingResponse):
         # the generator may never have started (client gone before the first send), or stopped at a yield
         # (client gone mid-stream): close it and the upstream response here too
         await self._chunks.aclose()
-        await self._upstream.aclose()
+        http.close(self._upstream)
         if self._slots:
             self._runtime.release(self._slots)
             self._slots = 0
@@ -162,7 +161,9 @@ class Gateway:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self._urls: dict[tuple[str, str, bytes], httpx.URL] = {}  # (upstream, path, query) -> parsed URL
+        self._urls: dict[tuple[str, str, bytes], http.URL] = {}  # (upstream, path, query) -> parsed URL
+        settings = runtime.settings  # as the agent's httpx client: --read-timeout bounds each wait
+        self._timeouts = http.timeouts(settings.connect_timeout, settings.read_timeout, settings.read_timeout)
 
     def _authorized(self, request: Request) -> bool:
         token = self.runtime.settings.token
@@ -262,7 +263,7 @@ class Gateway:
         return Response(status_code=499)  # nobody reads this
 
     async def _assembled(
-        self, upstream: httpx.Response, endpoint: str, original: dict[str, Any], started: float
+        self, upstream: http.Response, endpoint: str, original: dict[str, Any], started: float
     ) -> Response:
         """Collect a stream asked for on the client's behalf into one JSON reply (see unstream.py).
 
@@ -272,7 +273,7 @@ class Gateway:
         assembler = unstream.Assembler(endpoint)
         metrics = self.runtime.metrics
         try:
-            async for line in upstream.aiter_lines():
+            async for line in http.lines(upstream):
                 if assembler.events == 0 and line.startswith("data: "):
                     elapsed = time.perf_counter() - started
                     self.runtime.ttft_samples.append(elapsed)
@@ -283,7 +284,7 @@ class Gateway:
             metrics.requests.labels(endpoint, "502").inc()
             return error_response(502, "llama-server failed mid-response", "upstream_midstream")
         finally:
-            await upstream.aclose()
+            http.close(upstream)
         if assembler.error is not None:
             code = assembler.error.get("code")
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
@@ -309,20 +310,14 @@ class Gateway:
         started, endpoint = time.perf_counter(), request.scope["path"]
         return ProxyResponse(upstream, self.runtime, started, endpoint, slots=0)
 
-    async def _send(self, request: Request, body: bytes) -> httpx.Response | Response:
+    async def _send(self, request: Request, body: bytes) -> http.Response | Response:
         runtime = self.runtime
         endpoint: str = request.scope["path"]
-        # straight to the client's transport: a relay needs none of the client's redirects, auth flow or
-        # cookie jar (which would carry one caller's cookies into another's requests)
+        # straight through the client's session: a relay needs none of an httpx client's redirects, auth
+        # flow or cookie jar (which would carry one caller's cookies into another's requests)
         url, headers = self._url(endpoint, request.scope["query_string"]), _request_headers(request)
-        timeouts = runtime.client().timeout.as_dict()
-        transport = runtime.transport()
         try:
-            upstream_request = httpx.Request(request.method, url, headers=headers, content=body,
-                                             extensions={"timeout": timeouts})
-            upstream = await transport.handle_async_request(upstream_request)
-            upstream.request = upstream_request
-            return upstream
+            return await runtime.transport().send(request.method, url, headers, body, self._timeouts)
         except httpx.TransportError as exc:
             # llama-server is down (or went down with this request): nothing reached the client, so this is
             # "this node is unavailable" - the router tries another node - and the node stops admitting now
@@ -335,7 +330,7 @@ class Gateway:
             runtime.metrics.requests.labels(endpoint, "502").inc()
             return error_response(502, "the node's llama-server is not reachable", "upstream_unavailable")
 
-    def _url(self, path: str, query: bytes) -> httpx.URL:
+    def _url(self, path: str, query: bytes) -> http.URL:
         """The parsed upstream URL, cached: a URL is parsed once, not on every request."""
         base = self.runtime.upstream_url
         url = self._urls.get((base, path, query))
@@ -343,7 +338,7 @@ class Gateway:
             if len(self._urls) > 1024:  # query strings are the client's: never let the cache grow unbounded
                 self._urls.clear()
             text = base + path + ("?" + query.decode("latin-1") if query else "")
-            url = self._urls[base, path, query] = httpx.URL(text)
+            url = self._urls[base, path, query] = http.url(text)
         return url
 
     def shutdown_answer(self, request: Request) -> Response:

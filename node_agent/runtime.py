@@ -11,6 +11,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from macpool.contract import NODE_STATES, NodeDoc, NodeState
+from macpool.upstream import Upstream
 
 from .settings import AgentSettings
 
@@ -80,7 +81,7 @@ class Runtime:
     settings: AgentSettings
     metrics: AgentMetrics = field(default_factory=AgentMetrics)
     http: httpx.AsyncClient | None = None
-    upstream_transport: httpx.AsyncBaseTransport | None = None  # the one ``http`` uses
+    upstream_transport: Upstream | None = None  # the one ``http`` uses
     upstream_url: str = ""
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
@@ -177,8 +178,8 @@ class Runtime:
             raise RuntimeError("the upstream client is not open")
         return self.http
 
-    def transport(self) -> httpx.AsyncBaseTransport:
-        """The client's transport, for the gateway's relayed requests (node_agent/gateway.py ``_send``)."""
+    def transport(self) -> Upstream:
+        """The client's transport, which the gateway relays through (node_agent/gateway.py ``_send``)."""
         if self.upstream_transport is None:
             raise RuntimeError("the upstream client is not open")
         return self.upstream_transport

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
 
-import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -35,10 +34,11 @@ from macpool.errors import error_response, exception_handlers
 from macpool.settings import origin_list
 from macpool.store import ANONYMOUS, Keys, Store
 from macpool.store.events import drain_message
+from macpool.upstream import Upstream
 from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
-from router.forward import Call, Forwarder, new_transport
+from router.forward import Call, Forwarder, new_upstream
 from router.metrics import RouterMetrics
 from router.pool import PoolView
 from router.scale import ScaleConfig, ScaleWatch
@@ -61,7 +61,7 @@ class Services:
     """What the lifespan opens and the handlers use."""
 
     redis: Redis
-    transport: httpx.AsyncBaseTransport
+    client: Upstream  # to the agents
     pool: PoolView
     admission: Admission
     forwarder: Forwarder
@@ -92,16 +92,16 @@ class Router:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         redis = redis_client(self.settings)
-        transport = new_transport()
+        client = new_upstream()
         tenants = [key.tenant for key in self.api_keys.keys] or [ANONYMOUS]
         store = Store(redis, self.keys)
         pool = PoolView(self.settings, store, tenants)
         admission = Admission(self.settings, store, pool, self.metrics)
-        forwarder = Forwarder(self.settings, transport, pool, admission, self.metrics)
+        forwarder = Forwarder(self.settings, client, pool, admission, self.metrics)
         try:
             await pool.start()
             admission.start()
-            self._services = Services(redis, transport, pool, admission, forwarder)
+            self._services = Services(redis, client, pool, admission, forwarder)
             redis_at = _redacted(self.settings.redis_url)
             log.info("router %s serving; redis %s", self.settings.router_id, redis_at)
             async with self.scale.running():
@@ -112,7 +112,7 @@ class Router:
             await admission.settle(SETTLE_S)
             await admission.stop()
             await pool.stop()
-            await transport.aclose()
+            await client.aclose()
             await redis.aclose()
 
     def begin_shutdown(self) -> None:

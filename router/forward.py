@@ -9,14 +9,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Literal
 
 import anyio
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from macpool import upstream
+from macpool import upstream as http
 from macpool.asgi import Guard, end_stream
 from macpool.contract import NodeDoc, slots_needed
 from macpool.errors import error_response, sse_error
@@ -38,7 +38,7 @@ _CORS = {b"access-control-allow-origin", b"access-control-allow-credentials", b"
          b"access-control-allow-headers", b"access-control-expose-headers", b"access-control-max-age"}
 _DROP_DOWNSTREAM = HOP_BY_HOP_RAW | _CORS | {b"server", b"date", b"x-request-id"}
 _SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-_STREAMED, _TOKEN = (STREAM_HEADER.encode(), b"1"), TOKEN_HEADER.encode()
+_STREAMED = (STREAM_HEADER, "1")
 # the code of the error event an agent ends a stream with when llama-server fails mid-stream, looked for in
 # the last bytes of a stream only (node_agent/gateway.py ProxyResponse)
 _AGENT_MIDSTREAM = b'"upstream_midstream"'
@@ -53,14 +53,14 @@ _CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
 IDLE_S = 30.0
 
 
-def new_transport() -> httpx.AsyncBaseTransport:
-    """One pooled transport for every upstream call.
+def new_upstream() -> http.Upstream:
+    """One pooled client for every call to an agent.
 
-    The forwarder sends ``httpx.Request`` objects straight to it, without an ``httpx.AsyncClient`` around
-    it: the router needs none of a client's redirects, auth flows or cookie jar (which would even carry one
-    agent's cookies into other clients' requests).
+    The forwarder sends through ``Upstream.send``: the router needs none of an ``httpx.AsyncClient``'s
+    redirects, auth flows or cookie jar (which would even carry one agent's cookies into other clients'
+    requests).
     """
-    return upstream.new_transport(IDLE_S, max_connections=4096)
+    return http.Upstream(IDLE_S, max_connections=4096)
 
 
 @dataclass
@@ -109,20 +109,19 @@ class Forwarder:
     def __init__(
         self,
         settings: Settings,
-        transport: httpx.AsyncBaseTransport,
+        client: http.Upstream,
         pool: PoolView,
         admission: Admission,
         metrics: RouterMetrics,
     ) -> None:
         self.settings = settings
-        self.transport = transport
+        self.client = client
         self.pool = pool
         self.admission = admission
         self.metrics = metrics
         # no read timeout: an agent that stops answering mid-stream is the relay watchdog's (idle timeout)
-        timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=30.0, pool=30.0)
-        self._extensions = {"timeout": timeout.as_dict()}
-        self._urls: dict[tuple[str, str], httpx.URL] = {}  # (node url, path) -> parsed URL
+        self._timeouts = http.timeouts(connect=settings.connect_timeout, read=None)
+        self._urls: dict[tuple[str, str], http.URL] = {}  # (node url, path) -> parsed URL
 
     async def handle(self, call: Call, receive: Receive) -> Response:
         """Admit, forward (failing over before the first byte), and hand back a relaying response.
@@ -253,13 +252,11 @@ class Forwarder:
         """Send upstream and wait for the first byte; raise _Retry when another node should try."""
         node = lease.node
         url, headers = self._url(node.url, call.path), self._upstream_headers(call)
-        upstream: httpx.Response | None = None
+        upstream: http.Response | None = None
         try:
             async with asyncio.timeout(self._first_byte_timeout(call)):
                 upstream = await self._post(node.node_id, url, headers, call.body)
-                # the transport's byte stream itself: Response.aiter_raw would add two generator layers and a
-                # context manager per chunk (the response is still closed by aclose, as ever)
-                chunks = aiter(cast(httpx.AsyncByteStream, upstream.stream))
+                chunks = http.chunks(upstream)
                 first = await anext(chunks, b"")
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.pool.connect_failed(node.node_id)
@@ -268,7 +265,7 @@ class Forwarder:
                         extra=_ids(node.node_id, call))
             raise _Retry("connect") from None
         except TimeoutError:
-            await _close(upstream)
+            http.close(upstream)
             await self.admission.release(lease, failed=True)
             self.pool.connect_failed(node.node_id)  # a hung node: stop sending it traffic
             self._upstream_error(node.node_id, "first_byte_timeout")
@@ -288,12 +285,12 @@ class Forwarder:
         except httpx.HTTPError as exc:
             return await self._failed_before_first_byte(call, lease, upstream, exc)
         except BaseException:  # _Retry, or cancelled because the client left
-            await _close(upstream)
+            http.close(upstream)
             raise
         self.metrics.ttft.observe(time.monotonic() - call.arrived)
-        if upstream.status_code in (401, 403):
+        if upstream.status in (401, 403):
             # the agent refused the router's token: a deployment error, not the client's
-            await _close(upstream)
+            http.close(upstream)
             await self.admission.release(lease, failed=True)
             self._upstream_error(node.node_id, "auth")
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
@@ -301,8 +298,8 @@ class Forwarder:
         return Relay(self, call, lease, upstream, first, chunks)
 
     async def _post(
-        self, node_id: str, url: httpx.URL, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> httpx.Response:
+        self, node_id: str, url: http.URL, headers: list[tuple[str, str]], body: bytes
+    ) -> http.Response:
         """The agent's answer; a 503 raises _Retry (a node_full once the agent has had a moment to catch up).
 
         Redis has just reserved this slot, so an agent calling itself full has most often not yet seen a
@@ -311,15 +308,11 @@ class Forwarder:
         """
         pause, deadline = _CATCH_UP_PAUSE, time.monotonic() + _CATCH_UP_S
         while True:
-            request = httpx.Request("POST", url, headers=headers, content=body, extensions=self._extensions)
-            upstream = await self.transport.handle_async_request(request)
+            upstream = await self.client.send("POST", url, headers, body, self._timeouts)
             self.pool.connected(node_id)
-            if upstream.status_code != 503:
+            if upstream.status != 503:
                 return upstream
-            try:
-                kind = await _node_full_kind(upstream)
-            finally:
-                await _close(upstream)
+            kind = await _node_full_kind(upstream)
             if kind != "node_full" or time.monotonic() + pause > deadline:
                 self._upstream_error(node_id, kind)
                 raise _Retry(kind)
@@ -331,10 +324,10 @@ class Forwarder:
         return self.settings.first_byte_timeout if call.stream else self.settings.response_timeout
 
     async def _failed_before_first_byte(
-        self, call: Call, lease: Lease, upstream: httpx.Response | None, exc: httpx.HTTPError
+        self, call: Call, lease: Lease, upstream: http.Response | None, exc: httpx.HTTPError
     ) -> Response:
         node_id = lease.node.node_id
-        await _close(upstream)
+        http.close(upstream)
         await self.admission.release(lease, failed=True)
         self._upstream_error(node_id, "protocol")
         log.warning("node %s: %s before the first byte", node_id, type(exc).__name__,
@@ -342,22 +335,23 @@ class Forwarder:
         self.metrics.requests.labels(model=call.model, node=node_id, status="502").inc()
         return error_response(502, "the node failed before answering", "upstream_error")
 
-    def _url(self, node_url: str, path: str) -> httpx.URL:
+    def _url(self, node_url: str, path: str) -> http.URL:
         url = self._urls.get((node_url, path))
         if url is None:
             if len(self._urls) > 4096:  # nodes come and go: never let the cache grow without bound
                 self._urls.clear()
-            url = self._urls[node_url, path] = httpx.URL(node_url.rstrip("/") + path)
+            url = self._urls[node_url, path] = http.url(node_url.rstrip("/") + path)
         return url
 
-    def _upstream_headers(self, call: Call) -> list[tuple[bytes, bytes]]:
+    def _upstream_headers(self, call: Call) -> list[tuple[str, str]]:
         drop = _DROP_UPSTREAM | connection_listed(call.headers)
-        headers = [(k, v) for k, v in call.headers if k not in drop and not k.startswith(b"x-macpool-")]
-        headers.append((b"x-request-id", call.request_id.encode()))
+        kept = ((k, v) for k, v in call.headers if k not in drop and not k.startswith(b"x-macpool-"))
+        headers = http.as_str(kept)
+        headers.append(("x-request-id", call.request_id))
         if call.stream and call.generations == 1:  # else the agent parses the body to count them
             headers.append(_STREAMED)
         if self.settings.agent_token:
-            headers.append((_TOKEN, self.settings.agent_token.encode()))
+            headers.append((TOKEN_HEADER, self.settings.agent_token))
         return headers
 
     def _upstream_error(self, node_id: str, kind: str) -> None:
@@ -379,7 +373,7 @@ class Relay(Response):
         forwarder: Forwarder,
         call: Call,
         lease: Lease,
-        upstream: httpx.Response,
+        upstream: http.Response,
         first: bytes,
         chunks: AsyncIterator[bytes],
     ) -> None:
@@ -389,10 +383,9 @@ class Relay(Response):
         self.upstream = upstream
         self.first = first
         self.chunks = chunks
-        self.status_code = upstream.status_code
-        content_type = upstream.headers.get("content-type", "")
-        self.streaming = content_type.startswith("text/event-stream")
-        self.outcome = str(upstream.status_code)
+        self.status_code = upstream.status
+        self.streaming = http.content_type(upstream).startswith("text/event-stream")
+        self.outcome = str(upstream.status)
         self.ended = True  # the last chunk relayed closed its SSE event
         self.done = False  # the stream's last event is relayed: a client may go without waiting for the end
         self.background = None
@@ -400,7 +393,7 @@ class Relay(Response):
         self.progress_at = time.monotonic()  # when it last made progress
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
-        raw = [(k.lower(), v) for k, v in self.upstream.headers.raw]
+        raw = http.raw_headers(self.upstream)
         drop = _DROP_DOWNSTREAM | connection_listed(raw)
         headers = [(k, v) for k, v in raw if k not in drop]
         if self.streaming:
@@ -448,7 +441,7 @@ class Relay(Response):
                          extra=_ids(self.lease.node.node_id, self.call))
         finally:
             with anyio.CancelScope(shield=True):
-                await _close(self.upstream)
+                http.close(self.upstream)
                 failed = self.outcome in ("midstream", "idle_timeout")
                 await self.forwarder.admission.release(self.lease, failed=failed)
                 metrics = self.forwarder.metrics
@@ -527,22 +520,11 @@ def _ids(node_id: str, call: Call) -> dict[str, str]:
     return {"node": node_id, "request_id": call.request_id}
 
 
-async def _node_full_kind(upstream: httpx.Response) -> str:
+async def _node_full_kind(upstream: http.Response) -> str:
     """An agent 503 says ``node_full``; any other 503 (llama-server loading, say) is unavailability."""
-    await upstream.aread()
+    reason = upstream.headers.get("x-macpool-reason")
     try:
-        code = json.loads(upstream.content).get("error", {}).get("code")
+        code = json.loads(await http.read(upstream)).get("error", {}).get("code")
     except (ValueError, AttributeError):
         code = None
-    reason = upstream.headers.get("x-macpool-reason")
     return "node_full" if "node_full" in (code, reason) else "unavailable"
-
-
-async def _close(upstream: httpx.Response | None) -> None:
-    if upstream is None:
-        return
-    with anyio.CancelScope(shield=True):
-        try:
-            await upstream.aclose()
-        except Exception as exc:
-            log.debug("closing an upstream response: %s", type(exc).__name__)

@@ -1,17 +1,18 @@
-"""macpool/upstream.py (the router's and the agent's upstream transport) against a real HTTP/1.1 server on a
-free port, scripted byte for byte: what the relay paths rely on it for."""
+"""macpool/upstream.py (the router's and the agent's upstream client) against a real HTTP/1.1 server on a
+free port, scripted byte for byte: what the relay paths rely on it for, through both of its APIs (httpx's,
+and ``Upstream.send`` that the relays use)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import httpx
 import pytest
 
-from macpool.upstream import new_transport
+from macpool import upstream as http
+from macpool.upstream import Upstream
 from node_agent.agent import KEEP_ALIVE_S, UPSTREAM_IDLE_S
 from router.forward import IDLE_S
 
@@ -83,13 +84,49 @@ def run(main: Coroutine[Any, Any, None], servers: Servers) -> None:
     asyncio.run(scoped())
 
 
-async def send(
-    transport: httpx.AsyncBaseTransport, method: str, url: str, content: bytes | AsyncIterator[bytes] = b"{}",
-    timeouts: dict[str, float | None] = NO_READ_TIMEOUT, headers: list[tuple[bytes, bytes]] | None = None,
-) -> httpx.Response:
-    """The relay paths' call: an ``httpx.Request`` straight to the transport, no client around it."""
-    request = httpx.Request(method, url, headers=headers, content=content, extensions={"timeout": timeouts})
-    return await transport.handle_async_request(request)
+class Api:
+    """One of the client's two APIs, behind the calls the tests make."""
+
+    def __init__(self, name: str, client: Upstream) -> None:
+        self.name = name
+        self.client = client
+
+    async def send(
+        self, method: str, url: str, content: bytes | AsyncIterator[bytes] = b"{}",
+        timeouts: dict[str, float | None] = NO_READ_TIMEOUT, headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> Any:
+        if self.name == "httpx":  # an ``httpx.Request`` straight to the transport, no client around it
+            request = httpx.Request(method, url, headers=headers, content=content,
+                                    extensions={"timeout": timeouts})
+            return await self.client.handle_async_request(request)
+        assert isinstance(content, bytes)
+        limits = http.timeouts(timeouts["connect"], timeouts["read"], timeouts["pool"])
+        return await self.client.send(method, http.url(url), http.as_str(headers or []), content, limits)
+
+    def status(self, response: Any) -> int:
+        return int(response.status_code if self.name == "httpx" else response.status)
+
+    async def read(self, response: Any) -> bytes:
+        if self.name == "httpx":
+            try:
+                return bytes(await response.aread())
+            finally:
+                await response.aclose()
+        return await http.read(response)
+
+    def chunks(self, response: Any) -> AsyncIterator[bytes]:
+        return aiter(response.stream) if self.name == "httpx" else http.chunks(response)
+
+    async def close(self, response: Any) -> None:
+        if self.name == "httpx":
+            await response.aclose()
+        else:
+            http.close(response)
+
+
+@pytest.fixture(params=["httpx", "direct"])
+def api(request: pytest.FixtureRequest) -> Callable[[float], Api]:
+    return lambda keepalive_expiry: Api(request.param, Upstream(keepalive_expiry=keepalive_expiry))
 
 
 async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: bytes) -> None:
@@ -105,27 +142,29 @@ def test_idle_connections_expire_before_their_peer_closes_them() -> None:
     assert UPSTREAM_IDLE_S < 5.0
 
 
-def test_a_connection_is_reused_while_fresh_and_given_up_after_keepalive_expiry(serve: Servers) -> None:
+def test_a_connection_is_reused_while_fresh_and_given_up_after_keepalive_expiry(
+    serve: Servers, api: Callable[[float], Api]
+) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await answer_each(reader, writer, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
 
     async def main() -> None:
         server, url = await serve(handler)
-        transport = new_transport(keepalive_expiry=0.5)
+        client = api(0.5)
         try:
             for pause in (0.0, 0.1, 0.1, 1.2, 0.1):
                 await asyncio.sleep(pause)
-                response = await send(transport, "POST", url)
-                assert await response.aread() == b"ok"
-                await response.aclose()
+                assert await client.read(await client.send("POST", url)) == b"ok"
         finally:
-            await transport.aclose()
+            await client.client.aclose()
         assert server.connections == 2  # reused within 0.5 s of idleness, not after 1.2 s
 
     run(main(), serve)
 
 
-def test_a_connection_the_server_closed_while_idle_is_not_reused(serve: Servers) -> None:
+def test_a_connection_the_server_closed_while_idle_is_not_reused(
+    serve: Servers, api: Callable[[float], Api]
+) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
@@ -133,21 +172,21 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused(serve: Servers)
 
     async def main() -> None:
         server, url = await serve(handler)
-        transport = new_transport(keepalive_expiry=30.0)
+        client = api(30.0)
         try:
             for _ in range(3):
-                response = await send(transport, "POST", url)
-                assert await response.aread() == b"ok"
-                await response.aclose()
+                assert await client.read(await client.send("POST", url)) == b"ok"
                 await asyncio.sleep(0.1)
         finally:
-            await transport.aclose()
+            await client.client.aclose()
         assert server.connections == 3
 
     run(main(), serve)
 
 
-def test_the_request_carries_the_callers_headers_and_no_cookie_from_an_earlier_answer(serve: Servers) -> None:
+def test_the_request_carries_the_callers_headers_and_no_cookie_from_an_earlier_answer(
+    serve: Servers, api: Callable[[float], Api]
+) -> None:
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -158,15 +197,14 @@ def test_the_request_carries_the_callers_headers_and_no_cookie_from_an_earlier_a
 
     async def main() -> None:
         _, url = await serve(handler)
-        transport = new_transport(keepalive_expiry=30.0)
+        client = api(30.0)
         try:
             for body in (b'{"a":1}', b'{"b":2}'):
-                response = await send(transport, "POST", url + "/v1/chat/completions?x=1", body,
-                                      headers=[(b"x-request-id", b"r-1")])
-                assert response.status_code == 200 and await response.aread() == b"ok"
-                await response.aclose()
+                response = await client.send("POST", url + "/v1/chat/completions?x=1", body,
+                                             headers=[(b"x-request-id", b"r-1")])
+                assert client.status(response) == 200 and await client.read(response) == b"ok"
         finally:
-            await transport.aclose()
+            await client.client.aclose()
         first, second = (raw.split(b"\r\n\r\n")[0].lower().split(b"\r\n") for raw in seen)
         assert first[0] == b"post /v1/chat/completions?x=1 http/1.1"
         names = sorted(line.split(b":")[0] for line in second[1:])
@@ -176,7 +214,9 @@ def test_the_request_carries_the_callers_headers_and_no_cookie_from_an_earlier_a
     run(main(), serve)
 
 
-def test_closing_a_response_mid_body_closes_its_connection_at_once(serve: Servers) -> None:
+def test_closing_a_response_mid_body_closes_its_connection_at_once(
+    serve: Servers, api: Callable[[float], Api]
+) -> None:
     """A client that goes away closes the upstream response: llama-server cancels the task only when its
     connection closes."""
     closed = asyncio.Event()
@@ -191,22 +231,21 @@ def test_closing_a_response_mid_body_closes_its_connection_at_once(serve: Server
 
     async def main() -> None:
         _, url = await serve(handler)
-        transport = new_transport(keepalive_expiry=30.0)
+        client = api(30.0)
         try:
-            response = await send(transport, "POST", url)
-            chunks = aiter(response.stream)  # type: ignore[arg-type]
-            assert await anext(chunks) == b"data: 1\n\n"
-            started = time.monotonic()
-            await response.aclose()
-            await asyncio.wait_for(closed.wait(), 5)
-            assert time.monotonic() - started < 1.0
+            response = await client.send("POST", url)
+            assert await anext(client.chunks(response)) == b"data: 1\n\n"
+            await client.close(response)
+            await asyncio.wait_for(closed.wait(), 5)  # the server sees its connection closed
         finally:
-            await transport.aclose()
+            await client.client.aclose()
 
     run(main(), serve)
 
 
-def test_a_stream_has_no_read_timeout_unless_one_is_asked_for(serve: Servers) -> None:
+def test_a_stream_has_no_read_timeout_unless_one_is_asked_for(
+    serve: Servers, api: Callable[[float], Api]
+) -> None:
     """The router reads a stream with no read timeout (its relay watchdog decides what a stall is); the agent
     with one (``--read-timeout``), counted from each read."""
 
@@ -222,15 +261,11 @@ def test_a_stream_has_no_read_timeout_unless_one_is_asked_for(serve: Servers) ->
         await writer.drain()
 
     async def read(url: str, timeouts: dict[str, float | None]) -> bytes:
-        transport = new_transport(keepalive_expiry=30.0)
+        client = api(30.0)
         try:
-            response = await send(transport, "POST", url, timeouts=timeouts)
-            try:
-                return await response.aread()
-            finally:
-                await response.aclose()
+            return await client.read(await client.send("POST", url, timeouts=timeouts))
         finally:
-            await transport.aclose()
+            await client.client.aclose()
 
     async def main() -> None:
         _, url = await serve(handler)
@@ -241,7 +276,9 @@ def test_a_stream_has_no_read_timeout_unless_one_is_asked_for(serve: Servers) ->
     run(main(), serve)
 
 
-def test_failures_map_to_the_httpx_errors_the_relay_paths_handle(serve: Servers) -> None:
+def test_failures_map_to_the_httpx_errors_the_relay_paths_handle(
+    serve: Servers, api: Callable[[float], Api]
+) -> None:
     """Refused: ConnectError (the router fails over, counting it against the node's circuit). Closed before
     any answer: RemoteProtocolError (the router fails over; the agent answers 503). Closed mid-body: ReadError
     (a stream ends with an error event)."""
@@ -255,28 +292,29 @@ def test_failures_map_to_the_httpx_errors_the_relay_paths_handle(serve: Servers)
         await writer.drain()
 
     async def main() -> None:
-        transport = new_transport(keepalive_expiry=30.0)
+        client = api(30.0)
         try:
             with pytest.raises(httpx.ConnectError):
-                await send(transport, "POST", "http://127.0.0.1:1/")
+                await client.send("POST", "http://127.0.0.1:1/")
             _, url = await serve(no_answer)
             with pytest.raises(httpx.RemoteProtocolError):
-                await send(transport, "POST", url)
+                await client.send("POST", url)
             _, url = await serve(half_answer)
-            response = await send(transport, "POST", url)
+            response = await client.send("POST", url)
             received = b""
             with pytest.raises(httpx.ReadError):
-                async for part in response.stream:  # type: ignore[union-attr]
+                async for part in client.chunks(response):
                     received += part
-            await response.aclose()
+            await client.close(response)
             assert received == b"hello"
         finally:
-            await transport.aclose()
+            await client.client.aclose()
 
     run(main(), serve)
 
 
 def test_head_and_a_streamed_request_body_go_through(serve: Servers) -> None:
+    """Through httpx's API (the relays send bytes they have read whole)."""
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         assert head.startswith(b"HEAD ")
@@ -293,15 +331,12 @@ def test_head_and_a_streamed_request_body_go_through(serve: Servers) -> None:
 
     async def main() -> None:
         _, url = await serve(handler)
-        transport = new_transport(keepalive_expiry=30.0)
+        client = Api("httpx", Upstream(keepalive_expiry=30.0))
         try:
-            response = await send(transport, "HEAD", url, b"")
-            assert (response.status_code, await response.aread()) == (200, b"")
-            await response.aclose()
-            response = await send(transport, "POST", url, body())
-            assert await response.aread() == b"ok"
-            await response.aclose()
+            response = await client.send("HEAD", url, b"")
+            assert (client.status(response), await client.read(response)) == (200, b"")
+            assert await client.read(await client.send("POST", url, body())) == b"ok"
         finally:
-            await transport.aclose()
+            await client.client.aclose()
 
     run(main(), serve)

@@ -21,6 +21,7 @@ from starlette.testclient import TestClient
 
 from macpool.contract import heartbeat_ttl_ms
 from macpool.redis_server import RedisServer, free_port
+from macpool.upstream import Upstream
 from node_agent.gateway import create_app
 from node_agent.runtime import Runtime
 from node_agent.settings import AgentSettings
@@ -400,11 +401,12 @@ def test_a_malformed_n_is_passed_through(sim: SimFactory, agent: AgentFactory) -
 
 
 def test_an_unexpected_error_is_answered_as_openai_json_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    # nothing real fails this way on purpose: an upstream transport that raises stands in for a bug
-    def broken(request: httpx.Request) -> httpx.Response:
-        raise RuntimeError("a bug in the gateway")
+    # nothing real fails this way on purpose: an upstream client that raises stands in for a bug
+    class Broken(Upstream):
+        async def send(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("a bug in the gateway")
 
-    transport = httpx.MockTransport(broken)
+    transport = Broken(keepalive_expiry=1.0)
     runtime = Runtime(AgentSettings(upstream="http://upstream"), upstream_url="http://upstream",
                       http=httpx.AsyncClient(transport=transport), upstream_transport=transport)
     runtime.capacity_decided("ready", capacity=1, total_slots=1)

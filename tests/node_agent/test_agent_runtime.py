@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
 from macpool.contract import NODE_STATES
+from macpool.upstream import Upstream
 from node_agent.gateway import create_app
 from node_agent.runtime import Runtime
 from node_agent.settings import AgentSettings
-from tests.conftest import chat
+from tests.conftest import Server, chat
 
 CHAT = "/v1/chat/completions"
 BODY = chat(max_tokens=5, stream=False)
@@ -104,20 +107,15 @@ def test_held_slots_are_counted_until_released() -> None:
     assert sample(runtime.metrics.registry, "macpool_agent_in_flight_requests") == 1
 
 
-def answering(runtime: Runtime) -> Runtime:
-    """``runtime`` relaying to an upstream that answers every request with one chat completion."""
-
-    def upstream(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"object": "chat.completion", "choices": []})
-
-    transport = httpx.MockTransport(upstream)
-    runtime.http = httpx.AsyncClient(transport=transport)
-    runtime.upstream_transport = transport
-    return runtime
+def answering(url: str) -> Runtime:
+    """A runtime relaying to the upstream at ``url`` through a real client."""
+    transport = Upstream(keepalive_expiry=1.0)
+    return Runtime(AgentSettings(upstream=url), upstream_url=url,
+                   http=httpx.AsyncClient(transport=transport), upstream_transport=transport)
 
 
-def test_the_gateway_admits_by_the_runtime_state() -> None:
-    runtime = answering(attached())
+def test_the_gateway_admits_by_the_runtime_state(sim: Callable[..., Server]) -> None:
+    runtime = answering(sim("--speed", "50").url)
     with TestClient(create_app(runtime)) as client:
         starting = client.post(CHAT, json=BODY)
         assert starting.status_code == 503 and starting.json()["error"]["code"] == "node_unavailable"
@@ -133,3 +131,5 @@ def test_the_gateway_admits_by_the_runtime_state() -> None:
         assert draining.status_code == 503 and draining.json()["error"]["code"] == "node_draining"
         shown = client.get("/status").json()
         assert (shown["state"], shown["admitting"], shown["in_flight"]) == ("draining", False, 0)
+        assert client.portal is not None
+        client.portal.call(runtime.transport().aclose)  # its connections belong to the app's loop
