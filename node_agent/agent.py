@@ -15,11 +15,11 @@ from collections.abc import Callable, Generator
 
 import httpx
 import uvicorn
-from redis.asyncio import Redis
 
 from macpool import upstream
 from macpool.serving import server_config
 from macpool.settings import ConfigError
+from macpool.store.connect import AnyRedis, Connection, connect
 
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
@@ -81,7 +81,8 @@ class Agent:
         self.force = asyncio.Event()
         self.supervisor: Supervisor | None = None
         self.heartbeat: Heartbeat | None = None
-        self.redis: Redis | None = None
+        self.redis: AnyRedis | None = None
+        self.connection: Connection | None = None
         self.server: _Server | None = None
         self.server_task: asyncio.Task[None] | None = None
         self.tasks: list[asyncio.Task[None]] = []
@@ -115,9 +116,9 @@ class Agent:
         transport = upstream.new_transport(UPSTREAM_IDLE_S)
         self.runtime.http = httpx.AsyncClient(timeout=timeout, transport=transport)
         self.runtime.upstream_transport = transport
-        self.redis = Redis.from_url(
-            settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, health_check_interval=10
-        )
+        self.connection = connect(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                  health_check_interval=10)
+        self.redis = self.connection.client
         shape, kv_per_token = load_model_shape(settings)
         self.runtime.details["model"] = {
             "path": str(settings.model) if settings.model else None,
@@ -222,8 +223,8 @@ class Agent:
                 await self.supervisor.stop()
             if self.runtime.http is not None:
                 await self.runtime.http.aclose()
-            if self.redis is not None:
-                await self.redis.aclose()
+            if self.connection is not None:
+                await self.connection.aclose()
             log.info("agent %s stopped", self.settings.node_id)
 
     async def _drain(self) -> None:

@@ -15,10 +15,6 @@ from typing import Any, cast
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -34,6 +30,7 @@ from macpool.contract import Priority, generations
 from macpool.errors import error_response, exception_handlers
 from macpool.settings import origin_list
 from macpool.store import ANONYMOUS, Keys, Store
+from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.events import drain_message
 from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
@@ -60,7 +57,7 @@ class BadRequest(Exception):
 class Services:
     """What the lifespan opens and the handlers use."""
 
-    redis: Redis
+    redis: AnyRedis
     transport: httpx.AsyncBaseTransport
     pool: PoolView
     admission: Admission
@@ -91,7 +88,8 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        redis = redis_client(self.settings)
+        connection = redis_connection(self.settings)
+        redis = connection.client
         transport = new_transport()
         tenants = [key.tenant for key in self.api_keys.keys] or [ANONYMOUS]
         store = Store(redis, self.keys)
@@ -102,7 +100,7 @@ class Router:
             await pool.start()
             admission.start()
             self._services = Services(redis, transport, pool, admission, forwarder)
-            redis_at = _redacted(self.settings.redis_url)
+            redis_at = connection.target.redacted
             log.info("router %s serving; redis %s", self.settings.router_id, redis_at)
             async with self.scale.running():
                 yield
@@ -113,7 +111,7 @@ class Router:
             await admission.stop()
             await pool.stop()
             await transport.aclose()
-            await redis.aclose()
+            await connection.aclose()
 
     def begin_shutdown(self) -> None:
         """The server got SIGTERM/SIGINT (called from its signal handler: only sets a flag)."""
@@ -301,19 +299,20 @@ class Router:
 SETTLE_S = 3.0  # at shutdown, the most the leases of cancelled requests are waited for (then they expire)
 
 
-def redis_client(settings: Settings) -> Redis:
-    """The router's Redis client: one pool shared by the request path and the pool view."""
+def redis_connection(settings: Settings) -> Connection:
+    """The router's Redis connection (a server, Sentinel or Cluster: macpool/store/connect.py): one pool
+    shared by the request path and the pool view."""
     # a blocking pool waits for a free connection under a burst instead of failing the request (redis-py's
     # default pool raises MaxConnectionsError at 100 connections). A pooled connection that a restarted
-    # Redis has closed fails its next command: that command is retried once on a new connection (it never
-    # ran) instead of failing one client request per dead connection.
-    return Redis.from_pool(
-        BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=512, timeout=5.0,
-            socket_connect_timeout=2.0, socket_timeout=5.0,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
-    )
+    # Redis (or a failed-over primary) has closed fails its next command: that command is retried on a new
+    # connection (it never ran) instead of failing one client request per dead connection.
+    return connect(settings.redis_url, max_connections=512, timeout=5.0, socket_connect_timeout=2.0,
+                   socket_timeout=5.0)
+
+
+def redis_client(settings: Settings) -> AnyRedis:
+    """The client of :func:`redis_connection`."""
+    return redis_connection(settings).client
 
 
 def create_app(settings: Settings) -> Starlette:
@@ -402,10 +401,3 @@ def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str, bool
         except UnicodeEncodeError:  # a lone surrogate (a valid JSON escape, not a valid string)
             raise BadRequest(400, "`model` is not valid Unicode", "invalid_model") from None
     return payload, model, payload.get("stream") is True
-
-
-def _redacted(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest

@@ -7,6 +7,7 @@ of sleeping.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Collection, Sequence
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
 from pydantic import BaseModel, Field
-from redis.asyncio import Redis
+from redis.asyncio import RedisCluster
 
 from macpool.contract import NodeDoc, Priority, now_ms
+from macpool.store.connect import AnyRedis
 from macpool.store.events import drain_message
 from macpool.store.keys import Keys
 from macpool.store.scripts import source
@@ -126,7 +128,7 @@ class PoolSnapshot(BaseModel):
 class Store:
     """The pool's state in the Redis that ``redis`` points at, under ``keys``' prefix."""
 
-    def __init__(self, redis: Redis, keys: Keys | None = None) -> None:
+    def __init__(self, redis: AnyRedis, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
         self._reserve = redis.register_script(source("reserve"))
@@ -139,6 +141,8 @@ class Store:
     @property
     def address(self) -> str:
         """Where the Redis client connects (host:port, or a unix socket's path), never its password."""
+        if isinstance(self.redis, RedisCluster):
+            return ",".join(node.name for node in self.redis.get_nodes())
         kwargs = self.redis.connection_pool.connection_kwargs
         return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
@@ -151,7 +155,8 @@ class Store:
     async def reserve(self, request: ReserveRequest, now: int | None = None) -> Reservation:
         """Reserve slots on the node holding the prompt's prefix or the least-utilised candidate, or queue
         the request, or say why not - in one atomic call."""
-        raw = await self._reserve(keys=self.keys.pool_wide(), args=[*self._common(now), _encode(request)])
+        keys = self.keys.admission([c.node_id for c in request.candidates], [request.tenant])
+        raw = await self._reserve(keys=keys, args=[*self._common(now), _encode(request)])
         status, affinity = _text(raw[0]), _text(raw[3])
         if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
             raise ValueError(f"reserve.lua answered {raw!r}")
@@ -165,7 +170,8 @@ class Store:
             *self._common(now), release.request_id, release.node_id, release.tenant, release.slots,
             "1" if release.failed else "0", release.queue_lease_ms,
         ]
-        return int(await self._release(keys=self.keys.pool_wide(), args=args))
+        keys = self.keys.admission([release.node_id], [release.tenant])
+        return int(await self._release(keys=keys, args=args))
 
     async def leave_queue(
         self, request_id: str, nodes: Sequence[str] = (), queue_lease_ms: int = QUEUE_LEASE_MS,
@@ -175,18 +181,23 @@ class Store:
         generations (their free slots were held back for it). True when slots had been handed to it (they go
         to the next in line)."""
         args: list[str | int] = [*self._common(now), request_id, queue_lease_ms, *nodes]
-        return int(await self._leave(keys=self.keys.pool_wide(), args=args)) == 2
+        return int(await self._leave(keys=self.keys.admission(nodes), args=args)) == 2
 
     async def renew(self, leases: Sequence[Lease], lease_ms: int, now: int | None = None) -> list[bool]:
         """Extend each lease to ``now + lease_ms``, in one round trip. For each, True when it was gone
         (Redis restarted empty, or it had expired) and has been counted again."""
         expiry = (now_ms() if now is None else now) + lease_ms
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lease in leases:
-                keys = [self.keys.reservations(lease.node_id), self.keys.tenant(lease.tenant)]
-                args: list[str | int] = [expiry, lease_ms, *members(lease.request_id, lease.slots)]
-                await self._renew(keys=keys, args=args, client=pipe)
-            results = await pipe.execute()
+        calls: list[tuple[list[str], list[str | int]]] = [
+            ([self.keys.reservations(lease.node_id), self.keys.tenant(lease.tenant)],
+             [expiry, lease_ms, *members(lease.request_id, lease.slots)]) for lease in leases
+        ]
+        if isinstance(self.redis, RedisCluster):  # (its pipelines do not reload a script Redis forgot)
+            results = await asyncio.gather(*(self._renew(keys=k, args=a) for k, a in calls))
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    await self._renew(keys=keys, args=args, client=pipe)
+                results = await pipe.execute()
         return [int(result) == 2 for result in results]
 
     async def drain(self, node_id: str, drained: bool) -> None:

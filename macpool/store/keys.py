@@ -1,7 +1,8 @@
 """Every Redis key name of the pool, in one place.
 
-``{p}`` is the configurable prefix (default ``macpool:``). Redis Cluster needs every key one script touches in
-one hash slot: a prefix holding a hash tag, such as ``{macpool}:``, puts all of a pool's keys there.
+``{p}`` is the configurable prefix (default ``macpool:{pool}:``). Its hash tag (``{pool}``) puts every key of
+one pool in one Redis Cluster hash slot, so the scripts run unchanged on Redis Cluster and on managed Redis in
+cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or behind Sentinel only.
 
 ``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the NodeDoc JSON), ``capacity``, ``state``,
                       ``models`` (newline-separated), ``slots`` (llama-server's), ``instance`` and ``started``
@@ -23,7 +24,9 @@ one hash slot: a prefix holding a hash tag, such as ``{macpool}:``, puts all of 
 
 from __future__ import annotations
 
-DEFAULT_PREFIX = "macpool:"
+from collections.abc import Iterable
+
+DEFAULT_PREFIX = "macpool:{pool}:"
 
 
 class Keys:
@@ -49,6 +52,15 @@ class Keys:
         return f"{self.prefix}tenant:{name}"
 
     def pool_wide(self) -> list[str]:
-        """The KEYS of the admission scripts, in the order lib.lua reads them (its node and tenant keys are
-        built there from the prefix, as :meth:`node`, :meth:`reservations` and :meth:`tenant` build them)."""
+        """The pool-wide KEYS of the admission scripts, in the order lib.lua reads them."""
         return [self.queue, self.queue_meta, self.drained, self.affinity, self.affinity_lru]
+
+    def admission(self, nodes: Iterable[str] = (), tenants: Iterable[str] = ()) -> list[str]:
+        """The KEYS of an admission script: the pool-wide ones, then each of ``nodes``' heartbeat and
+        reservations and each of ``tenants``' requests in flight - every key the call is known to touch
+        before it runs. lib.lua builds the same names from the prefix; keys it finds only as it runs (the
+        tenant of a queued request a freed slot is handed to) carry the same hash tag, so they live in the
+        same slot as the declared ones."""
+        per_node = [key for node_id in dict.fromkeys(nodes)
+                    for key in (self.node(node_id), self.reservations(node_id))]
+        return [*self.pool_wide(), *per_node, *(self.tenant(t) for t in dict.fromkeys(tenants))]

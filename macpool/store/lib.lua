@@ -1,10 +1,12 @@
 -- Shared by the admission scripts (reserve.lua, release.lua, leave.lua), which are this file followed by
 -- their own text (macpool/store/scripts.py).
 --
--- Key names are macpool/store/keys.py's. The pool-wide keys come in KEYS, in Keys.pool_wide() order. A node's
--- and a tenant's keys are built here from the prefix, as keys.py builds them: a script finds some of them only
--- as it runs (the tenant of each queued request a freed slot is handed to). ARGV starts with the prefix, the
--- events channel and the time (ms); each script's own arguments follow.
+-- Key names are macpool/store/keys.py's. KEYS (Keys.admission) are the pool-wide keys, in Keys.pool_wide()
+-- order, then the heartbeat and reservations of each node the call names and its tenant's requests in flight.
+-- A node's and a tenant's keys are built here from the prefix, as keys.py builds them: a script finds some
+-- of them only as it runs (the tenant of each queued request a freed slot is handed to); the prefix's hash
+-- tag keeps those in the declared keys' slot. ARGV starts with the prefix, the events channel and the time
+-- (ms); each script's own arguments follow.
 local K = {queue = KEYS[1], qmeta = KEYS[2], drained = KEYS[3], affinity = KEYS[4], lru = KEYS[5],
            events = ARGV[2]}
 local PREFIX, NOW = ARGV[1], tonumber(ARGV[3])
