@@ -36,6 +36,7 @@ from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
 from router.forward import Call, Forwarder, new_transport
+from router.liveness import Liveness
 from router.metrics import RouterMetrics
 from router.pool import PoolView
 from router.scale import ScaleConfig, ScaleWatch
@@ -96,8 +97,10 @@ class Router:
         pool = PoolView(self.settings, store, tenants)
         admission = Admission(self.settings, store, pool, self.metrics)
         forwarder = Forwarder(self.settings, transport, pool, admission, self.metrics)
+        liveness = Liveness(self.settings)
         try:
             await pool.start()
+            await asyncio.to_thread(liveness.start)
             admission.start()
             self._services = Services(redis, transport, pool, admission, forwarder)
             redis_at = connection.target.redacted
@@ -109,6 +112,7 @@ class Router:
             # requests the server cancelled at its shutdown timeout are still giving their slots back
             await admission.settle(SETTLE_S)
             await admission.stop()
+            await asyncio.to_thread(liveness.stop)
             await pool.stop()
             await transport.aclose()
             await connection.aclose()

@@ -71,6 +71,7 @@ class ReserveRequest:
     queue_lease_ms: int = QUEUE_LEASE_MS
     excluded: Collection[str] = ()
     generations: int = 1
+    router: str = ""  # the router that will hold the slots ("": none named, so no liveness tracking)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class Release:
     slots: int = 0
     failed: bool = False
     queue_lease_ms: int = QUEUE_LEASE_MS
+    router: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Lease:
     node_id: str
     tenant: str = ANONYMOUS
     slots: int = 1
+    router: str = ""  # the router holding it (its reservations are given back when it stops beating)
 
 
 class PoolSnapshot(BaseModel):
@@ -137,6 +140,7 @@ class Store:
         self._renew = redis.register_script(source("renew"))
         self._heartbeat = redis.register_script(source("heartbeat"))
         self._deregister = redis.register_script(source("deregister"))
+        self._beat = redis.register_script(source("beat"))
 
     @property
     def address(self) -> str:
@@ -155,7 +159,8 @@ class Store:
     async def reserve(self, request: ReserveRequest, now: int | None = None) -> Reservation:
         """Reserve slots on the node holding the prompt's prefix or the least-utilised candidate, or queue
         the request, or say why not - in one atomic call."""
-        keys = self.keys.admission([c.node_id for c in request.candidates], [request.tenant])
+        nodes = [c.node_id for c in request.candidates]
+        keys = self.keys.admission(nodes, [request.tenant], [request.router])
         raw = await self._reserve(keys=keys, args=[*self._common(now), _encode(request)])
         status, affinity = _text(raw[0]), _text(raw[3])
         if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
@@ -168,9 +173,9 @@ class Store:
         """Give the slots back, handing them to waiting requests; the slots released."""
         args: list[str | int] = [
             *self._common(now), release.request_id, release.node_id, release.tenant, release.slots,
-            "1" if release.failed else "0", release.queue_lease_ms,
+            "1" if release.failed else "0", release.queue_lease_ms, release.router,
         ]
-        keys = self.keys.admission([release.node_id], [release.tenant])
+        keys = self.keys.admission([release.node_id], [release.tenant], [release.router])
         return int(await self._release(keys=keys, args=args))
 
     async def leave_queue(
@@ -188,8 +193,10 @@ class Store:
         (Redis restarted empty, or it had expired) and has been counted again."""
         expiry = (now_ms() if now is None else now) + lease_ms
         calls: list[tuple[list[str], list[str | int]]] = [
-            ([self.keys.reservations(lease.node_id), self.keys.tenant(lease.tenant)],
-             [expiry, lease_ms, *members(lease.request_id, lease.slots)]) for lease in leases
+            ([self.keys.reservations(lease.node_id), self.keys.tenant(lease.tenant),
+              *([self.keys.held(lease.router)] if lease.router else [])],
+             [expiry, lease_ms, f"{lease.node_id}\t{lease.tenant}\t{lease.slots}",
+              *members(lease.request_id, lease.slots)]) for lease in leases
         ]
         if isinstance(self.redis, RedisCluster):  # (its pipelines do not reload a script Redis forgot)
             results = await asyncio.gather(*(self._renew(keys=k, args=a) for k, a in calls))
@@ -215,6 +222,25 @@ class Store:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(self.keys.reservations(lease.node_id), *members(lease.request_id, lease.slots))
             pipe.zrem(self.keys.tenant(lease.tenant), lease.request_id)
+            if lease.router:
+                pipe.hdel(self.keys.held(lease.router), lease.request_id)
+            await pipe.execute()
+
+    # --- router liveness ---------------------------------------------------------------------------
+
+    async def beat(self, router: str, alive_ms: int, queue_lease_ms: int = QUEUE_LEASE_MS,
+                   now: int | None = None) -> int:
+        """``router`` counts as alive for ``alive_ms`` more; what routers that stopped beating held is given
+        back (handed to waiters). The slots given back."""
+        now = now_ms() if now is None else now
+        args: list[str | int] = [*self._common(now), router, now + alive_ms, queue_lease_ms]
+        return int(await self._beat(keys=self.keys.admission(routers=[router]), args=args))
+
+    async def leave_routers(self, router: str) -> None:
+        """A clean shutdown, its leases given back: ``router`` no longer beats."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.routers, router)
+            pipe.delete(self.keys.held(router))
             await pipe.execute()
 
     # --- the node agent ----------------------------------------------------------------------------
@@ -311,7 +337,7 @@ def _encode(request: ReserveRequest) -> str:
         "batch_queue_max": request.batch_queue_max, "prefixes": list(request.prefixes),
         "affinity_abs": request.affinity_abs, "affinity_rel": request.affinity_rel,
         "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
-        "excluded": list(request.excluded), "generations": request.generations,
+        "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
         "candidates": [[c.node_id, c.tokens_per_s, random.random()] for c in request.candidates],
     }
     return json.dumps(fields, separators=(",", ":"))

@@ -8,11 +8,12 @@
 -- tag keeps those in the declared keys' slot. ARGV starts with the prefix, the events channel and the time
 -- (ms); each script's own arguments follow.
 local K = {queue = KEYS[1], qmeta = KEYS[2], drained = KEYS[3], affinity = KEYS[4], lru = KEYS[5],
-           events = ARGV[2]}
+           routers = KEYS[6], events = ARGV[2]}
 local PREFIX, NOW = ARGV[1], tonumber(ARGV[3])
 local function node_key(id) return PREFIX .. 'node:' .. id end
 local function resv_key(id) return PREFIX .. 'resv:' .. id end
 local function tenant_key(name) return PREFIX .. 'tenant:' .. name end
+local function held_key(router) return PREFIX .. 'held:' .. router end
 
 -- Queue entries: K.queue holds each waiter's lease expiry (short, renewed on each attempt), K.qmeta its
 -- record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes \t declined \t
@@ -284,4 +285,39 @@ local function release(node, rid, tenant, now, lease, keep, k)
     end
   end
   return removed
+end
+
+-- Router liveness. K.routers holds each router's id -> until when it counts as alive (ms): it beats from a
+-- thread of its own, so a router that is only slow keeps beating. held_key(router) holds the reservations a
+-- router holds: request id -> "node \t tenant \t slots". A router that stops beating has them given back
+-- (and handed to waiters) by the next reservation or beat of any router: its crash costs capacity for its
+-- liveness period, not for the lease.
+
+-- `router` (if named) now holds k slots on `node` for `rid`, kept while its reservations could live
+local function track(router, rid, node, tenant, k, lease)
+  if not router or router == '' then return end
+  local hkey = held_key(router)
+  redis.call('HSET', hkey, rid, node .. '\t' .. tenant .. '\t' .. k)
+  if redis.call('PTTL', hkey) < lease * 2 then redis.call('PEXPIRE', hkey, lease * 2) end
+end
+
+local function untrack(router, rid)
+  if router and router ~= '' then redis.call('HDEL', held_key(router), rid) end
+end
+
+-- give back what the routers that stopped beating held (a few routers per call); the slots given back
+local function reclaim(now, lease)
+  local dead = redis.call('ZRANGEBYSCORE', K.routers, '-inf', '(' .. now, 'LIMIT', 0, 4)
+  local n = 0
+  for _, router in ipairs(dead) do
+    local hkey = held_key(router)
+    local all = redis.call('HGETALL', hkey)
+    for i = 1, #all, 2 do
+      local f = fields(all[i + 1])
+      n = n + release(f[1], all[i], f[2], now, lease, false, tonumber(f[3]))
+    end
+    redis.call('DEL', hkey)
+    redis.call('ZREM', K.routers, router)
+  end
+  return n
 end
