@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -17,6 +18,7 @@ import httpx
 import uvicorn
 
 from macpool import upstream
+from macpool.loops import every
 from macpool.serving import server_config
 from macpool.settings import ConfigError
 from macpool.store.connect import AnyRedis, Connection, connect
@@ -155,6 +157,9 @@ class Agent:
             supervisor_state=(supervisor.state if supervisor else lambda: None),
         )
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
+        if self.connection.sentinel is not None:  # a failover, logged when the sentinels name a new primary
+            watch = functools.partial(self.connection.check_primary, log)
+            self.tasks.append(asyncio.create_task(every(1.0, watch, "redis primary", log, first_now=True)))
         config = server_config(
             create_app(self.runtime),
             # longer than the routers keep an idle connection (30 s, router/forward.py), so a router never

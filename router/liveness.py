@@ -54,7 +54,7 @@ class Liveness:
         router = settings.router_id
 
         async def beat() -> None:
-            await connection.primary(log)
+            await connection.check_primary(log)
             reclaimed = await store.beat(router, self.alive_ms)
             if reclaimed:
                 log.warning("gave back %d slots held by routers that stopped beating", reclaimed,

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import redis
 from redis.cluster import ClusterNode
+from redis.sentinel import Sentinel
 
 from macpool.store import Keys, Store
 from macpool.store.connect import connect, parse
@@ -31,10 +32,14 @@ class BlockingStore:
         self._runner.close()
 
 
-def sync_redis(url: str) -> redis.Redis | redis.RedisCluster:
-    """A synchronous client (decoding replies) for any URL macpool/store/connect.py takes but Sentinel's."""
+def sync_redis(url: str, decode_responses: bool = True) -> redis.Redis | redis.RedisCluster:
+    """A synchronous client for any URL macpool/store/connect.py takes (Sentinel: the primary now)."""
     target = parse(url)
+    if target.kind == "sentinel":
+        sentinel = Sentinel(list(target.hosts), socket_timeout=2, password=target.password, db=target.db,
+                            decode_responses=decode_responses)
+        return sentinel.master_for(target.service)
     if target.kind == "cluster":
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
-        return redis.RedisCluster(startup_nodes=nodes, decode_responses=True)
-    return redis.Redis.from_url(url, decode_responses=True)
+        return redis.RedisCluster(startup_nodes=nodes, decode_responses=decode_responses)
+    return redis.Redis.from_url(url, decode_responses=decode_responses)

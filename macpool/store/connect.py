@@ -106,27 +106,27 @@ def retry() -> Retry:
 
 @dataclass
 class Connection:
-    """A client for one target; for Sentinel, also the sentinels (:meth:`primary` says where it points)."""
+    """A client for one target; for Sentinel, also the sentinels (:meth:`check_primary`)."""
 
     target: RedisTarget
     client: AnyRedis
     sentinel: Sentinel | None = None
-    _primary: str = field(default="", init=False)
+    primary: str = field(default="", init=False)  # host:port of the primary last named by the sentinels
 
-    async def primary(self, log: logging.Logger) -> str:
-        """The primary the sentinels name now (``""`` for a single server or a cluster); a change since the
-        last call is logged, so a failover shows in the logs of every process that follows it."""
+    async def check_primary(self, log: logging.Logger) -> None:
+        """Ask the sentinels which primary they name now (``primary``; nothing to ask for a single server or
+        a cluster); a change since the last call is logged, so a failover shows in the logs of every process
+        that follows it."""
         if self.sentinel is None:
-            return ""
+            return
         host, port = await self.sentinel.discover_master(self.target.service)
         now = f"{host}:{port}"
-        if self._primary and now != self._primary:
+        if self.primary and now != self.primary:
             log.warning("redis failover: the primary of %s moved from %s to %s", self.target.service,
-                        self._primary, now, extra={"redis_primary": now})
-        elif not self._primary:
+                        self.primary, now, extra={"redis_primary": now})
+        elif not self.primary:
             log.info("redis primary of %s is %s", self.target.service, now, extra={"redis_primary": now})
-        self._primary = now
-        return now
+        self.primary = now
 
     async def aclose(self) -> None:
         await self.client.aclose()
