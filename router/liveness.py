@@ -53,9 +53,22 @@ class Liveness:
         store = Store(connection.client, Keys(settings.key_prefix))
         router = settings.router_id
 
+        failing = False
+
         async def beat() -> None:
-            await connection.check_primary(log)
-            reclaimed = await store.beat(router, self.alive_ms)
+            nonlocal failing
+            try:
+                await connection.check_primary(log)
+                reclaimed = await store.beat(router, self.alive_ms)
+            except Exception as exc:  # one line per outage: the pool view already reports Redis down
+                if not failing:
+                    log.warning("router liveness beat failed (%s: %s); retrying every beat",
+                                type(exc).__name__, exc)
+                failing = True
+                return
+            if failing:
+                log.info("router liveness beat succeeds again")
+            failing = False
             if reclaimed:
                 log.warning("gave back %d slots held by routers that stopped beating", reclaimed,
                             extra={"slots": reclaimed})

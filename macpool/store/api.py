@@ -16,6 +16,7 @@ from typing import Any, Literal, cast, get_args
 
 from pydantic import BaseModel, Field
 from redis.asyncio import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from macpool.contract import NodeDoc, Priority, now_ms
 from macpool.store.connect import AnyRedis
@@ -147,7 +148,10 @@ class Store:
         """Where the Redis client connects (host:port, or a unix socket's path), never its password."""
         if isinstance(self.redis, RedisCluster):
             return ",".join(node.name for node in self.redis.get_nodes())
-        kwargs = self.redis.connection_pool.connection_kwargs
+        pool = self.redis.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            return f"the primary of {pool.service_name} (Sentinel)"
+        kwargs = pool.connection_kwargs
         return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
     def _common(self, now: int | None) -> list[str | int]:
