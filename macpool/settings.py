@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsError
 
+from macpool.store.connect import parse
+
 S = TypeVar("S", bound=BaseSettings)
 
 
@@ -19,16 +21,9 @@ class ConfigError(ValueError):
 
 
 def _redis_url(url: str) -> str:
-    """redis://[user:password@]host[:port][/db], rediss://..., or unix:///path[?db=N]; redis-py would take
-    ``/abc`` as database 0 without a word."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError("expected redis://, rediss:// or unix://")
-    if parts.scheme != "unix":
-        _ = parts.port  # ValueError for a port that is not a number in range
-        database = parts.path.strip("/")
-        if database and not database.isdigit():
-            raise ValueError(f"the database {database!r} is not a number (redis://host:6379/0)")
+    """One of the forms macpool/store/connect.py takes; redis-py would take ``/abc`` as database 0 without a
+    word."""
+    parse(url)
     return url
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -15,11 +16,12 @@ from collections.abc import Callable, Generator
 
 import httpx
 import uvicorn
-from redis.asyncio import Redis
 
 from macpool import upstream
+from macpool.loops import every
 from macpool.serving import server_config
 from macpool.settings import ConfigError
+from macpool.store.connect import AnyRedis, Connection, connect
 
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
@@ -81,7 +83,8 @@ class Agent:
         self.force = asyncio.Event()
         self.supervisor: Supervisor | None = None
         self.heartbeat: Heartbeat | None = None
-        self.redis: Redis | None = None
+        self.redis: AnyRedis | None = None
+        self.connection: Connection | None = None
         self.server: _Server | None = None
         self.server_task: asyncio.Task[None] | None = None
         self.tasks: list[asyncio.Task[None]] = []
@@ -115,9 +118,9 @@ class Agent:
         transport = upstream.Upstream(UPSTREAM_IDLE_S)
         self.runtime.http = httpx.AsyncClient(timeout=timeout, transport=transport)
         self.runtime.upstream_transport = transport
-        self.redis = Redis.from_url(
-            settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, health_check_interval=10
-        )
+        self.connection = connect(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
+                                  health_check_interval=10)
+        self.redis = self.connection.client
         shape, kv_per_token = load_model_shape(settings)
         self.runtime.details["model"] = {
             "path": str(settings.model) if settings.model else None,
@@ -147,6 +150,9 @@ class Agent:
         probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
         self.heartbeat = Heartbeat(self.runtime, self.redis, probe, shape, kv_per_token)
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
+        if self.connection.sentinel is not None:  # a failover, logged when the sentinels name a new primary
+            watch = functools.partial(self.connection.check_primary, log)
+            self.tasks.append(asyncio.create_task(every(1.0, watch, "redis primary", log, first_now=True)))
         config = server_config(
             create_app(self.runtime),
             # longer than the routers keep an idle connection (30 s, router/forward.py), so a router never
@@ -209,8 +215,8 @@ class Agent:
                 await self.supervisor.stop()
             if self.runtime.http is not None:
                 await self.runtime.http.aclose()
-            if self.redis is not None:
-                await self.redis.aclose()
+            if self.connection is not None:
+                await self.connection.aclose()
             log.info("agent %s stopped", self.settings.node_id)
 
     async def _drain(self) -> None:

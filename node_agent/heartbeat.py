@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import httpx
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from macpool import __version__
 from macpool.contract import MemoryFigures, NodeDoc, NodeState, heartbeat_ttl_ms, now_ms
 from macpool.loops import every
 from macpool.store import Keys, Store
+from macpool.store.connect import AnyRedis
 
 from . import capacity
 from .gguf_info import ModelShape
@@ -140,7 +140,7 @@ class Heartbeat:
     """One agent's heartbeat: observation, the capacity decision, and the Redis write."""
 
     runtime: Runtime
-    redis: Redis
+    redis: AnyRedis
     probe: MemoryProbe
     model_shape: ModelShape | None
     kv_bytes_per_token: int | None

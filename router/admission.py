@@ -261,7 +261,7 @@ class Admission:
             prefixes=ticket.prefixes if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
             affinity_max_entries=settings.affinity_max_entries, excluded=self._excluded(tried),
-            generations=ticket.generations,
+            generations=ticket.generations, router=settings.router_id,
         )
         try:
             attempt = await self.store.reserve(request)

@@ -14,10 +14,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -33,12 +29,14 @@ from macpool.contract import Priority, generations
 from macpool.errors import error_response, exception_handlers
 from macpool.settings import origin_list
 from macpool.store import ANONYMOUS, Keys, Store
+from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.events import drain_message
 from macpool.upstream import Upstream
 from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
 from router.forward import Call, Forwarder, new_upstream
+from router.liveness import Liveness
 from router.metrics import RouterMetrics
 from router.pool import PoolView
 from router.scale import ScaleConfig, ScaleWatch
@@ -60,7 +58,7 @@ class BadRequest(Exception):
 class Services:
     """What the lifespan opens and the handlers use."""
 
-    redis: Redis
+    redis: AnyRedis
     client: Upstream  # to the agents
     pool: PoolView
     admission: Admission
@@ -91,18 +89,21 @@ class Router:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        redis = redis_client(self.settings)
+        connection = redis_connection(self.settings)
+        redis = connection.client
         client = new_upstream()
         tenants = [key.tenant for key in self.api_keys.keys] or [ANONYMOUS]
         store = Store(redis, self.keys)
         pool = PoolView(self.settings, store, tenants)
         admission = Admission(self.settings, store, pool, self.metrics)
         forwarder = Forwarder(self.settings, client, pool, admission, self.metrics)
+        liveness = Liveness(self.settings)
         try:
             await pool.start()
+            await asyncio.to_thread(liveness.start)
             admission.start()
             self._services = Services(redis, client, pool, admission, forwarder)
-            redis_at = _redacted(self.settings.redis_url)
+            redis_at = connection.target.redacted
             log.info("router %s serving; redis %s", self.settings.router_id, redis_at)
             async with self.scale.running():
                 yield
@@ -111,9 +112,10 @@ class Router:
             # requests the server cancelled at its shutdown timeout are still giving their slots back
             await admission.settle(SETTLE_S)
             await admission.stop()
+            await asyncio.to_thread(liveness.stop)
             await pool.stop()
             await client.aclose()
-            await redis.aclose()
+            await connection.aclose()
 
     def begin_shutdown(self) -> None:
         """The server got SIGTERM/SIGINT (called from its signal handler: only sets a flag)."""
@@ -301,19 +303,20 @@ class Router:
 SETTLE_S = 3.0  # at shutdown, the most the leases of cancelled requests are waited for (then they expire)
 
 
-def redis_client(settings: Settings) -> Redis:
-    """The router's Redis client: one pool shared by the request path and the pool view."""
+def redis_connection(settings: Settings) -> Connection:
+    """The router's Redis connection (a server, Sentinel or Cluster: macpool/store/connect.py): one pool
+    shared by the request path and the pool view."""
     # a blocking pool waits for a free connection under a burst instead of failing the request (redis-py's
     # default pool raises MaxConnectionsError at 100 connections). A pooled connection that a restarted
-    # Redis has closed fails its next command: that command is retried once on a new connection (it never
-    # ran) instead of failing one client request per dead connection.
-    return Redis.from_pool(
-        BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=512, timeout=5.0,
-            socket_connect_timeout=2.0, socket_timeout=5.0,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
-    )
+    # Redis (or a failed-over primary) has closed fails its next command: that command is retried on a new
+    # connection (it never ran) instead of failing one client request per dead connection.
+    return connect(settings.redis_url, max_connections=512, timeout=5.0, socket_connect_timeout=2.0,
+                   socket_timeout=5.0)
+
+
+def redis_client(settings: Settings) -> AnyRedis:
+    """The client of :func:`redis_connection`."""
+    return redis_connection(settings).client
 
 
 def create_app(settings: Settings) -> Starlette:
@@ -402,10 +405,3 @@ def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str, bool
         except UnicodeEncodeError:  # a lone surrogate (a valid JSON escape, not a valid string)
             raise BadRequest(400, "`model` is not valid Unicode", "invalid_model") from None
     return payload, model, payload.get("stream") is True
-
-
-def _redacted(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest

@@ -25,6 +25,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "queue-size": (int, "global bound of the wait queue, across all replicas (0: no queue)"),
     "queue-timeout": (float, "seconds a request may wait in the queue before 503 queue_timeout"),
     "lease-seconds": (float, "reservation lease; live requests renew it, a crashed router's expire"),
+    "liveness-seconds": (float, "a router that has not beaten in Redis for this long counts as dead: the "
+                                "other routers give its reservations back"),
     "max-body-bytes": (int, "largest accepted request body (413 above)"),
     "request-read-timeout": (float, "seconds a client may take to send a request's body, then 408"),
     "api-keys-file": (Path, "client API keys, one per line: plaintext or SHA-256 hex digest, then optional "

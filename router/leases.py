@@ -39,9 +39,9 @@ class Lease:
     affinity: AffinityOutcome = ""
     local: bool = False  # taken while Redis was unreachable: counted by this router only
 
-    def stored(self) -> StoredLease:
-        """What this lease holds in Redis."""
-        return StoredLease(self.request_id, self.node.node_id, self.tenant, self.slots)
+    def stored(self, router: str) -> StoredLease:
+        """What this lease holds in Redis, for ``router``."""
+        return StoredLease(self.request_id, self.node.node_id, self.tenant, self.slots, router)
 
 
 class Leases:
@@ -108,7 +108,8 @@ class Leases:
         failure = "TimeoutError"
         with anyio.move_on_after(5, shield=True):
             try:
-                release = Release(lease.request_id, node_id, lease.tenant, lease.slots, failed)
+                release = Release(lease.request_id, node_id, lease.tenant, lease.slots, failed,
+                                  router=self.settings.router_id)
                 await self.store.release(release)
                 return True
             except Exception as exc:
@@ -162,7 +163,7 @@ class Leases:
         leases = [lease for lease in self.active.values() if not lease.local]
         if not leases:
             return
-        stored = [lease.stored() for lease in leases]
+        stored = [lease.stored(self.settings.router_id) for lease in leases]
         recreated = await self.store.renew(stored, self.lease_ms)
         for lease, kept, again in zip(leases, stored, recreated, strict=True):
             if not again:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from redis.asyncio import RedisCluster
+
 from macpool.contract import NODE_STATES, NodeDoc, now_ms
 from macpool.loops import every
 from macpool.store import PoolSnapshot, Store
@@ -170,6 +172,8 @@ class PoolView:
     async def _drop_idle_connections(self) -> None:
         """Close the pooled connections idle since before Redis went away: a restarted Redis closed them, and
         they would stay half-closed until each is next used."""
+        if isinstance(self.redis, RedisCluster):
+            return  # (each of its nodes' pools replaces a dead connection at its next use)
         try:
             await self.redis.connection_pool.disconnect(inuse_connections=False)
         except Exception as exc:  # (closing a dead connection can fail; the next use replaces it anyway)

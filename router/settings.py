@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     queue_size: int = Field(default=64, ge=0)
     queue_timeout: float = Field(default=2.0, ge=0)
     lease_seconds: float = Field(default=30.0, gt=0)
+    # a router that has not beaten for this long counts as dead: what it held is given back
+    liveness_seconds: float = Field(default=4.0, gt=0)
     default_model: str = ""
 
     # prefix-cache affinity (router/affinity.py): prefer the node that served a request's prompt prefix,

@@ -6,9 +6,12 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from redis.asyncio import Redis
+import redis
+from redis.cluster import ClusterNode
+from redis.sentinel import Sentinel
 
 from macpool.store import Keys, Store
+from macpool.store.connect import connect, parse
 
 T = TypeVar("T")
 
@@ -18,11 +21,25 @@ class BlockingStore:
 
     def __init__(self, url: str, keys: Keys | None = None) -> None:
         self._runner = asyncio.Runner()
-        self.store = Store(Redis.from_url(url, decode_responses=True), keys)
+        self.connection = connect(url, decode_responses=True)
+        self.store = Store(self.connection.client, keys)
 
     def run(self, call: Coroutine[Any, Any, T]) -> T:
         return self._runner.run(call)
 
     def close(self) -> None:
-        self._runner.run(self.store.redis.aclose())
+        self._runner.run(self.connection.aclose())
         self._runner.close()
+
+
+def sync_redis(url: str, decode_responses: bool = True) -> redis.Redis | redis.RedisCluster:
+    """A synchronous client for any URL macpool/store/connect.py takes (Sentinel: the primary now)."""
+    target = parse(url)
+    if target.kind == "sentinel":
+        sentinel = Sentinel(list(target.hosts), socket_timeout=2, password=target.password, db=target.db,
+                            decode_responses=decode_responses)
+        return sentinel.master_for(target.service)
+    if target.kind == "cluster":
+        nodes = [ClusterNode(host, port) for host, port in target.hosts]
+        return redis.RedisCluster(startup_nodes=nodes, decode_responses=decode_responses)
+    return redis.Redis.from_url(url, decode_responses=decode_responses)

@@ -7,6 +7,7 @@ of sleeping.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Collection, Sequence
@@ -14,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
 from pydantic import BaseModel, Field
-from redis.asyncio import Redis
+from redis.asyncio import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
 
 from macpool.contract import NodeDoc, Priority, now_ms
+from macpool.store.connect import AnyRedis
 from macpool.store.events import drain_message
 from macpool.store.keys import Keys
 from macpool.store.scripts import source
@@ -69,6 +72,7 @@ class ReserveRequest:
     queue_lease_ms: int = QUEUE_LEASE_MS
     excluded: Collection[str] = ()
     generations: int = 1
+    router: str = ""  # the router that will hold the slots ("": none named, so no liveness tracking)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Release:
     slots: int = 0
     failed: bool = False
     queue_lease_ms: int = QUEUE_LEASE_MS
+    router: str = ""
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ class Lease:
     node_id: str
     tenant: str = ANONYMOUS
     slots: int = 1
+    router: str = ""  # the router holding it (its reservations are given back when it stops beating)
 
 
 class PoolSnapshot(BaseModel):
@@ -126,7 +132,7 @@ class PoolSnapshot(BaseModel):
 class Store:
     """The pool's state in the Redis that ``redis`` points at, under ``keys``' prefix."""
 
-    def __init__(self, redis: Redis, keys: Keys | None = None) -> None:
+    def __init__(self, redis: AnyRedis, keys: Keys | None = None) -> None:
         self.redis = redis
         self.keys = keys or Keys()
         self._reserve = redis.register_script(source("reserve"))
@@ -135,11 +141,17 @@ class Store:
         self._renew = redis.register_script(source("renew"))
         self._heartbeat = redis.register_script(source("heartbeat"))
         self._deregister = redis.register_script(source("deregister"))
+        self._beat = redis.register_script(source("beat"))
 
     @property
     def address(self) -> str:
         """Where the Redis client connects (host:port, or a unix socket's path), never its password."""
-        kwargs = self.redis.connection_pool.connection_kwargs
+        if isinstance(self.redis, RedisCluster):
+            return ",".join(node.name for node in self.redis.get_nodes())
+        pool = self.redis.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            return f"the primary of {pool.service_name} (Sentinel)"
+        kwargs = pool.connection_kwargs
         return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
     def _common(self, now: int | None) -> list[str | int]:
@@ -151,7 +163,9 @@ class Store:
     async def reserve(self, request: ReserveRequest, now: int | None = None) -> Reservation:
         """Reserve slots on the node holding the prompt's prefix or the least-utilised candidate, or queue
         the request, or say why not - in one atomic call."""
-        raw = await self._reserve(keys=self.keys.pool_wide(), args=[*self._common(now), _encode(request)])
+        nodes = [c.node_id for c in request.candidates]
+        keys = self.keys.admission(nodes, [request.tenant], [request.router])
+        raw = await self._reserve(keys=keys, args=[*self._common(now), _encode(request)])
         status, affinity = _text(raw[0]), _text(raw[3])
         if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
             raise ValueError(f"reserve.lua answered {raw!r}")
@@ -163,9 +177,10 @@ class Store:
         """Give the slots back, handing them to waiting requests; the slots released."""
         args: list[str | int] = [
             *self._common(now), release.request_id, release.node_id, release.tenant, release.slots,
-            "1" if release.failed else "0", release.queue_lease_ms,
+            "1" if release.failed else "0", release.queue_lease_ms, release.router,
         ]
-        return int(await self._release(keys=self.keys.pool_wide(), args=args))
+        keys = self.keys.admission([release.node_id], [release.tenant], [release.router])
+        return int(await self._release(keys=keys, args=args))
 
     async def leave_queue(
         self, request_id: str, nodes: Sequence[str] = (), queue_lease_ms: int = QUEUE_LEASE_MS,
@@ -175,18 +190,25 @@ class Store:
         generations (their free slots were held back for it). True when slots had been handed to it (they go
         to the next in line)."""
         args: list[str | int] = [*self._common(now), request_id, queue_lease_ms, *nodes]
-        return int(await self._leave(keys=self.keys.pool_wide(), args=args)) == 2
+        return int(await self._leave(keys=self.keys.admission(nodes), args=args)) == 2
 
     async def renew(self, leases: Sequence[Lease], lease_ms: int, now: int | None = None) -> list[bool]:
         """Extend each lease to ``now + lease_ms``, in one round trip. For each, True when it was gone
         (Redis restarted empty, or it had expired) and has been counted again."""
         expiry = (now_ms() if now is None else now) + lease_ms
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lease in leases:
-                keys = [self.keys.reservations(lease.node_id), self.keys.tenant(lease.tenant)]
-                args: list[str | int] = [expiry, lease_ms, *members(lease.request_id, lease.slots)]
-                await self._renew(keys=keys, args=args, client=pipe)
-            results = await pipe.execute()
+        calls: list[tuple[list[str], list[str | int]]] = [
+            ([self.keys.reservations(lease.node_id), self.keys.tenant(lease.tenant),
+              *([self.keys.held(lease.router)] if lease.router else [])],
+             [expiry, lease_ms, f"{lease.node_id}\t{lease.tenant}\t{lease.slots}",
+              *members(lease.request_id, lease.slots)]) for lease in leases
+        ]
+        if isinstance(self.redis, RedisCluster):  # (its pipelines do not reload a script Redis forgot)
+            results = await asyncio.gather(*(self._renew(keys=k, args=a) for k, a in calls))
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    await self._renew(keys=keys, args=args, client=pipe)
+                results = await pipe.execute()
         return [int(result) == 2 for result in results]
 
     async def drain(self, node_id: str, drained: bool) -> None:
@@ -204,6 +226,25 @@ class Store:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(self.keys.reservations(lease.node_id), *members(lease.request_id, lease.slots))
             pipe.zrem(self.keys.tenant(lease.tenant), lease.request_id)
+            if lease.router:
+                pipe.hdel(self.keys.held(lease.router), lease.request_id)
+            await pipe.execute()
+
+    # --- router liveness ---------------------------------------------------------------------------
+
+    async def beat(self, router: str, alive_ms: int, queue_lease_ms: int = QUEUE_LEASE_MS,
+                   now: int | None = None) -> int:
+        """``router`` counts as alive for ``alive_ms`` more; what routers that stopped beating held is given
+        back (handed to waiters). The slots given back."""
+        now = now_ms() if now is None else now
+        args: list[str | int] = [*self._common(now), router, now + alive_ms, queue_lease_ms]
+        return int(await self._beat(keys=self.keys.admission(routers=[router]), args=args))
+
+    async def leave_routers(self, router: str) -> None:
+        """A clean shutdown, its leases given back: ``router`` no longer beats."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.routers, router)
+            pipe.delete(self.keys.held(router))
             await pipe.execute()
 
     # --- the node agent ----------------------------------------------------------------------------
@@ -300,7 +341,7 @@ def _encode(request: ReserveRequest) -> str:
         "batch_queue_max": request.batch_queue_max, "prefixes": list(request.prefixes),
         "affinity_abs": request.affinity_abs, "affinity_rel": request.affinity_rel,
         "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
-        "excluded": list(request.excluded), "generations": request.generations,
+        "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
         "candidates": [[c.node_id, c.tokens_per_s, random.random()] for c in request.candidates],
     }
     return json.dumps(fields, separators=(",", ":"))

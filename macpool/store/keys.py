@@ -1,7 +1,8 @@
 """Every Redis key name of the pool, in one place.
 
-``{p}`` is the configurable prefix (default ``macpool:``). Redis Cluster needs every key one script touches in
-one hash slot: a prefix holding a hash tag, such as ``{macpool}:``, puts all of a pool's keys there.
+``{p}`` is the configurable prefix (default ``macpool:{pool}:``). Its hash tag (``{pool}``) puts every key of
+one pool in one Redis Cluster hash slot, so the scripts run unchanged on Redis Cluster and on managed Redis in
+cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or behind Sentinel only.
 
 ``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the NodeDoc JSON), ``capacity``, ``state``,
                       ``models`` (newline-separated), ``slots`` (llama-server's), ``instance`` and ``started``
@@ -14,6 +15,9 @@ one hash slot: a prefix holding a hash tag, such as ``{macpool}:``, puts all of 
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
 ``{p}qmeta``          HASH waiter id -> its record (the format is in lib.lua).
 ``{p}tenant:{name}``  ZSET request id -> lease expiry: one tenant's (API key's) requests in flight.
+``{p}routers``        ZSET router id -> until when it counts as alive (ms), which each router beats.
+``{p}held:{router}``  HASH request id -> "node \t tenant \t slots": the reservations one router holds, given
+                      back by any router's next reservation or beat once that router stops beating.
 ``{p}affinity``       HASH prompt-prefix hash -> the node that last served it;
 ``{p}affinity:lru``   ZSET prefix hash -> last use (ms), which bounds it to the newest N entries.
 ``{p}events``         pub/sub channel: ``node <doc json>``, ``gone <id>``, ``freed <id>`` (one per slot),
@@ -23,7 +27,9 @@ one hash slot: a prefix holding a hash tag, such as ``{macpool}:``, puts all of 
 
 from __future__ import annotations
 
-DEFAULT_PREFIX = "macpool:"
+from collections.abc import Iterable
+
+DEFAULT_PREFIX = "macpool:{pool}:"
 
 
 class Keys:
@@ -38,6 +44,7 @@ class Keys:
         self.affinity = f"{prefix}affinity"
         self.affinity_lru = f"{prefix}affinity:lru"
         self.events = f"{prefix}events"
+        self.routers = f"{prefix}routers"
 
     def node(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}"
@@ -48,7 +55,22 @@ class Keys:
     def tenant(self, name: str) -> str:
         return f"{self.prefix}tenant:{name}"
 
+    def held(self, router: str) -> str:
+        return f"{self.prefix}held:{router}"
+
     def pool_wide(self) -> list[str]:
-        """The KEYS of the admission scripts, in the order lib.lua reads them (its node and tenant keys are
-        built there from the prefix, as :meth:`node`, :meth:`reservations` and :meth:`tenant` build them)."""
-        return [self.queue, self.queue_meta, self.drained, self.affinity, self.affinity_lru]
+        """The pool-wide KEYS of the admission scripts, in the order lib.lua reads them."""
+        return [self.queue, self.queue_meta, self.drained, self.affinity, self.affinity_lru, self.routers]
+
+    def admission(
+        self, nodes: Iterable[str] = (), tenants: Iterable[str] = (), routers: Iterable[str] = ()
+    ) -> list[str]:
+        """The KEYS of an admission script: the pool-wide ones, then each of ``nodes``' heartbeat and
+        reservations, each of ``tenants``' requests in flight and what each of ``routers`` holds - every
+        key the call is known to touch before it runs. lib.lua builds the same names from the prefix; keys
+        it finds only as it runs (the tenant of a queued request a freed slot is handed to, what a router
+        that stopped beating held) carry the same hash tag, so they live in the declared keys' slot."""
+        per_node = [key for node_id in dict.fromkeys(nodes)
+                    for key in (self.node(node_id), self.reservations(node_id))]
+        return [*self.pool_wide(), *per_node, *(self.tenant(t) for t in dict.fromkeys(tenants)),
+                *(self.held(r) for r in dict.fromkeys(routers) if r)]

@@ -1,16 +1,19 @@
 -- Shared by the admission scripts (reserve.lua, release.lua, leave.lua), which are this file followed by
 -- their own text (macpool/store/scripts.py).
 --
--- Key names are macpool/store/keys.py's. The pool-wide keys come in KEYS, in Keys.pool_wide() order. A node's
--- and a tenant's keys are built here from the prefix, as keys.py builds them: a script finds some of them only
--- as it runs (the tenant of each queued request a freed slot is handed to). ARGV starts with the prefix, the
--- events channel and the time (ms); each script's own arguments follow.
+-- Key names are macpool/store/keys.py's. KEYS (Keys.admission) are the pool-wide keys, in Keys.pool_wide()
+-- order, then the heartbeat and reservations of each node the call names and its tenant's requests in flight.
+-- A node's and a tenant's keys are built here from the prefix, as keys.py builds them: a script finds some
+-- of them only as it runs (the tenant of each queued request a freed slot is handed to); the prefix's hash
+-- tag keeps those in the declared keys' slot. ARGV starts with the prefix, the events channel and the time
+-- (ms); each script's own arguments follow.
 local K = {queue = KEYS[1], qmeta = KEYS[2], drained = KEYS[3], affinity = KEYS[4], lru = KEYS[5],
-           events = ARGV[2]}
+           routers = KEYS[6], events = ARGV[2]}
 local PREFIX, NOW = ARGV[1], tonumber(ARGV[3])
 local function node_key(id) return PREFIX .. 'node:' .. id end
 local function resv_key(id) return PREFIX .. 'resv:' .. id end
 local function tenant_key(name) return PREFIX .. 'tenant:' .. name end
+local function held_key(router) return PREFIX .. 'held:' .. router end
 
 -- Queue entries: K.queue holds each waiter's lease expiry (short, renewed on each attempt), K.qmeta its
 -- record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes \t declined \t
@@ -282,4 +285,39 @@ local function release(node, rid, tenant, now, lease, keep, k)
     end
   end
   return removed
+end
+
+-- Router liveness. K.routers holds each router's id -> until when it counts as alive (ms): it beats from a
+-- thread of its own, so a router that is only slow keeps beating. held_key(router) holds the reservations a
+-- router holds: request id -> "node \t tenant \t slots". A router that stops beating has them given back
+-- (and handed to waiters) by the next reservation or beat of any router: its crash costs capacity for its
+-- liveness period, not for the lease.
+
+-- `router` (if named) now holds k slots on `node` for `rid`, kept while its reservations could live
+local function track(router, rid, node, tenant, k, lease)
+  if not router or router == '' then return end
+  local hkey = held_key(router)
+  redis.call('HSET', hkey, rid, node .. '\t' .. tenant .. '\t' .. k)
+  if redis.call('PTTL', hkey) < lease * 2 then redis.call('PEXPIRE', hkey, lease * 2) end
+end
+
+local function untrack(router, rid)
+  if router and router ~= '' then redis.call('HDEL', held_key(router), rid) end
+end
+
+-- give back what the routers that stopped beating held (a few routers per call); the slots given back
+local function reclaim(now, lease)
+  local dead = redis.call('ZRANGEBYSCORE', K.routers, '-inf', '(' .. now, 'LIMIT', 0, 4)
+  local n = 0
+  for _, router in ipairs(dead) do
+    local hkey = held_key(router)
+    local all = redis.call('HGETALL', hkey)
+    for i = 1, #all, 2 do
+      local f = fields(all[i + 1])
+      n = n + release(f[1], all[i], f[2], now, lease, false, tonumber(f[3]))
+    end
+    redis.call('DEL', hkey)
+    redis.call('ZREM', K.routers, router)
+  end
+  return n
 end

@@ -62,6 +62,7 @@ local function take_handed_over(me)
     redis.call('PEXPIRE', rkey, lease * 2)  -- (the hand-over may have created the key, with a short TTL)
     redis.call('ZADD', tenant_key(tenant), 'XX', now + lease, rid)
     redis.call('PEXPIRE', tenant_key(tenant), lease * 2)
+    track(req.router, rid, node, tenant, k, lease)
     remember(node)
     leave(me)
     local outcome = ''
@@ -312,6 +313,7 @@ local function join_queue(q, pref)
 end
 
 local function main()
+  reclaim(now, queue_lease)  -- (the slots of routers that stopped beating, first)
   local entries = queue_entries(now)
   local me = nil
   if req.dequeue then
@@ -339,6 +341,7 @@ local function main()
   local outcome, pref = apply_affinity(best, open)
   if best and slots_ahead(best, open, q, waiting_on) + best.k <= free then
     reserve(best.id, rid, tenant, now, lease, best.k)
+    track(req.router, rid, best.id, tenant, best.k, lease)
     if me then dequeue(me) end
     remember(best.id)
     return {'reserved', best.id, best.n + best.k, outcome, best.k}

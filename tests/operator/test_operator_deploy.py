@@ -422,7 +422,8 @@ def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> Non
     assert urlparse(settings.advertise_url).port == settings.port
     assert settings.host == "0.0.0.0", "routers on other hosts must reach the agent"
     assert settings.llama_server and settings.model, "the plist's agent supervises llama-server"
-    assert f"macpool:node:{settings.node_id} doc" in guide, "the guide looks the node up under its node_id"
+    looked_up = f"\"macpool:{{pool}}:node:{settings.node_id}\" doc"
+    assert looked_up in guide, "the guide looks the node up under its node_id"
 
 
 SUBCOMMANDS = {"router": 1, "agent": 2, "sim": 1, "demo": 1, "top": 1}  # words naming the command

@@ -155,12 +155,12 @@ def _on(
 
 
 def test_router_replica_killed_under_load(rig: Rig) -> None:
-    """kill -9 of one replica: its leases are reclaimed within the lease time; the other replica serves."""
-    lease = 3.0
+    """kill -9 of one replica: it stops beating, and the other replica gives its reservations back within
+    5 s (the liveness period and a beat), long before their 30 s lease; the other replica serves meanwhile."""
     rig.node("n1", cap=3, speed=1)
     rig.node("n2", cap=3, speed=1)
-    doomed = rig.router("--lease-seconds", str(lease), "--router-id", "doomed", name="router-a")
-    other = rig.router("--lease-seconds", str(lease), "--router-id", "other", name="router-b")
+    doomed = rig.router("--router-id", "doomed", name="router-a")
+    other = rig.router("--router-id", "other", name="router-b")
     rig.wait_ready(doomed, nodes=2)
     rig.wait_ready(other, nodes=2)
     model = rig.model(doomed)
@@ -182,19 +182,18 @@ def test_router_replica_killed_under_load(rig: Rig) -> None:
         killed = time.monotonic()
         for response, _, _ in held:
             response.close()
-        # the other replica keeps serving meanwhile (the doomed leases still count until they expire)
         reply = b.post("/v1/chat/completions", json=chat(model, 2, False))
         assert reply.status_code == 200
-        wait_until(lambda: doomed_leases() == 0, lease + 10, "the dead replica's leases reclaimed")
+        wait_until(lambda: doomed_leases() == 0, 15, "the dead replica's leases reclaimed")
         reclaimed = time.monotonic() - killed
-        print(f"leases of the killed replica reclaimed after {reclaimed:.2f}s (lease {lease}s)")
-        assert reclaimed <= lease + 3
+        print(f"leases of the killed replica reclaimed after {reclaimed:.2f}s (lease 30s, liveness 4s)")
+        assert reclaimed <= 5 + 1  # (one more second: this test polls, on a loaded machine)
         # all six slots usable again through the surviving replica
         streams = [_open(b, chat(model, 3000)) for _ in range(6)]
         for response, _, _ in streams:
             response.close()
     # the killed replica restarted on its port serves again with no manual step
-    again = rig.router("--lease-seconds", str(lease), port=doomed.port, name="router-a2")
+    again = rig.router(port=doomed.port, name="router-a2")
     rig.wait_ready(again, nodes=2)
     assert (
         httpx.post(again.url + "/v1/chat/completions", json=chat(model, 2, False), timeout=30).status_code

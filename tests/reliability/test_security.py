@@ -226,7 +226,7 @@ def test_redis_password_and_acl_user(stack: Stack, tmp_path: Path) -> None:
         assert httpx.get(router.url + "/ready", timeout=10).status_code == 200
         reply = httpx.post(router.url + "/v1/chat/completions", json=chat("", 2, False), timeout=30)
         assert reply.status_code == 200
-        wait_until(lambda: admin.zcard("macpool:resv:acl") == 0, 10, "the reservation released")
+        wait_until(lambda: admin.zcard("macpool:{pool}:resv:acl") == 0, 10, "the reservation released")
         limited.close()
         admin.close()
     for log in tmp_path.glob("*.log"):

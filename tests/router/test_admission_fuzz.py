@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
 import redis
 
 from macpool.contract import Priority, slots_needed
+from macpool.redis_server import ClusterDeployment
 from macpool.store import Candidate, Keys, Lease, Release, Reservation, ReserveRequest
-from tests.blocking_store import BlockingStore
+from tests.blocking_store import BlockingStore, sync_redis
 
 KEYS = Keys()
 LEASE = 60_000
@@ -159,7 +160,7 @@ class View:
         return head if self.fits(head, [node]) else None
 
 
-def read(r: redis.Redis, nodes: list[str], tenants: list[str], now: int) -> View:
+def read(r: redis.Redis | redis.RedisCluster, nodes: list[str], tenants: list[str], now: int) -> View:
     pipe = r.pipeline(transaction=False)
     for node in nodes:
         pipe.hgetall(KEYS.node(node))
@@ -222,7 +223,7 @@ class Steps:
 class Fuzz:
     def __init__(self, url: str, seed: int) -> None:
         self.rng = rng = random.Random(seed)
-        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.r = sync_redis(url)
         self.r.flushall()
         self.api = BlockingStore(url, KEYS)
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
@@ -690,3 +691,16 @@ def run(url: str, seed: int, ops: int) -> None:
 @pytest.mark.parametrize("seed", range(SEEDS))
 def test_random_calls_keep_the_admission_invariants(redis_url: str, seed: int) -> None:
     run(redis_url, seed, OPS)
+
+
+@pytest.fixture(scope="module")
+def cluster_url() -> Iterator[str]:
+    with ClusterDeployment(primaries=3) as cluster:
+        yield cluster.url
+
+
+@pytest.mark.parametrize("seed", range(max(SEEDS // 4, 1)))
+def test_the_admission_invariants_hold_on_a_three_primary_cluster(cluster_url: str, seed: int) -> None:
+    """The same calls on Redis Cluster: every key of the pool shares the prefix's hash tag, so each script's
+    keys live in one slot (a key in another slot fails the call with CROSSSLOT)."""
+    run(cluster_url, seed, OPS)
