@@ -14,6 +14,9 @@ from macpool.contract import NODE_STATES, NodeDoc, NodeState
 
 from .settings import AgentSettings
 
+MIN_DECODE_EVENTS = 16  # the fewest events of an answer whose decode speed is counted
+DECODE_EWMA = 0.2  # weight of the latest answer in the smoothed per-slot decode speed
+
 
 class AgentMetrics:
     """The agent's own Prometheus registry (never the global default)."""
@@ -85,6 +88,7 @@ class Runtime:
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    slot_tokens_per_s: float | None = None  # smoothed decode speed of one answer (note_decode)
     # set to publish a heartbeat now rather than at the next tick (llama-server found dead)
     beat_now: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -107,6 +111,16 @@ class Runtime:
 
     def ttft_p50_ms(self) -> float | None:
         return statistics.median(self.ttft_samples) * 1000 if self.ttft_samples else None
+
+    def note_decode(self, events: int, seconds: float) -> None:
+        """One streamed answer sent ``events`` SSE events, the last ``seconds`` after the first: its tokens
+        after the first came at events - 1 per that time (the closing events - finish, usage, [DONE] - come
+        with the last token, a small overestimate). Short answers say too little and are left out."""
+        if events < MIN_DECODE_EVENTS or seconds <= 0:
+            return
+        rate = (events - 1) / seconds
+        before = self.slot_tokens_per_s
+        self.slot_tokens_per_s = rate if before is None else (1 - DECODE_EWMA) * before + DECODE_EWMA * rate
 
     def set_state(self, state: NodeState) -> None:
         self.state = state
