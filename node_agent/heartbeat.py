@@ -274,6 +274,7 @@ class Heartbeat:
             tokens_per_s=round(view.tokens_per_s, 2),
             ttft_p50_ms=runtime.ttft_p50_ms(),
             slot_tokens_per_s=_rounded(runtime.slot_tokens_per_s),
+            slot_concurrency=_rounded(runtime.slot_concurrency),
             ctx_per_slot=view.ctx_per_slot,
             llama_build=view.build,
             agent_version=__version__,
