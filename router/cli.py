@@ -34,6 +34,9 @@ FLAGS: dict[str, tuple[type, str]] = {
     "default-model": (str, "model used when a request names none (unset: any node)"),
     "cors-origins": (str, "browser origins allowed to call the API, comma-separated "
                           "(https://chat.example.com), or * for any (unset: no CORS)"),
+    "placement": (str, "fastest: the node that would answer soonest, from each node's measured TTFT and "
+                       "per-slot decode speed; least-utilised: the node with the smallest share in use"),
+    "placement-tokens": (int, "answer length, in tokens, the fastest placement expects a request to ask for"),
     "affinity-abs-threshold": (int, "affinity yields to the least-loaded node when the preferred node has at "
                                     "least this many more requests in flight (and the relative one holds)"),
     "affinity-rel-threshold": (float, "affinity yields when the preferred node's utilisation is over this "

@@ -45,6 +45,11 @@ class Settings(BaseSettings):
     affinity_rel_threshold: float = Field(default=1.5, ge=1.0)
     affinity_max_entries: int = Field(default=100_000, ge=1)
 
+    # placement (router/placement.py): the node that would answer soonest, weighing what each node measured
+    # (its TTFT and the decode speed of one slot) for an answer of placement_tokens, or least utilisation
+    placement: Literal["fastest", "least-utilised"] = "fastest"
+    placement_tokens: int = Field(default=256, ge=1)
+
     # priority classes and tenants (docs/router.md "Priorities, fairness and per-key limits")
     default_priority: Literal["interactive", "batch"] = "interactive"
     batch_queue_share: float = Field(default=0.25, ge=0.0, le=1.0)
