@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "soak": ("bench.soak", "1.5x capacity for minutes with node churn: no errors but 503, no leaks"),
     "affinity": ("bench.affinity", "long multi-turn chats: TTFT and throughput, prefix affinity on vs off"),
     "fairness": ("bench.fairness", "flooding vs light tenant: the light one's queue wait, fair vs FIFO"),
+    "placement": ("bench.placement", "a mixed pool of Macs at 0.5x-4x load: macpool vs LiteLLM vs nginx"),
 }
 
 

@@ -103,8 +103,12 @@ def start_sim(processes: Stack, c: Conditions, name: str) -> str:
     ).url
 
 
-async def drive(name: str, targets: list[str], sims: list[str], conditions: Conditions, clients: int) -> Run:
+async def drive(
+    name: str, targets: list[str], sims: list[str], conditions: Conditions, clients: int,
+    model: str | None = None, pause_statuses: tuple[int, ...] = (429, 503),
+) -> Run:
     """``clients`` closed-loop clients spread over ``targets``; throughput read from the simulators ``sims``.
+    Requests name ``model`` (None: none); a client pauses briefly after an answer in ``pause_statuses``.
 
     Throughput is the tokens the simulators generated per simulated second over the steady part of the run
     (after the first ``WARMUP`` of it, until clients stop sending), so the start-up burst and the tail of the
@@ -115,7 +119,10 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
     async with contextlib.AsyncExitStack() as exits:
         clocks = []
         for url in sims:
-            http = await exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
+            # (an idle connection is not reused after a second: the simulator's server closes it after 5 s
+            # idle, and a request sent as it does so fails)
+            limits = httpx.Limits(keepalive_expiry=1.0)
+            http = await exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10, limits=limits))
             clock = SimClock(http)
             await clock.probe()
             clocks.append(clock)
@@ -128,7 +135,8 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
         loop = asyncio.get_running_loop()
         with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
             running = asyncio.gather(*(
-                loop.run_in_executor(pool, _load, url, k, c.prompt_tokens, c.max_tokens, duration, start_at)
+                loop.run_in_executor(pool, _load, url, k, c.prompt_tokens, c.max_tokens, duration, start_at,
+                                     model, pause_statuses)
                 for url, k in jobs
             ))
             await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -148,12 +156,15 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
 
 
 def _load(
-    url: str, clients: int, prompt_tokens: int, max_tokens: int, duration_s: float, start_at: float
+    url: str, clients: int, prompt_tokens: int, max_tokens: int, duration_s: float, start_at: float,
+    model: str | None = None, pause_statuses: tuple[int, ...] = (429, 503),
 ) -> list[RequestRecord]:
     """Some of the clients, in a process of their own, from ``start_at`` (``time.time()``) on."""
     time.sleep(max(0.0, start_at - time.time()))
-    body = chat_body(prompt_tokens, max_tokens)
-    return asyncio.run(ClosedLoop(url, clients, body, requests_per_client=None, duration_s=duration_s).run())
+    body = chat_body(prompt_tokens, max_tokens, model)
+    loop = ClosedLoop(url, clients, body, requests_per_client=None, duration_s=duration_s,
+                      pause_statuses=pause_statuses)
+    return asyncio.run(loop.run())
 
 
 def summarise(name: str, clients: int, records: list[RequestRecord], throughput: float, scale: float,
