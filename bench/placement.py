@@ -16,7 +16,7 @@ second router on the same pool). macpool's routers queue a request until a slot 
 Per run: goodput (tokens the simulators generated per simulated second, steady part of the run) and its ratio
 to the sum of the knees, TTFT and latency p50/p99 (simulated seconds), completed requests, 503s and other
 errors. Below 1x the pool cannot reach its knees (each Mac decodes more tokens per second in a fuller batch);
-there the question is where the requests went, which TTFT shows. Writes JSON (``--out``): ``knees``
+there the question is where the requests went, which TTFT shows. Writes JSON (``--json``): ``knees``
 (per Mac, tok/s), ``knee_sum_tok_s``, ``levels`` (one per level: ``level``, ``clients``, ``runs`` by router).
 """
 
@@ -54,9 +54,11 @@ class Mac:
     cap: int
 
 
+# one fast Mac and two slower ones holding most of the capacity (a new Mac joining older ones): where
+# placement matters, since spreading by utilisation sends most requests to the slow ones
 MACS = (
-    Mac("m5max", "m5max-128g-14b-q4", 8),  # fast: ~92 tok/s per slot alone, prefill 3,000 tok/s
-    Mac("m2pro", "m2pro-32g-8b-q4", 4),  # ~35 tok/s alone, prefill 650 tok/s
+    Mac("m5max", "m5max-128g-14b-q4", 4),  # fast: ~92 tok/s per slot alone, prefill 3,000 tok/s
+    Mac("m2pro", "m2pro-32g-8b-q4", 8),  # ~35 tok/s alone, prefill 650 tok/s
     Mac("m4max", "m4max-64g-32b-q4", 6),  # ~21 tok/s alone (a 32B model), prefill 300 tok/s
 )
 CAPACITY = sum(mac.cap for mac in MACS)
@@ -239,11 +241,11 @@ def _pair(a: float | None, b: float | None) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="macpool bench placement", description=__doc__.split("\n")[0])
     p.add_argument("--levels", default="0.5,1,2,4", help="load levels, times the pool's capacity")
-    p.add_argument("--duration", type=float, default=60.0, help="simulated seconds of load per run")
-    p.add_argument("--speed", type=float, default=4.0, help="simulator speed-up")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--out", type=Path, help="write the JSON result here")
+    p.add_argument("--duration", type=float, default=40.0, help="simulated seconds of load per run")
+    p.add_argument("--speed", type=float, default=2.0, help="simulator speed-up")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", type=Path, help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
     levels = sorted(float(x) for x in args.levels.split(","))
     c = Conditions(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, duration_s=args.duration,
@@ -258,8 +260,8 @@ def main(argv: list[str]) -> int:
     console.print(table(result))
     console.print(f"logs: {logs}")
     text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(text + "\n")
     else:
         print(text)
     return 0

@@ -115,6 +115,38 @@ def test_two_replicas_never_exceed_node_capacity(pool: Pool, redis_url: str) -> 
     store.close()
 
 
+def test_a_mixed_pool_sends_requests_to_the_fast_mac_while_it_answers_sooner(pool: Pool) -> None:
+    # an M5 Max and an M4 Max (a 32B model: ~4x slower per slot), one model name, 4 slots each
+    pool.node("fast", cap=4, parallel=4, speed=10, alias="m")
+    pool.node("slow", cap=4, parallel=4, speed=10, preset="m4max-64g-32b-q4", alias="m")
+    fastest = pool.router()
+    least = pool.router("--placement", "least-utilised")
+    pool.wait_ready(fastest, nodes=2)
+    short = {"model": "m", "stream": True, "max_tokens": 24, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def warm_up() -> list[str]:  # two at once: unmeasured, least utilisation puts one on each Mac
+        async with httpx.AsyncClient(base_url=fastest.url + "/v1", timeout=60) as client:
+            answers = await asyncio.gather(*(client.post("/chat/completions", json=short) for _ in range(2)))
+        return sorted(answer.headers["x-macpool-node"] for answer in answers)
+
+    assert asyncio.run(warm_up()) == ["fast", "slow"]
+
+    def measured() -> bool:
+        nodes = httpx.get(fastest.url + "/api/pool").json()["nodes"]
+        return all(node["slot_tokens_per_s"] for node in nodes)
+
+    wait_until(measured, timeout=10)
+    with httpx.Client(timeout=30) as client, contextlib.ExitStack() as streams:
+        placed = []
+        for url in (fastest.url, fastest.url, fastest.url, least.url):
+            request = client.build_request("POST", url + "/v1/chat/completions", json=_long_stream("m"))
+            response = streams.enter_context(contextlib.closing(client.send(request, stream=True)))
+            assert response.status_code == 200
+            placed.append(response.headers["x-macpool-node"])
+    # the fast Mac, busier, is still the sooner answer; by utilisation alone the 4th would go to the idle one
+    assert placed == ["fast", "fast", "fast", "slow"]
+
+
 # --- the choice itself, in the admission script (in-process, real Redis) ------------------------------------
 
 def _doc(node_id: str, cap: int, speed: float | None = None, running: float | None = None,
