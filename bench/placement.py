@@ -28,7 +28,7 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -162,15 +162,28 @@ def measured(router_url: str, timeout: float = 60.0) -> None:
 
 
 def knees(c: Conditions, sims: list[Proc]) -> dict[str, float]:
-    """Each Mac alone at its cap, all three at once (each on its own simulator)."""
+    """Each Mac alone at its cap, all three at once (each on its own simulator), twice as long as a run: the
+    slowest Mac's answers take a good part of one."""
+    longer = replace(c, duration_s=2 * c.duration_s)
 
     async def go() -> list[Run]:
         return list(await asyncio.gather(*(
-            drive(f"knee {mac.name}", [sim.url], [sim.url], c, mac.cap, MODEL, PAUSE_ON)
+            drive(f"knee {mac.name}", [sim.url], [sim.url], longer, mac.cap, MODEL, PAUSE_ON)
             for mac, sim in zip(MACS, sims, strict=True)
         )))
 
     return {mac.name: run.throughput_tok_s for mac, run in zip(MACS, asyncio.run(go()), strict=True)}
+
+
+def per_mac(urls: list[str]) -> dict[str, dict[str, int]]:
+    """Each Mac's requests completed in the run just ended, and the most it ran at once (over its cap: the
+    router let llama-server queue)."""
+    stats = dict(zip((mac.name for mac in MACS), (httpx.get(url + "/sim/stats", timeout=10).json()
+                                                  for url in urls), strict=True))
+    return {
+        "completed_by_mac": {name: int(s["completed"]) for name, s in stats.items()},
+        "max_concurrent_by_mac": {name: int(s["max_concurrent"]) for name, s in stats.items()},
+    }
 
 
 def run(c: Conditions, levels: list[float], logs: Path, console: Console) -> dict[str, Any]:
@@ -205,7 +218,8 @@ def run(c: Conditions, levels: list[float], logs: Path, console: Console) -> dic
                 console.print(f"{level:g}x ({clients} clients): {name} ...")
                 result = asyncio.run(drive(f"{name} {level:g}x", [url], urls, c, clients, MODEL, PAUSE_ON))
                 runs[name] = asdict(result) | {
-                    "goodput_ratio": round(result.throughput_tok_s / knee_sum, 3) if knee_sum else None
+                    "goodput_ratio": round(result.throughput_tok_s / knee_sum, 3) if knee_sum else None,
+                    **per_mac(urls),
                 }
             out_levels.append({"level": level, "clients": clients, "runs": runs})
     return {
@@ -220,15 +234,18 @@ def run(c: Conditions, levels: list[float], logs: Path, console: Console) -> dic
 
 def table(result: dict[str, Any]) -> Table:
     t = Table(title=f"mixed pool, sum of knees {result['knee_sum_tok_s']} tok/s (simulated seconds)")
+    names = "/".join(mac.name for mac in MACS)
     for column in ("load", "router", "goodput tok/s", "/ knees", "TTFT p50 / p99 s", "latency p50 / p99 s",
-                   "completed", "503", "other errors"):
+                   f"completed ({names})", "503", "other errors"):
         t.add_column(column)
     for level in result["levels"]:
         for name, r in level["runs"].items():
             t.add_row(
                 f"{level['level']:g}x ({level['clients']})", name, f"{r['throughput_tok_s']:.0f}",
                 f"{r['goodput_ratio']:.3f}", _pair(r["ttft_p50_s"], r["ttft_p99_s"]),
-                _pair(r["latency_p50_s"], r["latency_p99_s"]), str(r["completed"]), str(r["rejected_503"]),
+                _pair(r["latency_p50_s"], r["latency_p99_s"]),
+                f"{r['completed']} ({'/'.join(str(n) for n in r['completed_by_mac'].values())})",
+                str(r["rejected_503"]),
                 str(r["errors_non_503"]),
             )
     return t
