@@ -176,18 +176,15 @@ def knees(c: Conditions, sims: list[Proc]) -> dict[str, float]:
 
 
 def per_mac(urls: list[str]) -> dict[str, dict[str, int]]:
-    """Each Mac's requests completed in the run just ended, and the most it ran at once (over its cap: the
-    router let llama-server queue)."""
-    stats = dict(zip((mac.name for mac in MACS), (httpx.get(url + "/sim/stats", timeout=10).json()
-                                                  for url in urls), strict=True))
-    return {
-        "completed_by_mac": {name: int(s["completed"]) for name, s in stats.items()},
-        "max_concurrent_by_mac": {name: int(s["max_concurrent"]) for name, s in stats.items()},
-    }
+    """The requests each Mac completed in the run just ended."""
+    stats = [httpx.get(url + "/sim/stats", timeout=10).json() for url in urls]
+    return {"completed_by_mac": {mac.name: int(s["completed"]) for mac, s in zip(MACS, stats, strict=True)}}
 
 
-def run(c: Conditions, levels: list[float], logs: Path, console: Console) -> dict[str, Any]:
-    nginx_bin, litellm_bin = ensure_nginx(True), ensure_litellm(True)
+def run(
+    c: Conditions, levels: list[float], logs: Path, console: Console, install: bool = True
+) -> dict[str, Any]:
+    nginx_bin, litellm_bin = ensure_nginx(install), ensure_litellm(install)
     sims_all = [mac.name for mac in MACS]
     with Stack(logs=logs, keep_logs=True) as stack:
         sims = start_sims(stack, c.speed)
@@ -262,6 +259,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--speed", type=float, default=2.0, help="simulator speed-up")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--skip-install", action="store_true", help="fail instead of installing a missing peer")
     p.add_argument("--json", type=Path, help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
     levels = sorted(float(x) for x in args.levels.split(","))
@@ -270,7 +268,7 @@ def main(argv: list[str]) -> int:
     console = Console(stderr=True)
     logs = Path(tempfile.mkdtemp(prefix="macpool-bench-placement-"))
     try:
-        result = run(c, levels, logs, console)
+        result = run(c, levels, logs, console, install=not args.skip_install)
     except PeerError as exc:
         print(f"macpool bench placement: {exc}", file=sys.stderr)
         return 1
