@@ -122,20 +122,22 @@ def test_a_mixed_pool_sends_requests_to_the_fast_mac_while_it_answers_sooner(poo
     fastest = pool.router()
     least = pool.router("--placement", "least-utilised")
     pool.wait_ready(fastest, nodes=2)
-    short = {"model": "m", "stream": True, "max_tokens": 24, "messages": [{"role": "user", "content": "hi"}]}
-
-    async def warm_up() -> list[str]:  # two at once: unmeasured, least utilisation puts one on each Mac
-        async with httpx.AsyncClient(base_url=fastest.url + "/v1", timeout=60) as client:
-            answers = await asyncio.gather(*(client.post("/chat/completions", json=short) for _ in range(2)))
-        return sorted(answer.headers["x-macpool-node"] for answer in answers)
-
-    assert asyncio.run(warm_up()) == ["fast", "slow"]
+    # warm-up: unmeasured, least utilisation puts the second answer on the other Mac (the first still runs)
+    warm = {"model": "m", "stream": True, "max_tokens": 200, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=fastest.url, timeout=60) as client, contextlib.ExitStack() as streams:
+        answers = []
+        for _ in range(2):
+            request = client.build_request("POST", "/v1/chat/completions", json=warm)
+            answers.append(streams.enter_context(contextlib.closing(client.send(request, stream=True))))
+        assert sorted(answer.headers["x-macpool-node"] for answer in answers) == ["fast", "slow"]
+        for answer in answers:
+            answer.read()
 
     def measured() -> bool:
         nodes = httpx.get(fastest.url + "/api/pool").json()["nodes"]
         return all(node["slot_tokens_per_s"] for node in nodes)
 
-    wait_until(measured, timeout=10)
+    wait_until(measured, timeout=20, what="both Macs measured")
     with httpx.Client(timeout=30) as client, contextlib.ExitStack() as streams:
         placed = []
         for url in (fastest.url, fastest.url, fastest.url, least.url):
