@@ -39,7 +39,7 @@ class Settings(BaseSettings):
     default_model: str = ""
 
     # prefix-cache affinity (router/affinity.py): prefer the node that served a request's prompt prefix,
-    # unless it is busier than the least-loaded candidate by both thresholds (SGLang's rule)
+    # unless it is busier than the node placement chose by both thresholds (SGLang's rule)
     affinity: bool = True
     affinity_abs_threshold: int = Field(default=4, ge=0)
     affinity_rel_threshold: float = Field(default=1.5, ge=1.0)
