@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "affinity": ("bench.affinity", "long multi-turn chats: TTFT and throughput, prefix affinity on vs off"),
     "chaos": ("bench.chaos", "five faults under streaming load (Sentinel): outcomes, recovery, leaks"),
     "fairness": ("bench.fairness", "flooding vs light tenant: the light one's queue wait, fair vs FIFO"),
+    "placement": ("bench.placement", "a mixed pool of Macs at 0.5x-4x load: macpool vs LiteLLM vs nginx"),
 }
 
 

@@ -124,6 +124,7 @@ class ClosedLoop:
     requests_per_client: int | None = 1
     duration_s: float | None = None  # wall seconds after which clients send no new request
     reject_pause_s: float = 0.05  # a rejected client waits this long (or Retry-After, if shorter)
+    pause_statuses: tuple[int, ...] = (429, 503)  # the answers that mean "rejected"
     headers: dict[str, str] = field(default_factory=dict)
     on_record: Callable[[RequestRecord], None] | None = None
 
@@ -149,7 +150,7 @@ class ClosedLoop:
                     records.append(record)
                     if self.on_record is not None:
                         self.on_record(record)
-                    if record.status in (429, 503):
+                    if record.status in self.pause_statuses:
                         await asyncio.sleep(self._pause(record.retry_after))
 
             await asyncio.gather(*(one_client(i) for i in range(self.concurrency)))

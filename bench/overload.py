@@ -104,8 +104,12 @@ def start_sim(processes: Stack, c: Conditions, name: str) -> str:
     ).url
 
 
-async def drive(name: str, targets: list[str], sims: list[str], conditions: Conditions, clients: int) -> Run:
+async def drive(
+    name: str, targets: list[str], sims: list[str], conditions: Conditions, clients: int,
+    model: str | None = None, pause_statuses: tuple[int, ...] = (429, 503),
+) -> Run:
     """``clients`` closed-loop clients spread over ``targets``; throughput read from the simulators ``sims``.
+    Requests name ``model`` (None: none); a client pauses briefly after an answer in ``pause_statuses``.
 
     Throughput is the tokens the simulators generated per simulated second over the steady part of the run
     (after the first ``WARMUP`` of it, until clients stop sending), so the start-up burst and the tail of the
@@ -116,7 +120,10 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
     async with contextlib.AsyncExitStack() as exits:
         clocks = []
         for url in sims:
-            http = await exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10))
+            # (an idle connection is not reused after a second: the simulator's server closes it after 5 s
+            # idle, and a request sent as it does so fails)
+            limits = httpx.Limits(keepalive_expiry=1.0)
+            http = await exits.enter_async_context(httpx.AsyncClient(base_url=url, timeout=10, limits=limits))
             clock = SimClock(http)
             await clock.probe()
             clocks.append(clock)
@@ -133,7 +140,8 @@ async def drive(name: str, targets: list[str], sims: list[str], conditions: Cond
         with ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_keep_barrier,
                                  initargs=(ready,)) as pool:
             running = asyncio.gather(*(
-                loop.run_in_executor(pool, _load, url, k, c.prompt_tokens, c.max_tokens, duration)
+                loop.run_in_executor(pool, _load, url, k, c.prompt_tokens, c.max_tokens, duration, model,
+                                     pause_statuses)
                 for url, k in jobs
             ))
             await loop.run_in_executor(None, ready.wait)
@@ -161,11 +169,13 @@ def _keep_barrier(ready: Barrier) -> None:
 
 
 def _load(
-    url: str, clients: int, prompt_tokens: int, max_tokens: int, duration_s: float
+    url: str, clients: int, prompt_tokens: int, max_tokens: int, duration_s: float,
+    model: str | None = None, pause_statuses: tuple[int, ...] = (429, 503),
 ) -> list[RequestRecord]:
     """Some of the clients, in a process of their own, once every load process is ready."""
-    body = chat_body(prompt_tokens, max_tokens)
-    loop = ClosedLoop(url, clients, body, requests_per_client=None, duration_s=duration_s)
+    body = chat_body(prompt_tokens, max_tokens, model)
+    loop = ClosedLoop(url, clients, body, requests_per_client=None, duration_s=duration_s,
+                      pause_statuses=pause_statuses)
     _ready[0].wait()
     return asyncio.run(loop.run())
 

@@ -58,6 +58,10 @@ class NodeDoc(BaseModel):
     capacity_breakdown: CapacityBreakdown = Field(default_factory=CapacityBreakdown)
     tokens_per_s: float = 0.0
     ttft_p50_ms: float | None = None
+    # decode speed of one slot, from the streamed answers (smoothed), and the requests in flight meanwhile:
+    # a router scales it to the concurrency a new request would meet (router/placement.py)
+    slot_tokens_per_s: float | None = None
+    slot_concurrency: float | None = None
     ctx_per_slot: int = 0
     llama_build: str = ""
     agent_version: str = ""

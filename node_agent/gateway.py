@@ -100,15 +100,23 @@ class ProxyResponse(StreamingResponse):
     async def _body(self) -> AsyncGenerator[bytes, None]:
         first = True
         ended = True  # the last chunk closed its SSE event (an error event must not extend a cut one)
+        # a stream's events, when the first and last came, and the requests in flight at the first
+        events, first_at, last_at, running = 0, 0.0, 0.0, 0
         try:
             async for chunk in http.chunks(self._upstream):
                 ended = chunk.endswith(b"\n\n")
-                if first and self._streamed:
-                    elapsed = time.perf_counter() - self._started
-                    self._runtime.ttft_samples.append(elapsed)
-                    self._runtime.metrics.ttft.observe(elapsed)
+                if self._streamed:
+                    last_at = time.perf_counter()
+                    events += chunk.count(b"data: ")
+                    if first:
+                        first_at, running = last_at, self._runtime.in_flight
+                        self._runtime.ttft_samples.append(last_at - self._started)
+                        self._runtime.metrics.ttft.observe(last_at - self._started)
                 first = False
                 yield chunk
+            if self._streamed and self.status_code == 200:
+                concurrency = (running + self._runtime.in_flight) / 2
+                self._runtime.note_decode(events, last_at - first_at, concurrency)
         except httpx.HTTPError:
             # a mid-stream upstream failure must not look like a normal end: a stream gets an SSE error
             # event; a plain body is cut off (the connection drops), so the router reports a failure
@@ -272,12 +280,16 @@ class Gateway:
         """
         assembler = unstream.Assembler(endpoint)
         metrics = self.runtime.metrics
+        events, first_at, last_at, running = 0, 0.0, 0.0, 0
         try:
             async for line in http.lines(upstream):
-                if assembler.events == 0 and line.startswith("data: "):
-                    elapsed = time.perf_counter() - started
-                    self.runtime.ttft_samples.append(elapsed)
-                    metrics.ttft.observe(elapsed)
+                if line.startswith("data: "):
+                    last_at = time.perf_counter()
+                    if events == 0:
+                        first_at, running = last_at, self.runtime.in_flight
+                        self.runtime.ttft_samples.append(last_at - started)
+                        metrics.ttft.observe(last_at - started)
+                    events += 1
                 assembler.feed_line(line)
         except httpx.HTTPError:
             metrics.upstream_errors.labels("mid_response").inc()
@@ -290,6 +302,7 @@ class Gateway:
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
             metrics.requests.labels(endpoint, str(status)).inc()
             return JSONResponse({"error": assembler.error}, status_code=status)
+        self.runtime.note_decode(events, last_at - first_at, (running + self.runtime.in_flight) / 2)
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in _response_headers(upstream) if name not in _RECOMPUTED}
         self.runtime.metrics.requests.labels(endpoint, "200").inc()

@@ -135,6 +135,10 @@ def _update_rate(view: UpstreamView, total: float | None) -> None:
     view.tokens_total, view.tokens_at = total, now
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
 @dataclass
 class Heartbeat:
     """One agent's heartbeat: observation, the capacity decision, and the Redis write."""
@@ -262,6 +266,8 @@ class Heartbeat:
             capacity_breakdown=decision.breakdown,
             tokens_per_s=round(view.tokens_per_s, 2),
             ttft_p50_ms=runtime.ttft_p50_ms(),
+            slot_tokens_per_s=_rounded(runtime.slot_tokens_per_s),
+            slot_concurrency=_rounded(runtime.slot_concurrency),
             ctx_per_slot=view.ctx_per_slot,
             llama_build=view.build,
             agent_version=__version__,

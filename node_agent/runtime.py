@@ -15,6 +15,9 @@ from macpool.upstream import Upstream
 
 from .settings import AgentSettings
 
+MIN_DECODE_EVENTS = 16  # the fewest events of an answer whose decode speed is counted
+DECODE_EWMA = 0.2  # weight of the latest answer in the smoothed per-slot decode speed
+
 
 class AgentMetrics:
     """The agent's own Prometheus registry (never the global default)."""
@@ -86,6 +89,8 @@ class Runtime:
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    slot_tokens_per_s: float | None = None  # smoothed decode speed of one answer (note_decode)
+    slot_concurrency: float | None = None  # ... and the requests in flight while it was measured
     # set to publish a heartbeat now rather than at the next tick (llama-server found dead)
     beat_now: asyncio.Event = field(default_factory=asyncio.Event)
     _state: NodeState = field(default="starting", init=False)
@@ -186,6 +191,21 @@ class Runtime:
 
     def ttft_p50_ms(self) -> float | None:
         return statistics.median(self.ttft_samples) * 1000 if self.ttft_samples else None
+
+    def note_decode(self, events: int, seconds: float, concurrency: float) -> None:
+        """One streamed answer sent ``events`` SSE events, the last ``seconds`` after the first, while about
+        ``concurrency`` requests ran here: its tokens after the first came at events - 1 per that time (the
+        closing events - finish, usage, [DONE] - come with the last token, a small overestimate). Short
+        answers say too little and are left out. Routers scale the speed to the concurrency a new request
+        would meet (router/placement.py), so both are smoothed alike."""
+        if events < MIN_DECODE_EVENTS or seconds <= 0:
+            return
+        rate = (events - 1) / seconds
+        if self.slot_tokens_per_s is None or self.slot_concurrency is None:
+            self.slot_tokens_per_s, self.slot_concurrency = rate, concurrency
+            return
+        self.slot_tokens_per_s += DECODE_EWMA * (rate - self.slot_tokens_per_s)
+        self.slot_concurrency += DECODE_EWMA * (concurrency - self.slot_concurrency)
 
     def _set_state(self, state: NodeState) -> None:
         self._state = state

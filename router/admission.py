@@ -28,7 +28,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from macpool.contract import NodeDoc, Priority, slots_needed
 from macpool.store import (
     ANONYMOUS,
-    Candidate,
     Reservation,
     ReserveRequest,
     Store,
@@ -37,6 +36,7 @@ from router.full_memo import FullMemo
 from router.leases import Lease as Lease  # (callers take Lease from here, with Admission)
 from router.leases import Leases
 from router.metrics import RouterMetrics
+from router.placement import BATCH_COST, STRATEGIES
 from router.pool import PoolView
 from router.retry_after import RejectReason, RetryAfter
 from router.settings import Settings
@@ -99,6 +99,7 @@ class Admission:
         self.active = self.leases.active  # request id -> the lease it holds
         self.affinity_counts: dict[str, int] = dict.fromkeys(("hit", "miss", "overridden"), 0)
         self.full = FullMemo(lambda: pool.version)
+        self.place = STRATEGIES[settings.placement]  # a node as a candidate, weighed as --placement says
         pool.freed_listeners.append(self.waiters.wake)
         pool.waiter_listeners.append(self.waiters.wake_request)
 
@@ -254,14 +255,14 @@ class Admission:
         """One reservation attempt; None when Redis is unreachable (the router admits from its own view)."""
         settings = self.settings
         request = ReserveRequest(
-            request_id, [Candidate(doc.node_id, doc.tokens_per_s) for doc in docs], self.leases.lease_ms,
+            request_id, [self.place(doc, settings.placement_tokens) for doc in docs], self.leases.lease_ms,
             queue_size=settings.queue_size, enqueue=True, dequeue=dequeue, priority=ticket.priority,
             tenant=ticket.tenant, model=ticket.model, key_limit=ticket.key_limit,
             batch_queue_max=self.batch_queue_max,
             prefixes=ticket.prefixes if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
             affinity_max_entries=settings.affinity_max_entries, excluded=self._excluded(tried),
-            generations=ticket.generations, router=settings.router_id,
+            generations=ticket.generations, router=settings.router_id, batch_cost=BATCH_COST,
         )
         try:
             attempt = await self.store.reserve(request)

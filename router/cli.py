@@ -36,10 +36,13 @@ FLAGS: dict[str, tuple[type, str]] = {
     "default-model": (str, "model used when a request names none (unset: any node)"),
     "cors-origins": (str, "browser origins allowed to call the API, comma-separated "
                           "(https://chat.example.com), or * for any (unset: no CORS)"),
-    "affinity-abs-threshold": (int, "affinity yields to the least-loaded node when the preferred node has at "
-                                    "least this many more requests in flight (and the relative one holds)"),
+    "placement": (str, "fastest: the node that would answer soonest, from each node's measured TTFT and "
+                       "per-slot decode speed; least-utilised: the node with the smallest share in use"),
+    "placement-tokens": (int, "answer length, in tokens, the fastest placement expects a request to ask for"),
+    "affinity-abs-threshold": (int, "affinity yields to the node placement chose when the preferred node has "
+                                    "at least this many more requests in flight (and the relative holds)"),
     "affinity-rel-threshold": (float, "affinity yields when the preferred node's utilisation is over this "
-                                      "multiple of the least-loaded node's (and the absolute one holds)"),
+                                      "multiple of placement's node's (and the absolute one holds)"),
     "affinity-max-entries": (int, "prompt-prefix entries remembered in Redis (least recently used dropped)"),
     "default-priority": (str, "priority of requests without X-Macpool-Priority or a per-key default"),
     "batch-queue-share": (float, "share of the queue batch requests may occupy (0: batch never queues)"),

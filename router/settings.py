@@ -41,11 +41,16 @@ class Settings(BaseSettings):
     default_model: str = ""
 
     # prefix-cache affinity (router/affinity.py): prefer the node that served a request's prompt prefix,
-    # unless it is busier than the least-loaded candidate by both thresholds (SGLang's rule)
+    # unless it is busier than the node placement chose by both thresholds (SGLang's rule)
     affinity: bool = True
     affinity_abs_threshold: int = Field(default=4, ge=0)
     affinity_rel_threshold: float = Field(default=1.5, ge=1.0)
     affinity_max_entries: int = Field(default=100_000, ge=1)
+
+    # placement (router/placement.py): the node that would answer soonest, weighing what each node measured
+    # (its TTFT and the decode speed of one slot) for an answer of placement_tokens, or least utilisation
+    placement: Literal["fastest", "least-utilised"] = "fastest"
+    placement_tokens: int = Field(default=256, ge=1)
 
     # priority classes and tenants (docs/router.md "Priorities, fairness and per-key limits")
     default_priority: Literal["interactive", "batch"] = "interactive"

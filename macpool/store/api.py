@@ -38,20 +38,30 @@ def members(request_id: str, slots: int) -> list[str]:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A node a request may go to; the faster one wins a tie in utilisation."""
+    """A node a request may go to.
+
+    ``ttft_s`` and ``decode_s`` (0: not measured) say how soon it would answer: reserve.lua expects
+    ``ttft_s + decode_s * (1 + batch_cost * b)`` seconds with ``b`` requests running there, this one included
+    (router/placement.py). Without them, the least-utilised node wins, and the faster one (``tokens_per_s``)
+    a tie.
+    """
 
     node_id: str
     tokens_per_s: float = 0.0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class ReserveRequest:
     """One attempt to reserve slots for a request, or to queue it (``enqueue``).
 
-    ``dequeue``: the request already waits in the queue (this is a re-check). ``prefixes``: its prompt-prefix
-    hashes, longest first (affinity). ``excluded``: nodes that serve the model but that its router no longer
-    sends it to (tried already, circuit open): while it waits, no slot there is handed to it nor held back for
-    it. ``generations``: how many it runs at once; on each node it needs ``slots_needed`` free slots.
+    ``candidates``: where it may go (the expected answer time decides when every one with room was
+    measured, else the least utilisation). ``dequeue``: the request already waits in the queue (this is a
+    re-check). ``prefixes``: its prompt-prefix hashes, longest first (affinity). ``excluded``: nodes that
+    serve the model but that its router no longer sends it to (tried already, circuit open): while it
+    waits, no slot there is handed to it nor held back for it. ``generations``: how many it runs at once;
+    on each node it needs ``slots_needed`` free slots.
     """
 
     request_id: str
@@ -73,6 +83,7 @@ class ReserveRequest:
     excluded: Collection[str] = ()
     generations: int = 1
     router: str = ""  # the router that will hold the slots ("": none named, so no liveness tracking)
+    batch_cost: float = 0.0  # how much each request running beside it slows a node's decode (Candidate)
 
 
 @dataclass(frozen=True)
@@ -161,8 +172,8 @@ class Store:
     # --- admission ---------------------------------------------------------------------------------
 
     async def reserve(self, request: ReserveRequest, now: int | None = None) -> Reservation:
-        """Reserve slots on the node holding the prompt's prefix or the least-utilised candidate, or queue
-        the request, or say why not - in one atomic call."""
+        """Reserve slots on the node holding the prompt's prefix or the candidate that would answer soonest
+        (least utilised, unmeasured), or queue the request, or say why not - in one atomic call."""
         nodes = [c.node_id for c in request.candidates]
         keys = self.keys.admission(nodes, [request.tenant], [request.router])
         raw = await self._reserve(keys=keys, args=[*self._common(now), _encode(request)])
@@ -342,7 +353,9 @@ def _encode(request: ReserveRequest) -> str:
         "affinity_abs": request.affinity_abs, "affinity_rel": request.affinity_rel,
         "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
         "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
-        "candidates": [[c.node_id, c.tokens_per_s, random.random()] for c in request.candidates],
+        "batch_cost": request.batch_cost,
+        "candidates": [[c.node_id, c.tokens_per_s, random.random(), c.ttft_s, c.decode_s]
+                       for c in request.candidates],
     }
     return json.dumps(fields, separators=(",", ":"))
 

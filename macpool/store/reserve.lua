@@ -120,9 +120,10 @@ local function scan_queue(entries, me)
 end
 
 -- the candidates that take requests now: candidate c is node ids[c], with ns[c] reservations, capacity
--- caps[c], llama-server's slots[c], and tps[c] / rnd[c] to break ties (arrays, not a table per candidate:
+-- caps[c], llama-server's slots[c], tps[c] / rnd[c] to break ties, and ttft[c] / decode[c] for the time it
+-- would take to answer (Candidate in api.py; decode 0: not measured) (arrays, not a table per candidate:
 -- this runs for every request, over every candidate)
-local ids, ns, caps, slots, tps, rnd, known = {}, {}, {}, {}, {}, {}, {}
+local ids, ns, caps, slots, tps, rnd, ttft, decode, known = {}, {}, {}, {}, {}, {}, {}, {}, {}
 local function read_candidates()
   for _, cand in ipairs(req.candidates) do
     local id = cand[1]
@@ -134,7 +135,7 @@ local function read_candidates()
       redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
       local c = #ids + 1
       ids[c], ns[c], caps[c], slots[c] = id, redis.call('ZCARD', rkey), cap, tonumber(f[3])
-      tps[c], rnd[c] = cand[2], cand[3]
+      tps[c], rnd[c], ttft[c], decode[c] = cand[2], cand[3], cand[4] or 0, cand[5] or 0
     end
   end
 end
@@ -211,31 +212,39 @@ local function hold_back(q)
   return held_back, waiting_on
 end
 
--- the least-utilised candidate with the free slots this request needs (ties: faster node, then random), as
+-- the candidate with the free slots this request needs that would answer it soonest - the least-utilised
+-- one when some such candidate has not been measured (ties: lower utilisation, faster node, then random) - as
 -- {id, util, n (its reservations), k (the slots it would hold)} or nil; the free slots of the candidates not
 -- held back; and `open`: node id -> candidate number, for the nodes with room for this request
-local function least_utilised(held_back)
+local function choose(held_back)
   local best, free, open = nil, 0, {}
-  local best_util, best_tps, best_rnd = 2.0, -1.0, 0.0
+  local measured = true
   for c = 1, #ids do
     local n, cap = ns[c], caps[c]
     local k = need(gens, slots[c])
     if not held_back[ids[c]] then
       if n < cap then free = free + cap - n end
       if n + k <= cap then
-        local util = n / cap
         open[ids[c]] = c
-        local better = util < best_util
-        if util == best_util then
-          better = tps[c] > best_tps or (tps[c] == best_tps and rnd[c] < best_rnd)
-        end
-        if better then
-          best = {id = ids[c], util = util, n = n, k = k}
-          best_util, best_tps, best_rnd = util, tps[c], rnd[c]
-        end
+        measured = measured and decode[c] > 0
       end
     end
   end
+  -- the answer expected on c: first token, then the tokens decoded beside the n + k requests running there
+  local cost = {}
+  for _, c in pairs(open) do
+    cost[c] = measured and ttft[c] + decode[c] * (1 + req.batch_cost * (ns[c] + need(gens, slots[c]))) or 0
+  end
+  local b = nil
+  for _, c in pairs(open) do
+    local better = b == nil or cost[c] < cost[b]
+    if b ~= nil and cost[c] == cost[b] then
+      local u, ub = ns[c] / caps[c], ns[b] / caps[b]
+      better = u < ub or (u == ub and (tps[c] > tps[b] or (tps[c] == tps[b] and rnd[c] < rnd[b])))
+    end
+    if better then b = c end
+  end
+  if b ~= nil then best = {id = ids[b], util = ns[b] / caps[b], n = ns[b], k = need(gens, slots[b])} end
   return best, free, open
 end
 
@@ -337,7 +346,7 @@ local function main()
   local q = scan_queue(entries, me)
   read_candidates()
   local held_back, waiting_on = hold_back(q)
-  local best, free, open = least_utilised(held_back)
+  local best, free, open = choose(held_back)
   local outcome, pref = apply_affinity(best, open)
   if best and slots_ahead(best, open, q, waiting_on) + best.k <= free then
     reserve(best.id, rid, tenant, now, lease, best.k)

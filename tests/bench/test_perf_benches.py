@@ -198,6 +198,21 @@ def test_peers(tmp_path: Path) -> None:
     assert "macpool_over_nginx_relay" in data["ratios"]
 
 
+@pytest.mark.skipif(
+    shutil.which("nginx") is None or not (peers.VENV / "bin" / "litellm").exists(),
+    reason="peers not installed (run `macpool bench peers` once to install nginx and LiteLLM)",
+)
+def test_placement(tmp_path: Path) -> None:
+    data = run_bench(tmp_path, "placement", "--skip-install", "--levels", "0.5", "--duration", "8",
+                     "--speed", "4", "--prompt-tokens", "128", "--max-tokens", "32")
+    assert set(data["knees"]) == {"m5max", "m2pro", "m4max"} and positive(data["knee_sum_tok_s"])
+    (level,) = data["levels"]
+    assert set(level["runs"]) == {"macpool", "litellm", "nginx", "macpool least-utilised"}
+    for name, run in level["runs"].items():
+        assert run["completed"] > 0 and run["errors_non_503"] == 0, (name, run)
+        assert sum(run["completed_by_mac"].values()) >= run["completed"] > 0, (name, run)
+
+
 def test_load_clients_keep_their_connections() -> None:
     """The bench clients reuse one keep-alive connection each (a new connection per request would add a
     TCP handshake and an accept to every measured request), and open a new one when the server closes."""

@@ -524,3 +524,31 @@ def test_a_connection_llama_server_closed_while_idle_costs_no_request(
             assert answer.json()["choices"][0]["message"]["content"] == "a"
             time.sleep(1.5)  # the stand-in closes the agent's idle connection meanwhile
     assert status(gateway.url)["admitting"] is True
+
+
+def test_heartbeat_tells_the_decode_speed_of_one_slot(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    upstream = sim("--parallel", "4", "--speed", "2")
+    gateway = agent("--upstream", upstream.url)
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    with httpx.stream("POST", gateway.url + CHAT, json=chat(100), timeout=30) as response:
+        body = b"".join(response.iter_raw())
+    final = next(line for line in reversed(body.split(b"\n")) if b'"timings"' in line)
+    decode = json.loads(final.removeprefix(b"data: "))["timings"]["predicted_per_second"] * 2  # --speed 2
+    doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.slot_tokens_per_s and d, what="speed")
+    # the answer's own decode speed as llama-server's timings tell it, seen from the gateway
+    assert doc.slot_tokens_per_s is not None and 0.8 < doc.slot_tokens_per_s / decode < 1.25
+    assert doc.slot_concurrency == 1
+
+
+def test_slot_speed_is_smoothed_over_answers_long_enough_to_say() -> None:
+    runtime = Runtime(AgentSettings(upstream="http://upstream"), upstream_url="http://upstream")
+    runtime.note_decode(5, 0.1, 1)  # too few events to tell a decode speed
+    assert runtime.slot_tokens_per_s is None
+    runtime.note_decode(101, 2.0, 1)  # 100 tokens after the first in 2 s, alone
+    assert (runtime.slot_tokens_per_s, runtime.slot_concurrency) == (50.0, 1)
+    runtime.note_decode(101, 1.0, 6)
+    assert (runtime.slot_tokens_per_s, runtime.slot_concurrency) == (60.0, 2.0)
+    runtime.note_decode(101, 0.0, 6)  # (one chunk held every event: no time to divide by)
+    assert (runtime.slot_tokens_per_s, runtime.slot_concurrency) == (60.0, 2.0)

@@ -24,9 +24,14 @@ class Pool:
         self.stack = stack
         self.redis_url = redis_url
 
-    def node(self, node_id: str, cap: int, *, parallel: int = 8, speed: float = 50.0) -> Node:
+    def node(
+        self, node_id: str, cap: int, *, parallel: int = 8, speed: float = 50.0, preset: str = PRESET,
+        alias: str | None = None,
+    ) -> Node:
+        """A simulated Mac (``alias``: the model name it serves, instead of its preset's) and its agent."""
+        named = ("--alias", alias) if alias else ()
         sim = self.stack.sim(
-            f"sim-{node_id}", "--preset", PRESET, "--parallel", str(parallel), "--speed", str(speed),
+            f"sim-{node_id}", "--preset", preset, "--parallel", str(parallel), "--speed", str(speed), *named,
             timeout=START_TIMEOUT_S,
         )
         agent = self.stack.agent(

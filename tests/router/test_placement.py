@@ -6,12 +6,16 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
+from collections.abc import Iterator
 
 import httpx
+import pytest
 import redis
 
-from macpool.contract import now_ms
-from macpool.store import Keys
+from macpool.contract import NodeDoc, now_ms
+from macpool.store import Keys, ReserveRequest
+from router.placement import BATCH_COST, STRATEGIES, Placement
+from tests.blocking_store import BlockingStore
 from tests.router.conftest import Pool, wait_until
 
 
@@ -109,3 +113,117 @@ def test_two_replicas_never_exceed_node_capacity(pool: Pool, redis_url: str) -> 
     wait_until(lambda: all(store.zcount(keys.reservations(n.node_id), now_ms(), "+inf") == 0 for n in nodes))
     assert store.zcard(keys.queue) == 0
     store.close()
+
+
+def test_a_mixed_pool_sends_requests_to_the_fast_mac_while_it_answers_sooner(pool: Pool) -> None:
+    # an M5 Max and an M4 Max (a 32B model: ~4x slower per slot), one model name, 4 slots each
+    pool.node("fast", cap=4, parallel=4, speed=10, alias="m")
+    pool.node("slow", cap=4, parallel=4, speed=10, preset="m4max-64g-32b-q4", alias="m")
+    fastest = pool.router()
+    least = pool.router("--placement", "least-utilised")
+    pool.wait_ready(fastest, nodes=2)
+    # warm-up: unmeasured, least utilisation puts the second answer on the other Mac (the first still runs)
+    warm = {"model": "m", "stream": True, "max_tokens": 200, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=fastest.url, timeout=60) as client, contextlib.ExitStack() as streams:
+        answers = []
+        for _ in range(2):
+            request = client.build_request("POST", "/v1/chat/completions", json=warm)
+            answers.append(streams.enter_context(contextlib.closing(client.send(request, stream=True))))
+        assert sorted(answer.headers["x-macpool-node"] for answer in answers) == ["fast", "slow"]
+        for answer in answers:
+            answer.read()
+
+    def measured() -> bool:
+        nodes = httpx.get(fastest.url + "/api/pool").json()["nodes"]
+        return all(node["slot_tokens_per_s"] for node in nodes)
+
+    wait_until(measured, timeout=20, what="both Macs measured")
+    with httpx.Client(timeout=30) as client, contextlib.ExitStack() as streams:
+        placed = []
+        for url in (fastest.url, fastest.url, fastest.url, least.url):
+            request = client.build_request("POST", url + "/v1/chat/completions", json=_long_stream("m"))
+            response = streams.enter_context(contextlib.closing(client.send(request, stream=True)))
+            assert response.status_code == 200
+            placed.append(response.headers["x-macpool-node"])
+    # the fast Mac, busier, is still the sooner answer; by utilisation alone the 4th would go to the idle one
+    assert placed == ["fast", "fast", "fast", "slow"]
+
+
+# --- the choice itself, in the admission script (in-process, real Redis) ------------------------------------
+
+def _doc(node_id: str, cap: int, speed: float | None = None, running: float | None = None,
+         ttft_ms: float | None = None) -> NodeDoc:
+    return NodeDoc(node_id=node_id, url="http://unused", models=["m"], capacity=cap, state="ready",
+                   slot_tokens_per_s=speed, slot_concurrency=running, ttft_p50_ms=ttft_ms)
+
+
+class Script:
+    """Nodes as the heartbeat writes them, reservations through the store's API."""
+
+    def __init__(self, url: str) -> None:
+        self.api = BlockingStore(url, Keys())
+        self.r = redis.Redis.from_url(url, decode_responses=True)
+        self.docs: dict[str, NodeDoc] = {}
+
+    def node(self, doc: NodeDoc, busy: int = 0) -> None:
+        self.docs[doc.node_id] = doc
+        fields = {"capacity": doc.capacity, "state": "ready", "models": "m", "slots": doc.capacity}
+        self.r.hset(Keys().node(doc.node_id), mapping=fields)
+        for i in range(busy):
+            assert self.ask(f"busy-{doc.node_id}-{i}", "least-utilised", only=doc.node_id) == doc.node_id
+
+    def ask(self, rid: str, placement: Placement, prefixes: tuple[str, ...] = (), only: str = "") -> str:
+        docs = [d for d in self.docs.values() if not only or d.node_id == only]
+        request = ReserveRequest(rid, [STRATEGIES[placement](d, 256) for d in docs], 60_000, model="m",
+                                 prefixes=prefixes, batch_cost=BATCH_COST)
+        answer = self.api.run(self.api.store.reserve(request, now_ms()))
+        assert answer.status == "reserved"
+        return answer.node_id
+
+    def close(self) -> None:
+        self.r.close()
+        self.api.close()
+
+
+@pytest.fixture
+def script(redis_url: str) -> Iterator[Script]:
+    script = Script(redis_url)
+    yield script
+    script.close()
+
+
+def test_the_fast_busier_mac_answers_sooner_and_gets_the_request(script: Script) -> None:
+    # the M5 Max and M2 Pro presets: 45 tok/s per slot with 8 running vs 35 alone; prefill 3000 vs 650 tok/s
+    script.node(_doc("fast", 8, speed=45.0, running=8, ttft_ms=150), busy=6)
+    script.node(_doc("slow", 4, speed=35.5, running=1, ttft_ms=700))
+    assert script.ask("r1", "fastest") == "fast"  # 75 % used, still the quicker answer
+    assert script.ask("r2", "least-utilised") == "slow"  # the same pool weighed by utilisation alone
+
+
+def test_a_fast_mac_yields_once_its_batch_makes_it_the_slower_answer(script: Script) -> None:
+    # twice as fast alone, but every request in its batch slows its slots: with 7 running it is the slower
+    script.node(_doc("fast", 16, speed=90.0, running=1), busy=7)
+    script.node(_doc("slow", 16, speed=45.0, running=1))
+    assert script.ask("r1", "fastest") == "slow"
+
+
+def test_identical_macs_fill_evenly(script: Script) -> None:
+    for name in ("a", "b"):
+        script.node(_doc(name, 4, speed=50.0, running=2, ttft_ms=100))
+    placed = Counter(script.ask(f"r{i}", "fastest") for i in range(6))
+    assert placed == {"a": 3, "b": 3}
+
+
+def test_without_measurements_the_least_utilised_mac_gets_the_request(script: Script) -> None:
+    script.node(_doc("fast", 8, speed=45.0, running=8, ttft_ms=150), busy=4)
+    script.node(_doc("new", 4))  # no answer measured yet (a new Mac, a restart)
+    assert script.ask("r1", "fastest") == "new"  # 0 % used against 50 %
+    assert script.ask("r2", "fastest") == "new"  # 25 %
+
+
+def test_a_prompt_prefix_still_goes_where_it_is_cached(script: Script) -> None:
+    script.node(_doc("fast", 8, speed=45.0, running=8, ttft_ms=150))
+    script.node(_doc("slow", 4, speed=35.5, running=1, ttft_ms=700))
+    assert script.ask("r1", "fastest", prefixes=("p1",), only="slow") == "slow"
+    assert script.ask("r2", "fastest", prefixes=("p1",)) == "slow"  # affinity: its prefix is cached there
+    assert script.ask("r3", "fastest", prefixes=("p2",)) == "fast"

@@ -1,0 +1,49 @@
+"""Where a request goes among the nodes with room for it (``--placement``).
+
+The choice is made in Redis, atomically with the reservation (macpool/store/reserve.lua); a strategy here only
+says what the script weighs for each node:
+
+- ``fastest``: the node that would answer soonest. A node's heartbeat carries its TTFT p50 and the decode
+  speed of one slot, measured on its streamed answers while about ``slot_concurrency`` requests ran there.
+  Decode is memory-bound on a Mac: each step streams the weights once for the whole batch, and every
+  sequence in the batch adds a little (the simulator presets' ``decode_t1_ms / decode_t0_ms``,
+  docs/simulator.md). So one slot's time per token is about ``t0 * (1 + BATCH_COST * b)`` with ``b``
+  requests running, and the script expects ``ttft + tokens * t0 * (1 + BATCH_COST * b)`` seconds for a
+  request that makes it ``b``. A fast Mac takes requests while it is still the quicker answer even busy;
+  identical Macs fill evenly. Until every node with room has been measured (a new Mac, a restart), the
+  least-utilised one is chosen, so it gets measured.
+- ``least-utilised``: the node with the smallest share of its capacity in use (ties: the faster node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from macpool.contract import NodeDoc
+from macpool.store import Candidate
+
+Placement = Literal["fastest", "least-utilised"]
+BATCH_COST = 0.175  # each request in a decode batch slows every slot's step by this share of a lone step
+
+
+def fastest(doc: NodeDoc, expected_tokens: int) -> Candidate:
+    """The node with its expected answer time: first token, then ``expected_tokens`` at its slot speed
+    brought back to an empty batch (the script scales it to the batch the request would join)."""
+    speed, running = doc.slot_tokens_per_s, doc.slot_concurrency
+    if not speed or speed <= 0 or running is None:
+        return least_utilised(doc, expected_tokens)
+    lone_token_s = 1.0 / (speed * (1 + BATCH_COST * max(running, 1.0)))
+    ttft_s = (doc.ttft_p50_ms or 0.0) / 1000
+    return Candidate(doc.node_id, doc.tokens_per_s, ttft_s=ttft_s, decode_s=expected_tokens * lone_token_s)
+
+
+def least_utilised(doc: NodeDoc, expected_tokens: int) -> Candidate:
+    """The node as utilisation alone weighs it."""
+    return Candidate(doc.node_id, doc.tokens_per_s)
+
+
+STRATEGIES: dict[Placement, Callable[[NodeDoc, int], Candidate]] = {
+    "fastest": fastest,
+    "least-utilised": least_utilised,
+}
