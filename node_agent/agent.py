@@ -20,6 +20,8 @@ from redis.asyncio import Redis
 from macpool import upstream
 from macpool.serving import server_config
 from macpool.settings import ConfigError
+from macpool.store import Keys
+from macpool.store.elastic import ElasticStore
 
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
@@ -27,6 +29,7 @@ from .heartbeat import Heartbeat
 from .memory import make_probe
 from .runtime import Runtime
 from .settings import AgentSettings
+from .standby import Standby
 from .supervisor import Supervisor
 
 log = logging.getLogger("macpool.agent")
@@ -85,6 +88,7 @@ class Agent:
         self.server: _Server | None = None
         self.server_task: asyncio.Task[None] | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self._llama_task: asyncio.Task[None] | None = None
 
     async def run(self) -> int:
         """startup -> main loop -> shutdown; returns the exit code."""
@@ -125,27 +129,17 @@ class Agent:
             "weights_gb": shape.weights_gb if shape else None,
         }
         if settings.supervise:
-            assert settings.model is not None
-            self.supervisor = Supervisor(
-                settings.llama_command,
-                settings.model,
-                settings.parallel,
-                settings.ctx_per_slot,
-                settings.llama_args,
-                settings.llama_log,
-                settings.restart_backoff_max,
-                on_healthy=self.runtime.llama_up,
-                on_exit=self.runtime.llama_down,
-                on_url=self._set_upstream,
-            )
-            self.runtime.upstream_url = self.supervisor.url
-            self.runtime.details["llama_server"] = self.supervisor.describe
-            self.tasks.append(asyncio.create_task(self.supervisor.run(self.runtime.client())))
+            if not settings.standby:
+                self._start_llama_server()
         else:
             assert settings.upstream is not None
             self.runtime.upstream_url = settings.upstream.rstrip("/")
         probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
         self.heartbeat = Heartbeat(self.runtime, self.redis, probe, shape, kv_per_token)
+        if settings.follows_autoscaler:
+            store = ElasticStore(self.redis, Keys(settings.key_prefix))
+            standby = Standby(self.runtime, store, self._start_llama_server, self._stop_llama_server)
+            self.heartbeat.before_beat = standby.follow
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
         config = server_config(
             create_app(self.runtime),
@@ -166,6 +160,41 @@ class Agent:
             settings.public_url,
             self.runtime.upstream_url,
         )
+
+    def _start_llama_server(self) -> None:
+        """Supervise a new llama-server (at startup, or when a standby node is activated)."""
+        settings = self.settings
+        if not settings.supervise:
+            return
+        assert settings.model is not None
+        self.supervisor = Supervisor(
+            settings.llama_command,
+            settings.model,
+            settings.parallel,
+            settings.ctx_per_slot,
+            settings.llama_args,
+            settings.llama_log,
+            settings.restart_backoff_max,
+            on_healthy=self.runtime.llama_up,
+            on_exit=self.runtime.llama_down,
+            on_url=self._set_upstream,
+        )
+        self.runtime.upstream_url = self.supervisor.url
+        self.runtime.details["llama_server"] = self.supervisor.describe
+        self._llama_task = asyncio.create_task(self.supervisor.run(self.runtime.client()))
+        self.tasks.append(self._llama_task)
+
+    async def _stop_llama_server(self) -> None:
+        """Standby: stop the supervised llama-server, giving its memory back to the Mac."""
+        supervisor, task = self.supervisor, self._llama_task
+        if supervisor is None or task is None:
+            return
+        await supervisor.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self.tasks.remove(task)
+        self.supervisor = self._llama_task = None
+        self.runtime.details["llama_server"] = None
 
     def _set_upstream(self, url: str) -> None:
         self.runtime.upstream_url = url

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,6 +19,7 @@ from macpool import __version__
 from macpool.contract import MemoryFigures, NodeDoc, NodeState, heartbeat_ttl_ms, now_ms
 from macpool.loops import every
 from macpool.store import Keys, Store
+from macpool.wol import normalize_mac
 
 from . import capacity
 from .gguf_info import ModelShape
@@ -155,6 +157,7 @@ class Heartbeat:
     probe_failing: bool = False
     cap_warned_slots: int | None = None  # the slot count --cap was last found above
     redis_ok: bool = True
+    before_beat: Callable[[], Awaitable[None]] | None = None  # the standby follower (node_agent/standby.py)
     _redis_retry_at: float = 0.0
     _redis_backoff: float = 0.0
 
@@ -170,6 +173,8 @@ class Heartbeat:
 
     async def beat(self) -> None:
         """Observe, decide and publish once."""
+        if self.before_beat is not None:
+            await self.before_beat()
         doc = await self.observe()
         await self.publish(doc)
 
@@ -268,6 +273,9 @@ class Heartbeat:
             started_at_ms=self.started_at_ms,
             updated_at_ms=now_ms(),
             instance=self.instance,
+            standby_capacity=runtime.standby_capacity if settings.follows_autoscaler else 0,
+            wol_mac=normalize_mac(settings.wol_mac) if settings.wol_mac else "",
+            wol_broadcast=settings.wol_broadcast if settings.wol_mac else "",
         )
 
     def _warn_cap_over_slots(self, slots: int | None) -> None:

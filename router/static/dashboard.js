@@ -18,13 +18,18 @@ function nodeState(doc) {
   if (doc.state === "unhealthy" || doc.circuit === "open") return "unhealthy";
   if (doc.state === "paging" || mem.state === "paging" || mem.state === "collapsed") return "paging";
   if (doc.state === "starting") return "starting";
+  if (ELASTIC_STATES.has(doc.state)) return doc.state;
   if (mem.state === "near_ceiling" || mem.pressure === "warning" || mem.pressure === "critical") return "near_ceiling";
   return "healthy";
 }
 
+// the elastic pool's states (macpool autoscale): a standby Mac holds no model
+const ELASTIC_STATES = new Set(["standby", "waking", "loading", "draining-to-standby"]);
+
 const STATE_TEXT = {
   healthy: "healthy", near_ceiling: "near ceiling", paging: "paging", draining: "draining",
   unhealthy: "unhealthy", starting: "starting", gone: "gone",
+  standby: "standby", waking: "waking", loading: "loading", "draining-to-standby": "draining to standby",
 };
 
 function makeCard(id) {
