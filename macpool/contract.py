@@ -70,7 +70,8 @@ class NodeDoc(BaseModel):
     started_at_ms: int = 0
     updated_at_ms: int = 0
     instance: str = ""  # this agent process (random, per start): two agents under one id are told apart
-    standby_capacity: int = 0  # in standby: the capacity it would have once loaded
+    elastic: bool = False  # follows the autoscaler's active/standby word (agent --elastic or --standby)
+    standby_capacity: int = 0  # the capacity it has once loaded (elastic nodes)
     wol_mac: str = ""  # how the autoscaler wakes this Mac from sleep ("": it cannot)
     wol_broadcast: str = ""
 

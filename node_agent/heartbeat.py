@@ -273,6 +273,7 @@ class Heartbeat:
             started_at_ms=self.started_at_ms,
             updated_at_ms=now_ms(),
             instance=self.instance,
+            elastic=settings.follows_autoscaler,
             standby_capacity=runtime.standby_capacity if settings.follows_autoscaler else 0,
             wol_mac=normalize_mac(settings.wol_mac) if settings.wol_mac else "",
             wol_broadcast=settings.wol_broadcast if settings.wol_mac else "",
