@@ -25,6 +25,7 @@ from . import capacity
 from .gguf_info import ModelShape
 from .memory import GB, MemoryProbe, MemorySample, ProbeError, UpstreamUnreachable
 from .runtime import Runtime
+from .standby import standby_models
 
 log = logging.getLogger("macpool.agent")
 
@@ -257,7 +258,7 @@ class Heartbeat:
         return NodeDoc(
             node_id=settings.node_id,
             url=settings.public_url,
-            models=view.models,
+            models=view.models or (standby_models(settings) if settings.follows_autoscaler else []),
             capacity=decision.capacity,
             in_flight=runtime.in_flight,
             total_slots=view.total_slots,

@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from macpool.store.elastic import ElasticStore
 
 from .runtime import Runtime
+from .settings import AgentSettings
 
 log = logging.getLogger("macpool.agent")
 
@@ -52,3 +53,16 @@ class Standby:
             await self.unload()
             runtime.enter_standby()
             log.info("in standby: model unloaded, admitting nothing")
+
+
+def standby_models(settings: AgentSettings) -> list[str]:
+    """The model a supervised llama-server would serve, for the heartbeat while none runs: routers find a
+    standby node by its model (scale to zero). Its ``--alias``, else the file name without ``.gguf``."""
+    if not settings.supervise or settings.model is None:
+        return []
+    args = settings.llama_args
+    for i, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in ("-a", "--alias"):
+            return [value] if equals else args[i + 1:i + 2]
+    return [settings.model.name.removesuffix(".gguf")]
