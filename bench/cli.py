@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "scale": ("bench.scale", "50 nodes x 2 routers: decision time, Redis round trips, no over-admission"),
     "soak": ("bench.soak", "1.5x capacity for minutes with node churn: no errors but 503, no leaks"),
     "affinity": ("bench.affinity", "long multi-turn chats: TTFT and throughput, prefix affinity on vs off"),
+    "elastic": ("bench.elastic", "0.3x -> 3x -> 0.3x on 4 Macs, 2 in standby under autoscale, vs static"),
     "fairness": ("bench.fairness", "flooding vs light tenant: the light one's queue wait, fair vs FIFO"),
 }
 
