@@ -14,7 +14,8 @@ from redis.asyncio import Redis
 
 from macpool.settings import ConfigError
 from macpool.store.elastic import ElasticStore, Mode
-from node_agent.settings import load_settings
+from node_agent.runtime import Runtime
+from node_agent.settings import AgentSettings, load_settings
 from tests.conftest import Server
 from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until
 
@@ -98,3 +99,23 @@ def test_attached_standby_becomes_ready_once_its_upstream_answers(
 def test_a_bad_wol_mac_is_one_line_naming_the_flag() -> None:
     with pytest.raises(ConfigError, match="--wol-mac: MAC address 'a0:ce:c8'"):
         load_settings({"upstream": "http://127.0.0.1:1", "wol_mac": "a0:ce:c8"})
+
+
+def test_the_runtime_holds_standby_until_told_and_loading_until_ready() -> None:
+    runtime = Runtime(AgentSettings(upstream="http://upstream", standby=True, cap=3))
+    assert (runtime.state, runtime.admitting, runtime.standby_capacity) == ("standby", False, 3)
+    # the heartbeat finds llama-server healthy: a standby node stays in standby all the same
+    assert runtime.capacity_decided("ready", 2, 4) == "standby" and not runtime.admitting
+    assert runtime.standby_capacity == 2  # what it would have, as last decided
+    runtime.activate()
+    assert runtime.capacity_decided("starting", 0, 0) == "loading" and not runtime.admitting
+    assert runtime.capacity_decided("ready", 2, 4) == "ready" and runtime.admitting
+    runtime.begin_standby_drain()
+    assert runtime.capacity_decided("ready", 2, 4) == "draining-to-standby" and not runtime.admitting
+    runtime.activate()  # called back before it was parked: the model is still loaded
+    assert runtime.capacity_decided("ready", 2, 4) == "ready" and runtime.admitting
+    runtime.begin_standby_drain()
+    runtime.enter_standby()
+    runtime.begin_drain()  # shutdown: draining is the last state, whatever came before
+    runtime.activate()
+    assert runtime.capacity_decided("ready", 2, 4) == "draining"
