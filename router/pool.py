@@ -275,7 +275,10 @@ class PoolView:
         return chosen
 
     def models(self) -> list[str]:
-        return sorted({m for doc in self.fresh_nodes() if self.is_ready(doc) for m in doc.models})
+        """The models a request can name: those of ready nodes, and of elastic nodes in standby (a request
+        for one waits while a node loads it: router/cold_start.py)."""
+        served = [doc for doc in self.fresh_nodes() if self.is_ready(doc) or doc.elastic]
+        return sorted({m for doc in served for m in doc.models})
 
     # --- passive health ----------------------------------------------------------------------------
 

@@ -41,7 +41,8 @@ def test_from_zero_up_on_a_request_and_back_to_standby_after_it(stack: Stack, re
 def test_past_the_cold_start_timeout_it_is_a_503_cold_start(stack: Stack, redis_url: str) -> None:
     model = standby_node(stack, redis_url)
     front = router(stack, redis_url, "0.5")  # and no autoscaler: nothing loads it
-    wait_until(lambda: httpx.get(front.url + "/api/pool").json()["pool"]["nodes_total"] == 1, what="seen")
+    listed = wait_until(lambda: httpx.get(front.url + "/v1/models").json()["data"], what="the model listed")
+    assert [m["id"] for m in listed] == [model]  # a client may name it: a request for it waits for a node
     answer = httpx.post(front.url + "/v1/chat/completions", timeout=30, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert answer.status_code == 503
