@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from macpool import wol
-from macpool.contract import NodeDoc, now_ms
+from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
 from macpool.loops import every
 from macpool.store import Keys, PoolSnapshot, Store
 from macpool.store.elastic import ElasticStore, WakeTarget
@@ -32,6 +32,9 @@ from .policy import Action, Policy, PolicyConfig, PoolView
 log = logging.getLogger("macpool.autoscale")
 
 STANDBY_STATES = ("standby",)
+# the instance of the placeholder record the controller writes for a Mac it woke, so that routers and the
+# dashboard show it "waking" until its agent beats (any agent's record wins over it: it started at 0)
+WAKING_INSTANCE = "autoscale-waking"
 SERVING_STATES = ("ready", "paging")
 
 
@@ -86,6 +89,7 @@ class Controller:
         self.leading = False
         # node id -> when it was told to load (activated in standby, or woken): capacity on its way
         self.coming: dict[str, float] = {}
+        self.woken: set[str] = set()  # those of ``coming`` that were asleep: shown "waking" until they beat
         self.decisions: list[dict[str, Any]] = []  # the last few, for tests and status
 
     @property
@@ -108,12 +112,15 @@ class Controller:
         if not leading:
             return []
         snapshot = await self.store.read_pool()
+        # the placeholders of Macs this controller woke are no nodes: the view counts those as coming
+        snapshot.nodes = {i: d for i, d in snapshot.nodes.items() if d.instance != WAKING_INSTANCE}
         known = await self._remember(snapshot)
-        self._arrived(snapshot, now)
+        await self._arrived(snapshot, now)
         view = pool_view(snapshot, known, self.coming)
         actions = self.policy.step(view, now)
         for action in actions:
             await self._act(action, view, now)
+        await self._show_waking(snapshot, known)
         return actions
 
     async def resign(self) -> None:
@@ -134,7 +141,7 @@ class Controller:
                 known[doc.node_id] = target
         return known
 
-    def _arrived(self, snapshot: PoolSnapshot, now: float) -> None:
+    async def _arrived(self, snapshot: PoolSnapshot, now: float) -> None:
         """Forget the nodes told to load once their heartbeat leaves standby (loading, ready: the view
         counts them from there), or once they had ``wake_timeout_s`` to do so (they may be told again)."""
         for node_id, since in list(self.coming.items()):
@@ -145,6 +152,23 @@ class Controller:
                 log.warning("node %s did not load within %.0fs of being told to", node_id,
                             self.config.wake_timeout_s)
                 del self.coming[node_id]
+                await self.store.deregister(node_id, WAKING_INSTANCE)  # its placeholder, if any
+        self.woken &= self.coming.keys()
+
+    async def _show_waking(self, snapshot: PoolSnapshot, known: dict[str, WakeTarget]) -> None:
+        """Keep a "waking" record of each Mac woken whose agent does not beat yet, for the dashboard."""
+        ttl_ms = heartbeat_ttl_ms(self.config.interval_s)
+        for node_id in self.woken - snapshot.nodes.keys():
+            target = known.get(node_id)
+            if target is None:
+                continue
+            doc = NodeDoc(
+                node_id=node_id, url="", models=target.models, state="waking", elastic=True,
+                standby_capacity=target.standby_capacity, wol_mac=target.wol_mac,
+                wol_broadcast=target.wol_broadcast, instance=WAKING_INSTANCE, started_at_ms=0,
+                reason="woken by the autoscaler (Wake-on-LAN): waiting for its agent", updated_at_ms=now_ms(),
+            )
+            await self.store.heartbeat(doc, ttl_ms)
 
     async def _act(self, action: Action, view: PoolView, now: float) -> None:
         if action.kind == "wake":
@@ -155,6 +179,7 @@ class Controller:
                 await asyncio.to_thread(wol.wake, target.wol_mac, broadcast, self.config.wol_port)
             except OSError as exc:
                 log.warning("could not send the magic packet for %s: %s", action.node_id, exc)
+            self.woken.add(action.node_id)
         if action.kind != "standby":
             self.coming[action.node_id] = now
         await self.elastic.set_desired(action.node_id, "standby" if action.kind == "standby" else "active")

@@ -131,7 +131,13 @@ def test_a_known_mac_whose_heartbeat_is_gone_is_woken(redis_url: str) -> None:
         [wake] = await scaler.tick(11)
         assert (wake.kind, wake.node_id) == ("wake", "n3")
         assert await elastic.desired("n3") == "active"  # its agent loads the model as soon as it is back
+        shown = (await store.read_pool()).nodes["n3"]  # on the dashboard meanwhile
+        assert (shown.state, shown.models, shown.capacity) == ("waking", ["m"], 0)
         assert await scaler.tick(12) == []  # woken once: its capacity counts as coming until it is back
+        back = node("n3", "standby", **mac).model_copy(update={"instance": "a", "started_at_ms": now_ms()})
+        assert await store.heartbeat(back, LEASE) is None  # the agent's record wins over the placeholder
+        assert await scaler.tick(13) == []
+        assert (await store.read_pool()).nodes["n3"].instance == "a"
 
     try:
         scenario(redis_url, body)
