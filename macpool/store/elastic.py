@@ -3,18 +3,17 @@ it knows how to wake, and its decisions on the events channel. Key names are :mo
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import BaseModel
 from redis.asyncio import Redis
 
+from macpool.store.events import autoscale_message
 from macpool.store.keys import Keys
 from macpool.store.scripts import source
 
 Mode = Literal["active", "standby"]
 MODES: tuple[Mode, ...] = ("active", "standby")
-AUTOSCALE_EVENT = "autoscale"  # ``autoscale <decision json>`` on the events channel
 
 
 class WakeTarget(BaseModel):
@@ -77,7 +76,7 @@ class ElasticStore:
 
     async def announce(self, decision: dict[str, object]) -> None:
         """Publish one decision on the pool's events channel (routers ignore kinds they do not know)."""
-        await self.redis.publish(self.keys.events, f"{AUTOSCALE_EVENT} {json.dumps(decision)}")
+        await self.redis.publish(self.keys.events, autoscale_message(decision))
 
 
 def _text(value: str | bytes) -> str:

@@ -119,7 +119,10 @@ function onPool(msg) {
   renderQueues(view);
   const scale = msg.scale || {};
   $("p-desired").textContent = scale.desired_nodes ?? "-";
-  $("p-reason").textContent = scale.reason ? "scale hint: " + scale.reason : "";
+  const acted = (view.autoscale || []).filter((d) => ["activate", "wake", "standby"].includes(d.action));
+  const last = acted[acted.length - 1];
+  $("p-reason").textContent = (scale.reason ? "scale hint: " + scale.reason : "")
+    + (last ? ` | autoscale: ${last.action} ${last.node} (${last.reason})` : "");
 
   const seen = new Set();
   for (const doc of view.nodes || []) {
