@@ -25,7 +25,7 @@ from . import capacity
 from .gguf_info import ModelShape
 from .memory import GB, MemoryProbe, MemorySample, ProbeError, UpstreamUnreachable
 from .runtime import Runtime
-from .standby import standby_models
+from .standby import REASONS, standby_models
 
 log = logging.getLogger("macpool.agent")
 
@@ -253,6 +253,7 @@ class Heartbeat:
         )
         state, reason = self._state(decision)
         state = runtime.capacity_decided(state, decision.capacity, view.total_slots)
+        reason = REASONS.get(state, reason)
         runtime.details["memory_probe"] = self.probe.name
         runtime.details["upstream"] = {"healthy": view.healthy, "reachable": view.reachable}
         return NodeDoc(

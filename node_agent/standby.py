@@ -21,6 +21,13 @@ from .settings import AgentSettings
 
 log = logging.getLogger("macpool.agent")
 
+# the node document's reason in each elastic state, for operators (the dashboard shows it)
+REASONS = {
+    "standby": "standby: no model loaded, admitting nothing; loads when the autoscaler asks",
+    "loading": "loading the model for the autoscaler; admitting nothing until llama-server is healthy",
+    "draining-to-standby": "going to standby: finishing in-flight requests, admitting nothing new",
+}
+
 
 @dataclass
 class Standby:

@@ -55,6 +55,7 @@ def test_supervised_standby_loads_on_activation_and_unloads_after_draining(
     assert doc is not None
     assert (doc.standby_capacity, doc.wol_mac, doc.wol_broadcast) == (3, "a0:ce:c8:01:02:0f", "192.0.2.255")
     assert doc.models == ["m"] and doc.elastic  # found by its model while none is loaded
+    assert doc.reason.startswith("standby: no model loaded")
     assert status(gateway.url).get("llama_server") is None  # no model loaded, no memory held
     refused = httpx.post(gateway.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_unavailable"
