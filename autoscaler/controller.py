@@ -32,8 +32,9 @@ from .policy import Action, Policy, PolicyConfig, PoolView
 log = logging.getLogger("macpool.autoscale")
 
 STANDBY_STATES = ("standby",)
-# the instance of the placeholder record the controller writes for a Mac it woke, so that routers and the
-# dashboard show it "waking" until its agent beats (any agent's record wins over it: it started at 0)
+# the instance of the placeholder record the controller writes for a known Mac whose agent does not beat
+# ("asleep", or "waking" once sent a magic packet), so that routers and the dashboard show it - and a
+# request for its model waits while it wakes (router/cold_start.py). Any agent's record wins over it.
 WAKING_INSTANCE = "autoscale-waking"
 SERVING_STATES = ("ready", "paging")
 
@@ -120,7 +121,7 @@ class Controller:
         actions = self.policy.step(view, now)
         for action in actions:
             await self._act(action, view, now)
-        await self._show_waking(snapshot, known)
+        await self._show_sleepers(snapshot, known)
         return actions
 
     async def resign(self) -> None:
@@ -155,18 +156,20 @@ class Controller:
                 await self.store.deregister(node_id, WAKING_INSTANCE)  # its placeholder, if any
         self.woken &= self.coming.keys()
 
-    async def _show_waking(self, snapshot: PoolSnapshot, known: dict[str, WakeTarget]) -> None:
-        """Keep a "waking" record of each Mac woken whose agent does not beat yet, for the dashboard."""
+    async def _show_sleepers(self, snapshot: PoolSnapshot, known: dict[str, WakeTarget]) -> None:
+        """Keep an "asleep" or "waking" record of each known Mac with a MAC whose agent does not beat."""
         ttl_ms = heartbeat_ttl_ms(self.config.interval_s)
-        for node_id in self.woken - snapshot.nodes.keys():
-            target = known.get(node_id)
-            if target is None:
+        for node_id, target in known.items():
+            if node_id in snapshot.nodes or not target.wol_mac:
                 continue
+            waking = node_id in self.woken
+            reason = ("woken by the autoscaler (Wake-on-LAN): waiting for its agent" if waking
+                      else "asleep: the autoscaler wakes it (Wake-on-LAN) when demand needs it")
             doc = NodeDoc(
-                node_id=node_id, url="", models=target.models, state="waking", elastic=True,
-                standby_capacity=target.standby_capacity, wol_mac=target.wol_mac,
+                node_id=node_id, url="", models=target.models, state="waking" if waking else "asleep",
+                elastic=True, standby_capacity=target.standby_capacity, wol_mac=target.wol_mac,
                 wol_broadcast=target.wol_broadcast, instance=WAKING_INSTANCE, started_at_ms=0,
-                reason="woken by the autoscaler (Wake-on-LAN): waiting for its agent", updated_at_ms=now_ms(),
+                reason=reason, updated_at_ms=now_ms(),
             )
             await self.store.heartbeat(doc, ttl_ms)
 

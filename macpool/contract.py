@@ -14,9 +14,9 @@ from pydantic import BaseModel, Field
 NodeState = Literal[
     "starting", "ready", "draining", "unhealthy", "paging",
     # the elastic pool (node_agent/standby.py): registered with its model not loaded, loading it on the
-    # controller's word, finishing its requests before going back to standby; "waking" is a Mac the
-    # controller sent a magic packet, shown until its agent beats again
-    "standby", "loading", "draining-to-standby", "waking",
+    # controller's word, finishing its requests before going back to standby; "asleep" and "waking" are
+    # the autoscaler's records of a Mac whose agent does not beat (autoscaler/controller.py)
+    "standby", "loading", "draining-to-standby", "asleep", "waking",
 ]
 NODE_STATES: tuple[NodeState, ...] = get_args(NodeState)  # every state, for metrics that show each one
 MemoryState = Literal["healthy", "near_ceiling", "paging", "collapsed"]

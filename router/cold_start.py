@@ -23,7 +23,7 @@ from router.settings import Settings
 log = logging.getLogger("macpool.router")
 
 # the states of an elastic node that become "ready" without anyone but the autoscaler acting
-WARMING_STATES = ("standby", "waking", "loading", "draining-to-standby", "starting")
+WARMING_STATES = ("standby", "asleep", "waking", "loading", "draining-to-standby", "starting")
 POLL_S = 0.05  # the pool view is in memory: looking costs nothing
 RENEW_S = 1.0  # the queue place's lease is 3 s (macpool/store QUEUE_LEASE_MS)
 

@@ -126,6 +126,9 @@ def test_a_known_mac_whose_heartbeat_is_gone_is_woken(redis_url: str) -> None:
         scaler = controller(redis, wol_port=listener.getsockname()[1])
         assert await scaler.tick(0) == []  # seen once: its MAC is kept
         await store.deregister("n3")  # the Mac went to sleep
+        assert await scaler.tick(0.5) == []
+        shown = (await store.read_pool()).nodes["n3"]  # routers see it: a request for its model waits
+        assert (shown.state, shown.models, shown.capacity, shown.elastic) == ("asleep", ["m"], 0, True)
         await load(store, running=2, waiting=2)
         assert await scaler.tick(1) == []
         [wake] = await scaler.tick(11)
