@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "soak": ("bench.soak", "1.5x capacity for minutes with node churn: no errors but 503, no leaks"),
     "affinity": ("bench.affinity", "long multi-turn chats: TTFT and throughput, prefix affinity on vs off"),
     "chaos": ("bench.chaos", "five faults under streaming load (Sentinel): outcomes, recovery, leaks"),
+    "elastic": ("bench.elastic", "0.3x -> 3x -> 0.3x on 4 Macs, 2 in standby under autoscale, vs static"),
     "fairness": ("bench.fairness", "flooding vs light tenant: the light one's queue wait, fair vs FIFO"),
     "placement": ("bench.placement", "a mixed pool of Macs at 0.5x-4x load: macpool vs LiteLLM vs nginx"),
 }

@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("node_agent.cli", "run or calibrate the node agent on a Mac"),
     "sim": ("simulator.cli", "run a simulated Mac running llama-server"),
     "bench": ("bench.cli", "load sweeps, seed table, overload and router-cost benchmarks"),
+    "autoscale": ("autoscaler.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
     "top": ("router.top", "live terminal view of the pool"),
     "dev": ("macpool.dev", "developer tasks: build llama-server, generate a tiny model, run the tests"),
@@ -21,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def _usage() -> str:
     lines = ["usage: macpool <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines += ["", "run `macpool <command> --help` for a command's options"]
     return "\n".join(lines)
 

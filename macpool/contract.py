@@ -11,7 +11,13 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, Field
 
-NodeState = Literal["starting", "ready", "draining", "unhealthy", "paging"]
+NodeState = Literal[
+    "starting", "ready", "draining", "unhealthy", "paging",
+    # the elastic pool (node_agent/standby.py): registered with its model not loaded, loading it on the
+    # controller's word, finishing its requests before going back to standby; "asleep" and "waking" are
+    # the autoscaler's records of a Mac whose agent does not beat (autoscaler/controller.py)
+    "standby", "loading", "draining-to-standby", "asleep", "waking",
+]
 NODE_STATES: tuple[NodeState, ...] = get_args(NodeState)  # every state, for metrics that show each one
 MemoryState = Literal["healthy", "near_ceiling", "paging", "collapsed"]
 Priority = Literal["interactive", "batch"]
@@ -68,6 +74,10 @@ class NodeDoc(BaseModel):
     started_at_ms: int = 0
     updated_at_ms: int = 0
     instance: str = ""  # this agent process (random, per start): two agents under one id are told apart
+    elastic: bool = False  # follows the autoscaler's active/standby word (agent --elastic or --standby)
+    standby_capacity: int = 0  # the capacity it has once loaded (elastic nodes)
+    wol_mac: str = ""  # how the autoscaler wakes this Mac from sleep ("": it cannot)
+    wol_broadcast: str = ""
 
     def encode(self) -> str:
         return self.model_dump_json()

@@ -148,6 +148,11 @@ class Stack:
         """A router on ``redis_url``."""
         return self.macpool(name, "router", "--redis-url", redis_url, *args, **options)
 
+    def autoscale(self, name: str, redis_url: str, *args: str, **options: Any) -> Proc:
+        """``macpool autoscale`` on ``redis_url``; it serves no HTTP, so it is started, not waited for."""
+        argv = macpool_argv("autoscale", "--redis-url", redis_url, *args)
+        return self.spawn(name, argv, 0, ready=None, **options)
+
     # --- waiting -------------------------------------------------------------------------------------
 
     def wait_serving(self, *procs: Proc, timeout: float = 60.0) -> None:

@@ -21,7 +21,9 @@ from macpool import upstream
 from macpool.loops import every
 from macpool.serving import server_config
 from macpool.settings import ConfigError
+from macpool.store import Keys
 from macpool.store.connect import AnyRedis, Connection, connect
+from macpool.store.elastic import ElasticStore
 
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
@@ -29,6 +31,7 @@ from .heartbeat import Heartbeat
 from .memory import make_probe
 from .runtime import Runtime
 from .settings import AgentSettings
+from .standby import Standby
 from .supervisor import Supervisor
 
 log = logging.getLogger("macpool.agent")
@@ -88,6 +91,7 @@ class Agent:
         self.server: _Server | None = None
         self.server_task: asyncio.Task[None] | None = None
         self.tasks: list[asyncio.Task[None]] = []
+        self._llama_task: asyncio.Task[None] | None = None
 
     async def run(self) -> int:
         """startup -> main loop -> shutdown; returns the exit code."""
@@ -128,27 +132,17 @@ class Agent:
             "weights_gb": shape.weights_gb if shape else None,
         }
         if settings.supervise:
-            assert settings.model is not None
-            self.supervisor = Supervisor(
-                settings.llama_command,
-                settings.model,
-                settings.parallel,
-                settings.ctx_per_slot,
-                settings.llama_args,
-                settings.llama_log,
-                settings.restart_backoff_max,
-                on_healthy=self.runtime.llama_up,
-                on_exit=self.runtime.llama_down,
-                on_url=self._set_upstream,
-            )
-            self.runtime.upstream_url = self.supervisor.url
-            self.runtime.details["llama_server"] = self.supervisor.describe
-            self.tasks.append(asyncio.create_task(self.supervisor.run(self.runtime.client())))
+            if not settings.standby:
+                self._start_llama_server()
         else:
             assert settings.upstream is not None
             self.runtime.upstream_url = settings.upstream.rstrip("/")
         probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
         self.heartbeat = Heartbeat(self.runtime, self.redis, probe, shape, kv_per_token)
+        if settings.follows_autoscaler:
+            store = ElasticStore(self.redis, Keys(settings.key_prefix))
+            standby = Standby(self.runtime, store, self._start_llama_server, self._stop_llama_server)
+            self.heartbeat.before_beat = standby.follow
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
         if self.connection.sentinel is not None:  # a failover, logged when the sentinels name a new primary
             watch = functools.partial(self.connection.check_primary, log)
@@ -172,6 +166,41 @@ class Agent:
             settings.public_url,
             self.runtime.upstream_url,
         )
+
+    def _start_llama_server(self) -> None:
+        """Supervise a new llama-server (at startup, or when a standby node is activated)."""
+        settings = self.settings
+        if not settings.supervise:
+            return
+        assert settings.model is not None
+        self.supervisor = Supervisor(
+            settings.llama_command,
+            settings.model,
+            settings.parallel,
+            settings.ctx_per_slot,
+            settings.llama_args,
+            settings.llama_log,
+            settings.restart_backoff_max,
+            on_healthy=self.runtime.llama_up,
+            on_exit=self.runtime.llama_down,
+            on_url=self._set_upstream,
+        )
+        self.runtime.upstream_url = self.supervisor.url
+        self.runtime.details["llama_server"] = self.supervisor.describe
+        self._llama_task = asyncio.create_task(self.supervisor.run(self.runtime.client()))
+        self.tasks.append(self._llama_task)
+
+    async def _stop_llama_server(self) -> None:
+        """Standby: stop the supervised llama-server, giving its memory back to the Mac."""
+        supervisor, task = self.supervisor, self._llama_task
+        if supervisor is None or task is None:
+            return
+        await supervisor.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self.tasks.remove(task)
+        self.supervisor = self._llama_task = None
+        self.runtime.details["llama_server"] = None
 
     def _set_upstream(self, url: str) -> None:
         self.runtime.upstream_url = url

@@ -47,7 +47,7 @@ def _run_parser() -> argparse.ArgumentParser:
         "--advertise-url", dest="advertise_url",
         help="how routers reach this agent (default http://<host>:<port>)",
     )
-    pool.add_argument("--key-prefix", dest="key_prefix", help="Redis key prefix (default macpool:)")
+    pool.add_argument("--key-prefix", dest="key_prefix", help="Redis key prefix (default macpool:{pool}:)")
     pool.add_argument(
         "--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds (default 1)"
     )
@@ -85,6 +85,20 @@ def _run_parser() -> argparse.ArgumentParser:
         "--memory-probe", dest="memory_probe", choices=["auto", "macos", "linux", "sim"],
         help="where memory figures come from (default auto: the upstream's /sim/memory if it has one, "
         "else this OS)",
+    )
+    elastic = p.add_argument_group("elastic pool (macpool autoscale)")
+    elastic.add_argument(
+        "--elastic", action="store_true", default=None,
+        help="follow the autoscaler: load the model or go to standby when it says so",
+    )
+    elastic.add_argument(
+        "--standby", action="store_true", default=None,
+        help="start in standby (implies --elastic): registered, model not loaded, admitting nothing",
+    )
+    elastic.add_argument("--wol-mac", dest="wol_mac", help="this Mac's MAC address, to be woken from sleep")
+    elastic.add_argument(
+        "--wol-broadcast", dest="wol_broadcast",
+        help="broadcast address of its LAN, for the magic packet (default 255.255.255.255)",
     )
     p.add_argument(
         "--log-level", dest="log_level", choices=["debug", "info", "warning", "error"], help="default info"

@@ -184,9 +184,9 @@ class Gateway:
         """Why a new request holding ``slots`` cannot be admitted now, or None."""
         runtime = self.runtime
         state = runtime.state
-        if state == "draining":
-            return self._unavailable("node_draining", "this node is draining")
-        if state in ("starting", "unhealthy"):
+        if state in ("draining", "draining-to-standby"):
+            return self._unavailable("node_draining", f"this node is {state}")
+        if state in ("starting", "unhealthy", "standby", "loading"):
             return self._unavailable("node_unavailable", f"this node is {state}")
         if slots > runtime.capacity > 0:
             message = (f"this request runs {slots} generations at once (its prompts times n); this node "

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,11 +19,13 @@ from macpool.contract import MemoryFigures, NodeDoc, NodeState, heartbeat_ttl_ms
 from macpool.loops import every
 from macpool.store import Keys, Store
 from macpool.store.connect import AnyRedis
+from macpool.wol import normalize_mac
 
 from . import capacity
 from .gguf_info import ModelShape
 from .memory import GB, MemoryProbe, MemorySample, ProbeError, UpstreamUnreachable
 from .runtime import Runtime
+from .standby import REASONS, standby_models
 
 log = logging.getLogger("macpool.agent")
 
@@ -159,6 +162,7 @@ class Heartbeat:
     probe_failing: bool = False
     cap_warned_slots: int | None = None  # the slot count --cap was last found above
     redis_ok: bool = True
+    before_beat: Callable[[], Awaitable[None]] | None = None  # the standby follower (node_agent/standby.py)
     _redis_retry_at: float = 0.0
     _redis_backoff: float = 0.0
 
@@ -174,6 +178,8 @@ class Heartbeat:
 
     async def beat(self) -> None:
         """Observe, decide and publish once."""
+        if self.before_beat is not None:
+            await self.before_beat()
         doc = await self.observe()
         await self.publish(doc)
 
@@ -251,12 +257,13 @@ class Heartbeat:
         )
         state, reason = self._state(decision)
         state = runtime.capacity_decided(state, decision.capacity, view.total_slots)
+        reason = REASONS.get(state, reason)
         runtime.details["memory_probe"] = self.probe.name
         runtime.details["upstream"] = {"healthy": view.healthy, "reachable": view.reachable}
         return NodeDoc(
             node_id=settings.node_id,
             url=settings.public_url,
-            models=view.models,
+            models=view.models or (standby_models(settings) if settings.follows_autoscaler else []),
             capacity=decision.capacity,
             in_flight=runtime.in_flight,
             total_slots=view.total_slots,
@@ -274,6 +281,10 @@ class Heartbeat:
             started_at_ms=self.started_at_ms,
             updated_at_ms=now_ms(),
             instance=self.instance,
+            elastic=settings.follows_autoscaler,
+            standby_capacity=runtime.standby_capacity if settings.follows_autoscaler else 0,
+            wol_mac=normalize_mac(settings.wol_mac) if settings.wol_mac else "",
+            wol_broadcast=settings.wol_broadcast if settings.wol_mac else "",
         )
 
     def _warn_cap_over_slots(self, slots: int | None) -> None:

@@ -78,7 +78,8 @@ class Runtime:
 
     It alone writes the node's lifecycle (``state``, ``capacity``, ``admitting``, the in-flight count);
     the heartbeat, the supervisor, the gateway and the agent call its named transitions. ``draining`` is
-    the last state: no transition leaves it.
+    the last state: no transition leaves it. A standby-capable agent (``--standby``, node_agent/standby.py)
+    also moves between ``standby``, ``loading`` and ``draining-to-standby`` on the autoscaler's word.
     """
 
     settings: AgentSettings
@@ -100,9 +101,16 @@ class Runtime:
     _in_flight: int = field(default=0, init=False)
     # the supervised llama-server's own state until it first answers /health (None: up, or not supervised)
     _llama: NodeState | None = field(default=None, init=False)
+    # the elastic phase, which the heartbeat's decision does not override: "standby" and
+    # "draining-to-standby" hold; "loading" holds until the node is ready (None: an ordinary active node)
+    _elastic: NodeState | None = field(default=None, init=False)
+    _standby_capacity: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self._llama = "starting" if self.settings.supervise else None
+        if self.settings.standby:
+            self._elastic = "standby"
+            self._state = "standby"
         self._show_state()
 
     @property
@@ -132,19 +140,73 @@ class Runtime:
         return self._state == "draining"
 
     @property
+    def standing_by(self) -> bool:
+        """In standby, or on the way to it: the model is, or is about to be, unloaded."""
+        return self._elastic in ("standby", "draining-to-standby")
+
+    @property
+    def standby_capacity(self) -> int:
+        """The capacity this node would have once loaded (its last decided capacity while it was loaded,
+        else what its settings allow)."""
+        settings = self.settings
+        fallback = settings.cap or settings.calibrated_cap or (settings.parallel if settings.supervise else 0)
+        return self._standby_capacity or fallback
+
+    @property
     def llama_state(self) -> NodeState | None:
         """"starting" or "unhealthy" while the supervised llama-server is not up; None otherwise."""
         return self._llama
 
     def capacity_decided(self, state: NodeState, capacity: int, total_slots: int) -> NodeState:
-        """The heartbeat's decision; returns the state in effect (a draining node stays draining)."""
+        """The heartbeat's decision; returns the state in effect (a draining node stays draining, a standby
+        one in standby, a loading one loading until it is ready)."""
         self._capacity = capacity
         self._total_slots = total_slots
         self.metrics.capacity.set(capacity)
-        if not self.draining:
-            self._admitting = state == "ready"
-            self._set_state(state)
+        if state == "ready" and capacity > 0:
+            self._standby_capacity = capacity
+        if self.draining:
+            return self._state
+        if self._elastic == "loading":
+            if state != "ready":
+                state = "loading"
+            else:
+                self._elastic = None
+        if self._elastic is not None:
+            self._admitting = False
+            return self._state
+        self._admitting = state == "ready"
+        self._set_state(state)
         return self._state
+
+    def activate(self) -> None:
+        """The autoscaler wants this node serving: load (admitting nothing until the heartbeat finds it
+        ready). From draining-to-standby the model is still loaded: the next heartbeat finds it ready."""
+        if self.draining or not self.standing_by:
+            return
+        self._elastic = "loading"
+        self._set_state("loading")
+        self.beat_now.set()
+
+    def begin_standby_drain(self) -> None:
+        """The autoscaler wants this node in standby: admit nothing new, finish what it holds."""
+        if self.draining or self.standing_by:
+            return
+        self._elastic = "draining-to-standby"
+        self._admitting = False
+        self._set_state("draining-to-standby")
+        self.beat_now.set()
+
+    def enter_standby(self) -> None:
+        """Drained (and llama-server stopped, when supervised): registered, holding no model."""
+        if self.draining:
+            return
+        self._elastic = "standby"
+        self._admitting = False
+        if self.settings.supervise:
+            self._llama = "starting"  # stopped: "starting" again until the next one answers /health
+        self._set_state("standby")
+        self.beat_now.set()
 
     def llama_up(self) -> None:
         """The supervised llama-server answers /health: the next heartbeat decides from its figures."""
@@ -154,7 +216,7 @@ class Runtime:
         """The supervised llama-server exited (it is restarted): unhealthy until it answers again."""
         self._llama = "unhealthy"
         self.metrics.restarts.inc()
-        if not self.draining:
+        if not self.draining and self._elastic is None:
             self._set_state("unhealthy")
         self.upstream_lost()
 

@@ -20,6 +20,7 @@ from pydantic_settings import (
 
 from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_layered
 from macpool.store import DEFAULT_PREFIX
+from macpool.wol import BadMac, normalize_mac
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
 
@@ -65,12 +66,23 @@ class AgentSettings(BaseSettings):
     pressure_recover_beats: int = Field(default=3, ge=1)
     restart_backoff_max: float = Field(default=30.0, gt=0)
 
+    # the elastic pool (node_agent/standby.py): follow the autoscaler's active/standby word; start in standby
+    elastic: bool = False
+    standby: bool = False
+    wol_mac: str | None = None  # this Mac's MAC address, so the autoscaler can wake it from sleep
+    wol_broadcast: str = "255.255.255.255"
+
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
 
     @property
     def supervise(self) -> bool:
         return self.llama_server is not None
+
+    @property
+    def follows_autoscaler(self) -> bool:
+        """Standby-capable: reads ``{p}desired:{id}`` on each heartbeat."""
+        return self.elastic or self.standby
 
     @property
     def llama_command(self) -> list[str]:
@@ -107,6 +119,11 @@ class AgentSettings(BaseSettings):
                     raise ConfigError(
                         f"-- {arg}: the agent runs llama-server on 127.0.0.1 and a free port of its choosing"
                     )
+        if self.wol_mac is not None:
+            try:
+                normalize_mac(self.wol_mac)
+            except BadMac as exc:
+                raise ConfigError(f"--wol-mac: {exc}") from None
         if self.model is not None and not self.model.is_file():
             raise ConfigError(f"--model {str(self.model)!r}: no such file")
         if self.calibration is not None and not self.calibration.is_file():

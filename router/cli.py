@@ -24,6 +24,8 @@ FLAGS: dict[str, tuple[type, str]] = {
     "port": (int, "port to listen on"),
     "queue-size": (int, "global bound of the wait queue, across all replicas (0: no queue)"),
     "queue-timeout": (float, "seconds a request may wait in the queue before 503 queue_timeout"),
+    "cold-start-timeout": (float, "seconds a request waits while a standby node loads its model, when no "
+                                  "node of its model is ready (then 503 cold_start; 0: at once)"),
     "lease-seconds": (float, "reservation lease; live requests renew it, a crashed router's expire"),
     "liveness-seconds": (float, "a router that has not beaten in Redis for this long counts as dead: the "
                                 "other routers give its reservations back"),

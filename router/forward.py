@@ -22,6 +22,7 @@ from macpool.contract import NodeDoc, slots_needed
 from macpool.errors import error_response, sse_error
 from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER, connection_listed
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
+from router.cold_start import ColdStart
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
@@ -122,6 +123,7 @@ class Forwarder:
         # no read timeout: an agent that stops answering mid-stream is the relay watchdog's (idle timeout)
         self._timeouts = http.timeouts(connect=settings.connect_timeout, read=None)
         self._urls: dict[tuple[str, str], http.URL] = {}  # (node url, path) -> parsed URL
+        self.cold_start = ColdStart(settings, pool, admission)
 
     async def handle(self, call: Call, receive: Receive) -> Response:
         """Admit, forward (failing over before the first byte), and hand back a relaying response.
@@ -163,6 +165,10 @@ class Forwarder:
             too_large = self._too_large(call)
             if too_large is not None:
                 return too_large
+        if self.cold_start.needed(call.model):
+            refused = await self.cold_start.wait(call.ticket)
+            if refused is not None:
+                return self.rejection(refused, call)
         tried: set[str] = set()
         failures: set[str] = set()  # what each node tried answered
         for _ in range(self.settings.max_attempts):

@@ -21,7 +21,7 @@ from redis.asyncio import RedisCluster
 from macpool.contract import NODE_STATES, NodeDoc, now_ms
 from macpool.loops import every
 from macpool.store import PoolSnapshot, Store
-from macpool.store.events import Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
+from macpool.store.events import Autoscaled, Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
 from router.metrics import RouterMetrics
 from router.settings import Settings
 
@@ -96,6 +96,7 @@ class PoolView:
         # bumped by every event that may free room (a release, a hand-over, a node's capacity or state
         # changing, a drain, a full refresh): admission's memo of a "full" answer is good until it changes
         self.version = 0
+        self.autoscale: deque[dict[str, Any]] = deque(maxlen=10)  # macpool autoscale's last decisions
         self.freed_listeners: list[Callable[[str], None]] = []  # called with a node id
         self.waiter_listeners: list[Callable[[str], None]] = []  # called with a request id (granted, shed)
         self._tasks: list[asyncio.Task[None]] = []
@@ -201,6 +202,9 @@ class PoolView:
         if event is None:
             log.warning("pool events: unreadable message ignored: %.80s", message)
             return
+        if isinstance(event, Autoscaled):  # what the autoscaler decided: for the dashboard only
+            self.autoscale.append(event.decision)
+            return
         if not isinstance(event, Heartbeat):
             self.version += 1
         match event:
@@ -279,7 +283,10 @@ class PoolView:
         return chosen
 
     def models(self) -> list[str]:
-        return sorted({m for doc in self.fresh_nodes() if self.is_ready(doc) for m in doc.models})
+        """The models a request can name: those of ready nodes, and of elastic nodes in standby (a request
+        for one waits while a node loads it: router/cold_start.py)."""
+        served = [doc for doc in self.fresh_nodes() if self.is_ready(doc) or doc.elastic]
+        return sorted({m for doc in served for m in doc.models})
 
     # --- passive health ----------------------------------------------------------------------------
 
@@ -360,6 +367,7 @@ class PoolView:
             "redis_ok": self.redis_ok,
             "pool": self.totals(),
             "nodes": nodes,
+            "autoscale": list(self.autoscale),
             "tenants": [
                 {"tenant": t, "in_flight": self.snapshot.in_flight.get(t),
                  "queued": {p: self.snapshot.queued.get(t, {}).get(p, 0) for p in ("interactive", "batch")}}

@@ -11,7 +11,9 @@ from typing import Literal
 from router.pool import PoolView
 from router.settings import Settings
 
-RejectReason = Literal["pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed"]
+RejectReason = Literal[
+    "pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed", "cold_start"
+]
 MAX_S = 30
 
 
@@ -30,6 +32,8 @@ class RetryAfter:
         """Whole seconds until a slot is likely free, from the observed rate of releases (1..30)."""
         if reason in ("no_nodes", "pool_unavailable"):
             seconds = max(self.settings.stale_after, 1.0)
+        elif reason == "cold_start":  # a node is still loading: try again in a while, not at once
+            seconds = max(self.settings.cold_start_timeout / 2, 1.0)
         else:
             rate = self.release_rate()
             snapshot = self.pool.snapshot  # (in slots, as the rate is: a waiter may run several generations)

@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     # admission
     queue_size: int = Field(default=64, ge=0)
     queue_timeout: float = Field(default=2.0, ge=0)
+    # scale to zero (router/cold_start.py): how long a request waits for a standby node to load (0: 503 now)
+    cold_start_timeout: float = Field(default=60.0, ge=0)
     lease_seconds: float = Field(default=30.0, gt=0)
     # a router that has not beaten for this long counts as dead: what it held is given back
     liveness_seconds: float = Field(default=4.0, gt=0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -54,7 +56,18 @@ class Drained:
     drained: bool
 
 
-Event = Heartbeat | Gone | Freed | Granted | Shed | Drained
+@dataclass(frozen=True)
+class Autoscaled:
+    """``autoscale <decision json>``: a decision of ``macpool autoscale`` (autoscaler/controller.py)."""
+
+    decision: dict[str, Any]
+
+
+Event = Heartbeat | Gone | Freed | Granted | Shed | Drained | Autoscaled
+
+
+def autoscale_message(decision: dict[str, Any]) -> str:
+    return f"autoscale {json.dumps(decision, separators=(',', ':'))}"
 
 
 def drain_message(node_id: str, drained: bool) -> str:
@@ -80,4 +93,10 @@ def parse_event(message: str) -> Event | None:
         return Shed(rest)
     if kind in ("drain", "undrain"):
         return Drained(rest, kind == "drain")
+    if kind == "autoscale":
+        try:
+            decision = json.loads(rest)
+        except ValueError:
+            return None
+        return Autoscaled(decision) if isinstance(decision, dict) else None
     return None

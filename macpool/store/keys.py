@@ -20,9 +20,14 @@ cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or b
                       back by any router's next reservation or beat once that router stops beating.
 ``{p}affinity``       HASH prompt-prefix hash -> the node that last served it;
 ``{p}affinity:lru``   ZSET prefix hash -> last use (ms), which bounds it to the newest N entries.
+``{p}desired:{id}``   STRING ``active`` or ``standby``: what the autoscaler wants of a standby-capable agent,
+                      which reads it on each heartbeat (absent: the mode it was started in).
+``{p}autoscale:leader`` STRING, TTL = the lease: the id of the one ``macpool autoscale`` that acts.
+``{p}autoscale:known``  HASH node id -> how to wake it (JSON: MAC, broadcast, models, standby capacity), kept
+                      by the autoscaler from heartbeats, so a Mac asleep (its key expired) can be woken.
 ``{p}events``         pub/sub channel: ``node <doc json>``, ``gone <id>``, ``freed <id>`` (one per slot),
                       ``granted <request id> <node id> <k>``, ``shed <request id>``, ``drain <id>``,
-                      ``undrain <id>``.
+                      ``undrain <id>``, ``autoscale <decision json>`` (macpool/store/elastic.py).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class Keys:
         self.affinity_lru = f"{prefix}affinity:lru"
         self.events = f"{prefix}events"
         self.routers = f"{prefix}routers"
+        self.autoscale_leader = f"{prefix}autoscale:leader"
+        self.autoscale_known = f"{prefix}autoscale:known"
 
     def node(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}"
@@ -57,6 +64,8 @@ class Keys:
 
     def held(self, router: str) -> str:
         return f"{self.prefix}held:{router}"
+    def desired(self, node_id: str) -> str:
+        return f"{self.prefix}desired:{node_id}"
 
     def pool_wide(self) -> list[str]:
         """The pool-wide KEYS of the admission scripts, in the order lib.lua reads them."""

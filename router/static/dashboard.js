@@ -18,13 +18,18 @@ function nodeState(doc) {
   if (doc.state === "unhealthy" || doc.circuit === "open") return "unhealthy";
   if (doc.state === "paging" || mem.state === "paging" || mem.state === "collapsed") return "paging";
   if (doc.state === "starting") return "starting";
+  if (ELASTIC_STATES.has(doc.state)) return doc.state;
   if (mem.state === "near_ceiling" || mem.pressure === "warning" || mem.pressure === "critical") return "near_ceiling";
   return "healthy";
 }
 
+// the elastic pool's states (macpool autoscale): a standby Mac holds no model
+const ELASTIC_STATES = new Set(["standby", "asleep", "waking", "loading", "draining-to-standby"]);
+
 const STATE_TEXT = {
   healthy: "healthy", near_ceiling: "near ceiling", paging: "paging", draining: "draining",
   unhealthy: "unhealthy", starting: "starting", gone: "gone",
+  standby: "standby", asleep: "asleep", waking: "waking", loading: "loading", "draining-to-standby": "draining to standby",
 };
 
 function makeCard(id) {
@@ -114,7 +119,10 @@ function onPool(msg) {
   renderQueues(view);
   const scale = msg.scale || {};
   $("p-desired").textContent = scale.desired_nodes ?? "-";
-  $("p-reason").textContent = scale.reason ? "scale hint: " + scale.reason : "";
+  const acted = (view.autoscale || []).filter((d) => ["activate", "wake", "standby"].includes(d.action));
+  const last = acted[acted.length - 1];
+  $("p-reason").textContent = (scale.reason ? "scale hint: " + scale.reason : "")
+    + (last ? ` | autoscale: ${last.action} ${last.node} (${last.reason})` : "");
 
   const seen = new Set();
   for (const doc of view.nodes || []) {

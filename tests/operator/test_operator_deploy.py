@@ -21,6 +21,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
+from autoscaler.settings import AutoscaleSettings
 from macpool.procs import macpool_argv
 from macpool.settings import load_layered
 from node_agent.runtime import AgentMetrics
@@ -471,7 +472,8 @@ def test_systemd_unit_runs_what_the_install_steps_put_in_place() -> None:
 
 
 def test_guides_and_deploy_files_name_only_real_environment_variables() -> None:
-    known = env_names(RouterSettings) | env_names(AgentSettings) | {"MACPOOL_ROUTER_URL"}  # macpool top
+    known = env_names(RouterSettings) | env_names(AgentSettings) | env_names(AutoscaleSettings)
+    known |= {"MACPOOL_ROUTER_URL"}  # macpool top
     files = [ROOT / "docs" / "operations.md", ROOT / "docker-compose.yml", ROOT / "Dockerfile"]
     files += [path for path in DEPLOY.rglob("*") if path.is_file()]
     for path in files:

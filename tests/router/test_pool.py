@@ -92,3 +92,13 @@ def test_pool_document_shape() -> None:
     assert [n["node_id"] for n in doc["nodes"]] == ["a", "b"]
     assert doc["nodes"][0]["reserved"] == 3 and doc["nodes"][0]["circuit"] == "closed"
     assert doc["nodes"][0]["drained"] is False and "memory" in doc["nodes"][0]
+
+
+def test_autoscale_decisions_are_kept_for_the_dashboard_and_change_nothing_else() -> None:
+    view = _view()
+    _heartbeat(view, "a")
+    version = view.version
+    view.apply('autoscale {"action":"activate","node":"b","reason":"demand 9.0 slots"}')
+    view.apply("autoscale not-json")  # unreadable: ignored with a log line
+    assert view.to_json()["autoscale"] == [{"action": "activate", "node": "b", "reason": "demand 9.0 slots"}]
+    assert view.version == version  # no waiter is woken by a decision

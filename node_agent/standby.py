@@ -1,0 +1,75 @@
+"""Standby and activation on the autoscaler's word (``{p}desired:{id}``), read before each heartbeat.
+
+A standby node is registered and reachable but holds no model: in supervise mode llama-server is stopped
+(its memory goes back to the Mac's owner), in attach mode the agent admits nothing. ``active`` loads it
+(supervise: starts llama-server) and the heartbeat calls it ready once llama-server answers; ``standby``
+drains it - nothing new admitted, in-flight requests finish - then stops llama-server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from macpool.store.elastic import ElasticStore
+
+from .runtime import Runtime
+from .settings import AgentSettings
+
+log = logging.getLogger("macpool.agent")
+
+# the node document's reason in each elastic state, for operators (the dashboard shows it)
+REASONS = {
+    "standby": "standby: no model loaded, admitting nothing; loads when the autoscaler asks",
+    "loading": "loading the model for the autoscaler; admitting nothing until llama-server is healthy",
+    "draining-to-standby": "going to standby: finishing in-flight requests, admitting nothing new",
+}
+
+
+@dataclass
+class Standby:
+    """Moves one agent between standby and active; ``load`` and ``unload`` start and stop llama-server
+    (no-ops in attach mode)."""
+
+    runtime: Runtime
+    store: ElasticStore
+    load: Callable[[], None]
+    unload: Callable[[], Awaitable[None]]
+
+    async def follow(self) -> None:
+        """One step toward what the autoscaler wants; a Redis error keeps the current mode."""
+        runtime = self.runtime
+        if runtime.draining:
+            return
+        try:
+            desired = await self.store.desired(runtime.settings.node_id)
+        except (RedisError, OSError):
+            desired = None  # the heartbeat's own write says Redis is down
+        if desired == "active" and runtime.standing_by:
+            log.info("activated by the autoscaler: loading the model")
+            if runtime.state == "standby":
+                self.load()
+            runtime.activate()
+        elif desired == "standby" and not runtime.standing_by:
+            log.info("sent to standby by the autoscaler: draining %d in flight", runtime.in_flight)
+            runtime.begin_standby_drain()
+        if runtime.state == "draining-to-standby" and runtime.in_flight == 0:
+            await self.unload()
+            runtime.enter_standby()
+            log.info("in standby: model unloaded, admitting nothing")
+
+
+def standby_models(settings: AgentSettings) -> list[str]:
+    """The model a supervised llama-server would serve, for the heartbeat while none runs: routers find a
+    standby node by its model (scale to zero). Its ``--alias``, else the file name without ``.gguf``."""
+    if not settings.supervise or settings.model is None:
+        return []
+    args = settings.llama_args
+    for i, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if name in ("-a", "--alias"):
+            return [value] if equals else args[i + 1:i + 2]
+    return [settings.model.name.removesuffix(".gguf")]

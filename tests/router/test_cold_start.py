@@ -1,0 +1,87 @@
+"""Scale to zero: with every node of a model in standby, a request waits while the autoscaler has one load
+it, bounded by --cold-start-timeout; past it, 503 cold_start with Retry-After."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from macpool.stack import Stack
+from tests.node_agent.helpers import read_node
+from tests.router.conftest import AGENT_TOKEN, PRESET, Server, wait_until
+
+
+def standby_node(stack: Stack, redis_url: str, node_id: str = "n1") -> str:
+    """A simulated Mac whose agent starts in standby; returns the model it serves."""
+    sim = stack.sim(f"sim-{node_id}", "--preset", PRESET, "--parallel", "2", "--speed", "50")
+    stack.agent(f"agent-{node_id}", sim.url, redis_url, node_id, "--standby", "--token", AGENT_TOKEN,
+                "--heartbeat-interval", "0.3")
+    doc = wait_until(lambda: (d := read_node(redis_url, node_id)) and d.state == "standby" and d.models and d,
+                     what="standby with its model")
+    model: str = doc.models[0]
+    return model
+
+
+def state_is(redis_url: str, state: str) -> Callable[[], bool]:
+    return lambda: (doc := read_node(redis_url, "n1")) is not None and doc.state == state
+
+
+def router(stack: Stack, redis_url: str, cold_start_timeout: str) -> Server:
+    return stack.router("router", redis_url, "--agent-token", AGENT_TOKEN, "--cold-start-timeout",
+                        cold_start_timeout, "--refresh-interval", "0.2")
+
+
+def test_from_zero_up_on_a_request_and_back_to_standby_after_it(stack: Stack, redis_url: str) -> None:
+    model = standby_node(stack, redis_url)
+    front = router(stack, redis_url, "30")
+    stack.autoscale("autoscale", redis_url, "--interval", "0.2", "--lease", "1", "--up-delay", "0",
+                    "--down-delay", "1", "--cooldown", "0", "--min-nodes", "0")
+    answer = httpx.post(front.url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert answer.status_code == 200, answer.text
+    # idle for --down-delay: parked again, and the pool is back at zero
+    wait_until(lambda: (d := read_node(redis_url, "n1")) is not None and d.state == "standby", what="standby")
+
+
+def test_past_the_cold_start_timeout_it_is_a_503_cold_start(stack: Stack, redis_url: str) -> None:
+    model = standby_node(stack, redis_url)
+    front = router(stack, redis_url, "0.5")  # and no autoscaler: nothing loads it
+    listed = wait_until(lambda: httpx.get(front.url + "/v1/models").json()["data"], what="the model listed")
+    assert [m["id"] for m in listed] == [model]  # a client may name it: a request for it waits for a node
+    answer = httpx.post(front.url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "cold_start"
+    assert answer.headers["X-Macpool-Reason"] == "cold_start" and int(answer.headers["Retry-After"]) >= 1
+
+
+def test_a_request_wakes_a_sleeping_mac_and_is_served_once_it_is_back(stack: Stack, redis_url: str) -> None:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    listener.bind(("127.0.0.1", 0))  # the LAN's broadcast address, here: no packet leaves loopback
+    listener.settimeout(30)
+    try:
+        sim = stack.sim("sim-n1", "--preset", PRESET, "--parallel", "2", "--speed", "50")
+        wol = ("--wol-mac", "a0:ce:c8:01:02:0f", "--wol-broadcast", "127.0.0.1")
+        args = ("--standby", "--token", AGENT_TOKEN, "--heartbeat-interval", "0.3", *wol)
+        agent = stack.agent("agent-n1", sim.url, redis_url, "n1", *args)
+        stack.autoscale("autoscale", redis_url, "--interval", "0.2", "--lease", "1", "--up-delay", "0",
+                        "--wol-port", str(listener.getsockname()[1]))
+        front = router(stack, redis_url, "60")
+        model = wait_until(lambda: httpx.get(front.url + "/v1/models").json()["data"], what="model")[0]["id"]
+        agent.child.kill()  # the Mac sleeps: its heartbeat stops, the autoscaler keeps it as "asleep"
+        wait_until(state_is(redis_url, "asleep"), what="asleep")
+
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(httpx.post, front.url + "/v1/chat/completions", timeout=90, json={
+                "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            packet, _ = listener.recvfrom(1024)  # the request's demand woke it
+            assert packet == b"\xff" * 6 + bytes.fromhex("a0cec801020f") * 16
+            wait_until(state_is(redis_url, "waking"), what="waking")  # on the dashboard
+            stack.agent("agent-n1-again", sim.url, redis_url, "n1", *args)  # it boots; its agent starts
+            answer = asked.result(timeout=90)
+        assert answer.status_code == 200, answer.text
+    finally:
+        listener.close()
