@@ -5,6 +5,8 @@
 - ``stack``: the process harness (``macpool.stack``) of one test, stopped when the test ends.
 - ``spawn``: a factory over it that starts a ``macpool`` subcommand (or any argv) as a real process.
 - ``sim``: a factory for simulators (``macpool sim``) on free ports, returning their base URL.
+- ``local_stack``: the same servers in this process (``tests.inprocess``), for tests where a separate
+  process is not the point.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import redis
 
 from macpool.redis_server import RedisServer
 from macpool.stack import Proc, Stack, free_port
+from tests.inprocess import LocalStack
 
 
 def wait_until(
@@ -116,6 +119,13 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     stay in the test's ``tmp_path``."""
     with Stack(logs=tmp_path, keep_logs=True) as processes:
         yield processes
+
+
+@pytest.fixture
+def local_stack() -> Iterator[LocalStack]:
+    """Servers in this process (simulators, agents, routers, any ASGI app), stopped when the test ends."""
+    with LocalStack() as servers:
+        yield servers
 
 
 def spawner(stack: Stack) -> SpawnFactory:

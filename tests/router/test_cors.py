@@ -8,12 +8,19 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
 
 from macpool.procs import macpool_argv
 from tests.conftest import chat
 from tests.router.conftest import Pool
 
 ORIGIN = "https://chat.example.com"
+
+
+@pytest.fixture
+def pool(local_pool: Pool) -> Pool:
+    """The pool of every test here runs in this process: none of them is about a process."""
+    return local_pool
 
 
 def preflight(url: str, origin: str) -> httpx.Response:

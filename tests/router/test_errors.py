@@ -7,12 +7,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import metric
 from tests.router.conftest import Pool, wait_until
 
 API_KEY = "client-secret"
 ADMIN_KEY = "admin-secret"
+
+
+@pytest.fixture
+def pool(local_pool: Pool) -> Pool:
+    """The pool of every test here runs in this process: none of them is about a process."""
+    return local_pool
 
 
 def _error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
