@@ -8,12 +8,19 @@ import threading
 import time
 
 import httpx
+import pytest
 import redis
 
 from macpool.contract import now_ms
 from macpool.store import Keys
 from tests.conftest import chat, metric, wait_until
 from tests.router.conftest import Pool
+
+
+@pytest.fixture
+def pool(local_pool: Pool) -> Pool:
+    """The pool of every test here runs in this process: none of them is about a process."""
+    return local_pool
 
 
 def test_more_generations_than_any_node_runs_are_a_400_and_the_others_count_each(pool: Pool) -> None:

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import openai
+import pytest
 
 from tests.router.conftest import Pool
+
+
+@pytest.fixture
+def pool(local_pool: Pool) -> Pool:
+    """The pool of every test here runs in this process: none of them is about a process."""
+    return local_pool
 
 
 def test_openai_sdk_chat(pool: Pool) -> None:

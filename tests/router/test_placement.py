@@ -8,11 +8,18 @@ import time
 from collections import Counter
 
 import httpx
+import pytest
 import redis
 
 from macpool.contract import now_ms
 from macpool.store import Keys
 from tests.router.conftest import Pool, wait_until
+
+
+@pytest.fixture
+def pool(local_pool: Pool) -> Pool:
+    """The pool of every test here runs in this process: none of them is about a process."""
+    return local_pool
 
 
 def _long_stream(model: str) -> dict[str, object]:
