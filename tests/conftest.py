@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,23 @@ def wait_until(
         last = value if value is not None else last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+async def eventually(
+    predicate: Callable[[], Awaitable[Any]], within: float = 30.0, what: str = "condition",
+    interval: float = 0.01,
+) -> Any:
+    """``wait_until`` for a coroutine predicate, on the running event loop: its first truthy value, or
+    fail after ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    last: object = None
+    while loop.time() < deadline:
+        last = await predicate()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {within}s waiting for {what} (last: {last!r})")
+
 
 def chat(model: str = "", max_tokens: int = 16, stream: bool = True, content: str = "hi") -> dict[str, Any]:
     """A chat completion request body (``model`` left out when empty)."""
