@@ -6,7 +6,8 @@
 - ``spawn``: a factory over it that starts a ``macpool`` subcommand (or any argv) as a real process.
 - ``sim``: a factory for simulators (``macpool sim``) on free ports, returning their base URL.
 - ``local_stack``: the same servers in this process (``tests.inprocess``), for tests where a separate
-  process is not the point.
+  process is not the point. A test marked ``in_process`` gets them from ``sim`` (and the ``pool`` and
+  ``agent`` fixtures) too.
 """
 
 from __future__ import annotations
@@ -174,11 +175,23 @@ def spawn(stack: Stack) -> SpawnFactory:
     return spawner(stack)
 
 
+def in_process(request: pytest.FixtureRequest) -> LocalStack | None:
+    """The test's in-process servers when it is marked ``in_process``, else None (processes)."""
+    if request.node.get_closest_marker("in_process") is None:
+        return None
+    servers: LocalStack = request.getfixturevalue("local_stack")
+    return servers
+
+
 @pytest.fixture
-def sim(spawn: SpawnFactory) -> Callable[..., Server]:
+def sim(request: pytest.FixtureRequest, spawn: SpawnFactory) -> Callable[..., Server]:
     """Start a simulator: ``sim(preset="m5max-128g-14b-q4", "--parallel", "4", "--speed", "20")``."""
+    local = in_process(request)
 
     def _sim(*args: str, preset: str = "m5max-128g-14b-q4", **kwargs: object) -> Server:
-        return spawn("sim", "--preset", preset, *args, name=kwargs.pop("name", "sim"), **kwargs)  # type: ignore[arg-type]
+        name = str(kwargs.pop("name", "sim"))
+        if local is not None:
+            return local.sim(name, "--preset", preset, *args, **kwargs)  # type: ignore[return-value,arg-type]
+        return spawn("sim", "--preset", preset, *args, name=name, **kwargs)  # type: ignore[arg-type]
 
     return _sim

@@ -109,14 +109,19 @@ class LocalStack:
         self, name: str, upstream: str, redis_url: str, node_id: str, *args: str,
         env: dict[str, str] | None = None, timeout: float = 30.0,
     ) -> Served:
-        """A node agent in front of ``upstream``, from ``macpool agent run`` arguments: its own lifecycle
-        (startup, main loop, shutdown with its drain) without the signal handlers only a process has."""
+        """A node agent in front of ``upstream``, heartbeating ``node_id`` into ``redis_url``."""
+        argv = ("--upstream", upstream, "--redis-url", redis_url, "--node-id", node_id, *args)
+        return self.agent_run(name, *argv, env=env, timeout=timeout)
+
+    def agent_run(
+        self, name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 30.0
+    ) -> Served:
+        """A node agent from ``macpool agent run`` arguments: its own lifecycle (startup, main loop, shutdown
+        with its drain) without the signal handlers only a process has."""
         sock = bind_socket(LOOPBACK, 0)
         port = sock.getsockname()[1]
-        argv = ["--upstream", upstream, "--redis-url", redis_url, "--node-id", node_id,
-                "--host", LOOPBACK, "--port", str(port), *args]
         with _environment(env):
-            agent = Agent(agent_settings(argv), sock)
+            agent = Agent(agent_settings(["--host", LOOPBACK, "--port", str(port), *args]), sock)
 
         async def run() -> None:
             try:

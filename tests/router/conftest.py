@@ -1,7 +1,7 @@
 """A real pool for router tests: simulators, one agent per simulator, routers, one Redis.
 
-``pool`` starts them as processes, ``local_pool`` in this process (tests.inprocess): the same servers on
-real sockets, for the tests where a separate process is not the point.
+``pool`` starts them as processes, or in this process (tests.inprocess: the same servers on real sockets)
+for a test marked ``in_process``, where a separate process is not the point.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 from macpool.stack import Stack
 from tests.conftest import Node as Node
 from tests.conftest import Server as Server
+from tests.conftest import in_process
 from tests.conftest import wait_until as wait_until
 from tests.inprocess import LocalStack
 
@@ -63,10 +64,5 @@ def queued(router_url: str) -> int:
 
 
 @pytest.fixture
-def pool(stack: Stack, redis_url: str) -> Pool:
-    return Pool(stack, redis_url)
-
-
-@pytest.fixture
-def local_pool(local_stack: LocalStack, redis_url: str) -> Pool:
-    return Pool(local_stack, redis_url)
+def pool(request: pytest.FixtureRequest, stack: Stack, redis_url: str) -> Pool:
+    return Pool(in_process(request) or stack, redis_url)

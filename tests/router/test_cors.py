@@ -17,10 +17,7 @@ from tests.router.conftest import Pool
 ORIGIN = "https://chat.example.com"
 
 
-@pytest.fixture
-def pool(local_pool: Pool) -> Pool:
-    """The pool of every test here runs in this process: none of them is about a process."""
-    return local_pool
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def preflight(url: str, origin: str) -> httpx.Response:

@@ -16,10 +16,7 @@ API_KEY = "client-secret"
 ADMIN_KEY = "admin-secret"
 
 
-@pytest.fixture
-def pool(local_pool: Pool) -> Pool:
-    """The pool of every test here runs in this process: none of them is about a process."""
-    return local_pool
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def _error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:

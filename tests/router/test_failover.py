@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import chat, metric
 from tests.router.conftest import AGENT_TOKEN, Pool, queued, wait_until
@@ -48,12 +49,12 @@ def test_failover_before_first_byte_then_error_event_mid_stream(pool: Pool) -> N
     assert f'macpool_upstream_errors_total{{kind="connect",node="{idle}"}}' in metrics
 
 
-def test_a_request_waiting_after_a_node_refused_it_neither_gets_nor_blocks_that_node(
-        local_pool: Pool) -> None:
-    nodes = {name: local_pool.node(name, cap=1, speed=1) for name in ("a", "b")}
-    router = local_pool.router("--queue-size", "4", "--queue-timeout", "45")
-    local_pool.wait_ready(router, nodes=2)
-    model = local_pool.model(router)
+@pytest.mark.in_process
+def test_a_request_waiting_after_a_node_refused_it_neither_gets_nor_blocks_that_node(pool: Pool) -> None:
+    nodes = {name: pool.node(name, cap=1, speed=1) for name in ("a", "b")}
+    router = pool.router("--queue-size", "4", "--queue-timeout", "45")
+    pool.wait_ready(router, nodes=2)
+    model = pool.model(router)
     long_body, short_body = chat(model, 4000), chat(model, 4, stream=False)
     token = {"x-macpool-token": AGENT_TOKEN}
     answers: list[httpx.Response] = []
@@ -125,14 +126,15 @@ def test_a_full_node_then_an_unreachable_one_is_a_503_to_retry_not_a_502(pool: P
     assert answer.json()["error"]["code"] == "pool_full"
 
 
+@pytest.mark.in_process
 def test_an_agent_that_has_not_yet_seen_a_slot_freed_is_asked_again_before_the_request_fails_over(
-        local_pool: Pool) -> None:
+        pool: Pool) -> None:
     # Redis gives a slot on as soon as the router releases it, often before the agent has seen that request
     # end (its client gone): the agent's brief "full" must not turn the next request into a 503
-    node = local_pool.node("a", cap=1, speed=1)
-    router = local_pool.router("--queue-size", "0")
-    local_pool.wait_ready(router, nodes=1)
-    model = local_pool.model(router)
+    node = pool.node("a", cap=1, speed=1)
+    router = pool.router("--queue-size", "0")
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
     refusals = 'macpool_agent_rejections_total{reason="node_full"}'
     answers: list[httpx.Response] = []
     with httpx.Client(timeout=60) as client:

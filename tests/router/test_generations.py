@@ -16,11 +16,7 @@ from macpool.store import Keys
 from tests.conftest import chat, metric, wait_until
 from tests.router.conftest import Pool
 
-
-@pytest.fixture
-def pool(local_pool: Pool) -> Pool:
-    """The pool of every test here runs in this process: none of them is about a process."""
-    return local_pool
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def test_more_generations_than_any_node_runs_are_a_400_and_the_others_count_each(pool: Pool) -> None:

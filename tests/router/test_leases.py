@@ -73,13 +73,14 @@ def test_disconnect_renewal_and_crash(pool: Pool, redis_url: str) -> None:
     store.close()
 
 
-def test_a_client_leaving_after_done_was_served(local_pool: Pool, local_stack: LocalStack) -> None:
+@pytest.mark.in_process
+def test_a_client_leaving_after_done_was_served(pool: Pool, local_stack: LocalStack) -> None:
     """The OpenAI SDK closes the connection once it reads `data: [DONE]`, often before the end of the body
     reaches the router: that stream was served whole - counted with its status, not as `client_closed`."""
     upstream = local_stack.serve("lingering", stand_in.app("lingering", lingering_upstream.ROUTES))
-    local_stack.agent("agent-n1", upstream.url, local_pool.redis_url, "n1", "--token", AGENT_TOKEN)
-    router = local_pool.router()
-    local_pool.wait_ready(router, nodes=1)
+    local_stack.agent("agent-n1", upstream.url, pool.redis_url, "n1", "--token", AGENT_TOKEN)
+    router = pool.router()
+    pool.wait_ready(router, nodes=1)
     body = {"model": "lingering", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
     with httpx.Client(base_url=router.url, timeout=30) as client:
         for _ in range(2):

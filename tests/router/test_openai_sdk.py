@@ -7,11 +7,7 @@ import pytest
 
 from tests.router.conftest import Pool
 
-
-@pytest.fixture
-def pool(local_pool: Pool) -> Pool:
-    """The pool of every test here runs in this process: none of them is about a process."""
-    return local_pool
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def test_openai_sdk_chat(pool: Pool) -> None:

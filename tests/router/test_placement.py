@@ -15,11 +15,7 @@ from macpool.contract import now_ms
 from macpool.store import Keys
 from tests.router.conftest import Pool, wait_until
 
-
-@pytest.fixture
-def pool(local_pool: Pool) -> Pool:
-    """The pool of every test here runs in this process: none of them is about a process."""
-    return local_pool
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def _long_stream(model: str) -> dict[str, object]:

@@ -13,11 +13,7 @@ from macpool.store import Keys
 from tests.conftest import chat, metric
 from tests.router.conftest import Pool, queued, wait_until
 
-
-@pytest.fixture
-def pool(local_pool: Pool) -> Pool:
-    """The pool of every test here runs in this process: none of them is about a process."""
-    return local_pool
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, redis_url: str) -> None:

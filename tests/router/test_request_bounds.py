@@ -15,10 +15,7 @@ from tests.router.conftest import Pool
 CHAT = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-@pytest.fixture
-def pool(local_pool: Pool) -> Pool:
-    """The pool of every test here runs in this process: none of them is about a process."""
-    return local_pool
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def _port(url: str) -> int:

@@ -18,10 +18,7 @@ from tests.router.conftest import Pool, wait_until
 LONG_DOCUMENT = "The quarterly report says revenue grew in every region. " * 40  # ~2.2 KB: worth caching
 
 
-@pytest.fixture
-def pool(local_pool: Pool) -> Pool:
-    """The pool of every test here runs in this process: none of them is about a process."""
-    return local_pool
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def _model(router_url: str, key: str) -> str:
