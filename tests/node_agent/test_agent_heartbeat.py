@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from macpool.redis_server import free_port
 from node_agent.heartbeat import decoded_so_far
@@ -156,6 +157,7 @@ def test_tokens_still_being_generated_are_read_from_llama_servers_slots() -> Non
     assert decoded_so_far({"error": "not a list"}) == 0
 
 
+@pytest.mark.in_process
 def test_tokens_per_second_count_a_long_generation_before_it_ends(
     sim: SimFactory, agent: AgentFactory, redis_url: str
 ) -> None:
