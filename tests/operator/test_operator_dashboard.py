@@ -133,6 +133,7 @@ def _tenant_load(router_url: str, key: str, priority: str, stop: threading.Event
 
 
 @pytest.mark.slow
+@pytest.mark.in_process
 def test_dashboard_shows_affinity_and_queues_by_class_and_key(
     pool: Callable[..., Pool], page: Any, tmp_path: Path
 ) -> None:
