@@ -68,11 +68,12 @@ class LocalStack:
     # --- starting ------------------------------------------------------------------------------------
 
     def serve(
-        self, name: str, app: ASGIApp, *, ready: str | None = "/health", timeout: float = 30.0,
-        keep_alive: int = 5, graceful_shutdown: int = 3, lifespan: str = "on",
+        self, name: str, app: ASGIApp, *, port: int | None = None, ready: str | None = "/health",
+        timeout: float = 30.0, keep_alive: int = 5, graceful_shutdown: int = 3, lifespan: str = "on",
     ) -> Served:
-        """Serve ``app`` on a free loopback port; return once ``ready`` answers 200 (None: once listening)."""
-        sock = bind_socket(LOOPBACK, 0)
+        """Serve ``app`` on loopback ``port`` (default: a free one); return once ``ready`` answers 200
+        (None: once listening)."""
+        sock = bind_socket(LOOPBACK, port or 0)
         port = sock.getsockname()[1]
         config = server_config(app, keep_alive=keep_alive, graceful_shutdown=graceful_shutdown,
                                lifespan=lifespan, log_level="warning", access_log=False)
@@ -90,35 +91,34 @@ class LocalStack:
         self._wait(served, lambda: server.started, ready, timeout)
         return served
 
-    def sim(self, name: str, *args: str, timeout: float = 30.0) -> Served:
-        """A simulated Mac, from ``macpool sim`` arguments."""
+    def sim(self, name: str, *args: str, **options: Any) -> Served:
+        """A simulated Mac, from ``macpool sim`` arguments; ``options`` as for ``serve``."""
         settings, _ = sim_settings(list(args))
-        return self.serve(name, sim_app(settings), timeout=timeout)
+        return self.serve(name, sim_app(settings), **options)
 
     def router(
-        self, name: str, redis_url: str, *args: str, env: dict[str, str] | None = None, timeout: float = 30.0
+        self, name: str, redis_url: str, *args: str, env: dict[str, str] | None = None, **options: Any
     ) -> Served:
         """A router on ``redis_url``, from ``macpool router`` arguments; ``env``: MACPOOL_* variables."""
         with _environment(env):
             settings = router_settings(["--redis-url", redis_url, *args])
         app = with_cors(router_app(settings), settings.cors_origins)
-        return self.serve(name, app, timeout=timeout, keep_alive=75,
-                          graceful_shutdown=settings.shutdown_timeout)
+        return self.serve(name, app, keep_alive=75, graceful_shutdown=settings.shutdown_timeout, **options)
 
     def agent(
-        self, name: str, upstream: str, redis_url: str, node_id: str, *args: str,
-        env: dict[str, str] | None = None, timeout: float = 30.0,
+        self, name: str, upstream: str, redis_url: str, node_id: str, *args: str, **options: Any
     ) -> Served:
         """A node agent in front of ``upstream``, heartbeating ``node_id`` into ``redis_url``."""
         argv = ("--upstream", upstream, "--redis-url", redis_url, "--node-id", node_id, *args)
-        return self.agent_run(name, *argv, env=env, timeout=timeout)
+        return self.agent_run(name, *argv, **options)
 
     def agent_run(
-        self, name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 30.0
+        self, name: str, *args: str, env: dict[str, str] | None = None, port: int | None = None,
+        ready: str | None = "/health", timeout: float = 30.0,
     ) -> Served:
         """A node agent from ``macpool agent run`` arguments: its own lifecycle (startup, main loop, shutdown
         with its drain) without the signal handlers only a process has."""
-        sock = bind_socket(LOOPBACK, 0)
+        sock = bind_socket(LOOPBACK, port or 0)
         port = sock.getsockname()[1]
         with _environment(env):
             agent = Agent(agent_settings(["--host", LOOPBACK, "--port", str(port), *args]), sock)
@@ -136,7 +136,7 @@ class LocalStack:
         task = self.call(start())
         served = Served(name, f"http://{LOOPBACK}:{port}", port, agent.stop_requested.set, task, sock)
         self.served.append(served)
-        self._wait(served, lambda: agent.server is not None and agent.server.started, "/health", timeout)
+        self._wait(served, lambda: agent.server is not None and agent.server.started, ready, timeout)
         return served
 
     # --- waiting -------------------------------------------------------------------------------------
