@@ -91,9 +91,11 @@ class LocalStack:
         self._wait(served, lambda: server.started, ready, timeout)
         return served
 
-    def sim(self, name: str, *args: str, **options: Any) -> Served:
-        """A simulated Mac, from ``macpool sim`` arguments; ``options`` as for ``serve``."""
-        settings, _ = sim_settings(list(args))
+    def sim(self, name: str, *args: str, env: dict[str, str] | None = None, **options: Any) -> Served:
+        """A simulated Mac, from ``macpool sim`` arguments; ``env``: MACPOOL_SIM_* variables; ``options``
+        as for ``serve``."""
+        with _environment(env):
+            settings, _ = sim_settings(list(args))
         return self.serve(name, sim_app(settings), **options)
 
     def router(
