@@ -16,6 +16,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,7 +54,7 @@ class Served:
 
 class LocalStack:
     """Servers of one test on one event loop in a background thread; ``close`` (or leaving the ``with``)
-    stops them, last started first, then the loop."""
+    stops them all, then the loop."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -157,7 +158,7 @@ class LocalStack:
                 self._check_running()
                 if listening() and (ready is None or _answers(client, served.url + ready)):
                     return
-                threading.Event().wait(0.01)
+                time.sleep(0.01)
         raise AssertionError(f"{served.name} did not serve within {timeout}s")
 
     def _check_running(self) -> None:
