@@ -51,6 +51,7 @@ def wait_until(
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
+
 async def eventually(
     predicate: Callable[[], Awaitable[Any]], within: float = 30.0, what: str = "condition",
     interval: float = 0.01,

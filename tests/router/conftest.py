@@ -24,7 +24,7 @@ START_TIMEOUT_S = 30.0
 
 
 class Pool:
-    """Factory for the processes of one test, on the test's process harness (which stops them all)."""
+    """Factory for the servers of one test, on its process harness or its LocalStack (which stop them all)."""
 
     def __init__(self, stack: Stack | LocalStack, redis_url: str) -> None:
         self.stack = stack
