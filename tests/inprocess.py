@@ -50,6 +50,7 @@ class Served:
     stop: Callable[[], None]  # begins its shutdown (on the loop, as a signal handler would)
     task: asyncio.Task[None]
     sock: socket.socket
+    stopped: bool = False  # stopped by the test (``LocalStack.stop``), not on its own
 
 
 class LocalStack:
@@ -142,6 +143,17 @@ class LocalStack:
         self._wait(served, lambda: agent.server is not None and agent.server.started, ready, timeout)
         return served
 
+    def stop(self, served: Served) -> None:
+        """Stop one server now: its port refuses connections from then on, as after its process ended."""
+
+        async def stopped() -> None:
+            served.stop()
+            await asyncio.wait_for(asyncio.shield(served.task), STOP_TIMEOUT_S)
+
+        served.stopped = True
+        self.call(stopped(), timeout=STOP_TIMEOUT_S + 5)
+        served.sock.close()
+
     # --- waiting -------------------------------------------------------------------------------------
 
     def wait_nodes(
@@ -164,7 +176,7 @@ class LocalStack:
     def _check_running(self) -> None:
         """A server that ended on its own fails the test with its own error."""
         for served in self.served:
-            if served.task.done():
+            if served.task.done() and not served.stopped:
                 error = None if served.task.cancelled() else served.task.exception()
                 raise AssertionError(f"{served.name} stopped on its own: {error!r}") from error
 
