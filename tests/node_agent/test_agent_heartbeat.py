@@ -33,6 +33,11 @@ def logged(server: Server, needle: str) -> list[tuple[str, str]]:
     return found
 
 
+def logged_here(caplog: pytest.LogCaptureFixture, needle: str) -> list[tuple[str, str]]:
+    """``logged`` for servers in this process: (level, message) of each record that contains ``needle``."""
+    return [(r.levelname, r.getMessage()) for r in caplog.records if needle in r.getMessage()]
+
+
 def state_is(redis_url: str, state: str) -> Callable[[], bool]:
     return lambda: (doc := read_node(redis_url, "n1")) is not None and doc.state == state
 
@@ -126,8 +131,9 @@ def test_a_failing_memory_probe_is_logged_once_per_failure_and_shown_in_status(
     assert [level for level, _ in logged(gateway, warning)] == ["WARNING", "WARNING"]
 
 
+@pytest.mark.in_process
 def test_a_cap_above_the_slots_is_held_to_the_slots_with_one_warning(
-    sim: SimFactory, agent: AgentFactory, redis_url: str
+    sim: SimFactory, agent: AgentFactory, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     upstream = sim("--parallel", "3", "--speed", "20", "--metrics")
     gateway = agent("--upstream", upstream.url, "--cap", "6")
@@ -136,7 +142,7 @@ def test_a_cap_above_the_slots_is_held_to_the_slots_with_one_warning(
     assert doc.reason == "capacity 3 set by llama-server's 3 slots (--cap 6 is above them)"
     assert status(gateway.url)["capacity"] == 3
     time.sleep(1.0)  # three more beats: still one line
-    assert logged(gateway, "--cap 6 is above") == [
+    assert logged_here(caplog, "--cap 6 is above") == [
         (
             "WARNING",
             "--cap 6 is above llama-server's 3 slots (total_slots in /props): capacity is at most 3, "
