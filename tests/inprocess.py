@@ -139,8 +139,12 @@ class LocalStack:
         async def start() -> asyncio.Task[None]:
             return asyncio.create_task(run(), name=name)
 
+        def stop() -> None:  # a signal, then a second one: no drain, as the process harness's SIGKILL
+            agent.stop_requested.set()
+            agent.force.set()
+
         task = self.call(start())
-        served = Served(name, f"http://{LOOPBACK}:{port}", port, agent.stop_requested.set, task, sock)
+        served = Served(name, f"http://{LOOPBACK}:{port}", port, stop, task, sock)
         self.served.append(served)
         self._wait(served, lambda: agent.server is not None and agent.server.started, ready, timeout)
         return served
