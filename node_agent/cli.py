@@ -14,7 +14,7 @@ from typing import Any
 from macpool import logs, plotting
 from macpool.settings import ConfigError
 
-from .settings import load_settings
+from .settings import AgentSettings, load_settings
 
 PROG = "macpool agent"
 
@@ -141,13 +141,18 @@ def _split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def run(argv: list[str]) -> int:
+def build_settings(argv: list[str]) -> AgentSettings:
+    """The settings of ``macpool agent run <argv>`` (flags > MACPOOL_* > the --config file)."""
     own, extra = _split_extra(argv)
     args = vars(_run_parser().parse_args(own))
     config = args.pop("config")
     if extra:
         args["llama_args"] = extra
-    settings = load_settings(args, config)
+    return load_settings(args, config)
+
+
+def run(argv: list[str]) -> int:
+    settings = build_settings(argv)
     logs.configure(settings.log_level, settings.log_format)
     logging.getLogger("asyncio").setLevel(logging.ERROR)  # "socket.send() raised" after a client left
     from .agent import run_agent  # uvicorn and friends only once the configuration is known good

@@ -5,13 +5,17 @@
 - ``stack``: the process harness (``macpool.stack``) of one test, stopped when the test ends.
 - ``spawn``: a factory over it that starts a ``macpool`` subcommand (or any argv) as a real process.
 - ``sim``: a factory for simulators (``macpool sim``) on free ports, returning their base URL.
+- ``local_stack``: the same servers in this process (``tests.inprocess``), for tests where a separate
+  process is not the point. A test marked ``in_process`` gets them from ``sim`` (and the ``pool`` and
+  ``agent`` fixtures) too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,7 @@ import redis
 
 from macpool.redis_server import RedisServer
 from macpool.stack import Proc, Stack, free_port
+from tests.inprocess import LocalStack
 
 
 def wait_until(
@@ -45,6 +50,24 @@ def wait_until(
         last = value if value is not None else last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+async def eventually(
+    predicate: Callable[[], Awaitable[Any]], within: float = 30.0, what: str = "condition",
+    interval: float = 0.01,
+) -> Any:
+    """``wait_until`` for a coroutine predicate, on the running event loop: its first truthy value, or
+    fail after ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    last: object = None
+    while loop.time() < deadline:
+        last = await predicate()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {within}s waiting for {what} (last: {last!r})")
+
 
 def chat(model: str = "", max_tokens: int = 16, stream: bool = True, content: str = "hi") -> dict[str, Any]:
     """A chat completion request body (``model`` left out when empty)."""
@@ -118,6 +141,13 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         yield processes
 
 
+@pytest.fixture
+def local_stack() -> Iterator[LocalStack]:
+    """Servers in this process (simulators, agents, routers, any ASGI app), stopped when the test ends."""
+    with LocalStack() as servers:
+        yield servers
+
+
 def spawner(stack: Stack) -> SpawnFactory:
     """Start ``macpool <args>`` (``--port`` is filled in) or ``argv`` on ``stack`` and wait for
     ``ready_path`` to answer 200."""
@@ -146,11 +176,23 @@ def spawn(stack: Stack) -> SpawnFactory:
     return spawner(stack)
 
 
+def in_process(request: pytest.FixtureRequest) -> LocalStack | None:
+    """The test's in-process servers when it is marked ``in_process``, else None (processes)."""
+    if request.node.get_closest_marker("in_process") is None:
+        return None
+    servers: LocalStack = request.getfixturevalue("local_stack")
+    return servers
+
+
 @pytest.fixture
-def sim(spawn: SpawnFactory) -> Callable[..., Server]:
+def sim(request: pytest.FixtureRequest, spawn: SpawnFactory) -> Callable[..., Server]:
     """Start a simulator: ``sim(preset="m5max-128g-14b-q4", "--parallel", "4", "--speed", "20")``."""
+    local = in_process(request)
 
     def _sim(*args: str, preset: str = "m5max-128g-14b-q4", **kwargs: object) -> Server:
-        return spawn("sim", "--preset", preset, *args, name=kwargs.pop("name", "sim"), **kwargs)  # type: ignore[arg-type]
+        name = str(kwargs.pop("name", "sim"))
+        if local is not None:
+            return local.sim(name, "--preset", preset, *args, **kwargs)  # type: ignore[return-value,arg-type]
+        return spawn("sim", "--preset", preset, *args, name=name, **kwargs)  # type: ignore[arg-type]
 
     return _sim

@@ -1,8 +1,8 @@
 """One llama-server contract suite, two targets: the simulator and the real llama-server.
 
-Every test in this folder takes the ``target`` fixture, parametrised over ``sim`` and
-``llama-server``. Both are started the same way (2 slots, 1,024 tokens of context each, metrics on),
-as in ../shared/reference/llama-server/README.md.
+Every test in this folder takes the ``target`` fixture, parametrised over ``sim`` (served in this process)
+and ``llama-server`` (a process). Both are started the same way (2 slots, 1,024 tokens of context each,
+metrics on), as in ../shared/reference/llama-server/README.md.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 from macpool import tiny_model
 from macpool.redis_server import free_port
 from tests.conftest import Server, SpawnFactory
+from tests.inprocess import LocalStack
 
 PARALLEL = 2
 CTX_SIZE = 2048  # total; 1,024 per slot
@@ -48,10 +49,11 @@ def _llama_server_binary() -> str | None:
     return str(found) if found else None
 
 
-def _start_sim(spawn: SpawnFactory) -> Target:
-    server = spawn(
+def _start_sim(servers: LocalStack) -> Target:
+    """The simulator in this process: the contract is its HTTP surface, not its process."""
+    server = servers.sim(
         "sim", "--preset", "m5max-128g-14b-q4", "--parallel", str(PARALLEL), "--ctx-size", str(CTX_SIZE),
-        "--speed", "20", "--metrics", "--model", "tiny.gguf", name="sim",
+        "--speed", "20", "--metrics", "--model", "tiny.gguf",
     )
     return Target("sim", server.url, server, model="tiny.gguf", slow_request={"max_tokens": 900})
 
@@ -90,6 +92,6 @@ def _max_tokens_for(url: str, seconds: float) -> int:
 @pytest.fixture(params=["sim", "llama-server"])
 def target(request: pytest.FixtureRequest, spawn: SpawnFactory) -> Iterator[Target]:
     if request.param == "sim":
-        yield _start_sim(spawn)
+        yield _start_sim(request.getfixturevalue("local_stack"))
     else:
         yield _start_llama_server(spawn)

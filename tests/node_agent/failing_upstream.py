@@ -1,4 +1,5 @@
-"""A stand-in llama-server whose streams fail: ``python -m tests.node_agent.failing_upstream --port P``.
+"""A stand-in llama-server whose streams fail: ``app("failing", ROUTES)`` from
+tests.stand_in, or ``python -m tests.node_agent.failing_upstream --port P``.
 
 Enough of llama-server's surface for an agent to go ready. ``POST /v1/chat/completions`` answers 200 with
 an event stream that carries llama-server's error event when the prompt says ``error``, and otherwise one
@@ -32,9 +33,11 @@ async def chat(request: Request) -> Response:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+ROUTES = [Route("/v1/chat/completions", chat, methods=["POST"])]
+
+
 def main(argv: list[str]) -> int:
-    routes = [Route("/v1/chat/completions", chat, methods=["POST"])]
-    return serve(argv, "failing", routes, log_level="critical")
+    return serve(argv, "failing", ROUTES, log_level="critical")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""A stand-in llama-server that closes an idle connection after one second:
-``python -m tests.node_agent.impatient_upstream --port P``.
+"""A stand-in llama-server that closes an idle connection after one second: ``app("impatient", ROUTES)``
+from tests.stand_in served with a keep-alive of 1 s, or ``python -m tests.node_agent.impatient_upstream
+--port P``.
 
 Enough of llama-server's surface for an agent to go ready; ``POST /v1/chat/completions`` answers a one-word
 completion at once.
@@ -24,9 +25,11 @@ async def chat(request: Request) -> Response:
     return JSONResponse(ANSWER)
 
 
+ROUTES = [Route("/v1/chat/completions", chat, methods=["POST"])]
+
+
 def main(argv: list[str]) -> int:
-    routes = [Route("/v1/chat/completions", chat, methods=["POST"])]
-    return serve(argv, "impatient", routes, log_level="critical", keep_alive_s=1)
+    return serve(argv, "impatient", ROUTES, log_level="critical", keep_alive_s=1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from macpool.procs import macpool_argv
+from node_agent import cli as agent_cli
 from tests.conftest import Server
 
 SimFactory = Callable[..., Server]
@@ -86,18 +87,24 @@ def test_calibrate_finds_the_knee_of_another_machine(sim: SimFactory, tmp_path: 
     assert result["limited_by"] == "memory"
 
 
-def test_bad_figures_and_unwritable_outputs_fail_before_measuring(tmp_path: Path) -> None:
+def test_bad_figures_and_unwritable_outputs_fail_before_measuring(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # nothing listens at the upstream: each of these must be refused before the sweep tries to reach it
     # (--levels 0 would hang it, --step 0 raise from range(), an unwritable --json lose the results)
     broken = tmp_path / "broken.toml"
     broken.write_text("[agent\n")
-    for args, said in ((["--levels", "0"], "--levels"), (["--step", "0"], "--step"),
+    refused = "--upstream", "http://127.0.0.1:9"
+    done = subprocess.run(macpool_argv("agent", "calibrate", *refused, "--levels", "0"),
+                          capture_output=True, text=True, timeout=30)  # as a process: exit 2, one line
+    assert done.returncode == 2 and "--levels" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "conc" not in done.stdout, done.stderr
+    for args, said in ((["--step", "0"], "--step"),  # the others in this process
                        (["--write-config", str(broken)], "not a TOML file"),
                        (["--max-concurrency", "0"], "--max-concurrency"),
                        (["--json", str(tmp_path / "missing" / "cal.json")], "--json"),
                        (["--write-config", str(tmp_path)], "--write-config")):
-        done = subprocess.run(macpool_argv("agent", "calibrate", "--upstream", "http://127.0.0.1:9", *args),
-                              capture_output=True, text=True, timeout=30)
-        assert done.returncode == 2, (args, done.stderr)
-        assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
-        assert "conc" not in done.stdout  # the sweep's table never started
+        assert agent_cli.main(["calibrate", *refused, *args]) == 2, args
+        out, err = capsys.readouterr()
+        assert said in err and len(err.strip().splitlines()) == 1, err
+        assert "conc" not in out  # the sweep's table never started

@@ -8,7 +8,6 @@ import random
 import signal
 import socket
 import string
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,8 +24,11 @@ from macpool.upstream import Upstream
 from node_agent.gateway import create_app
 from node_agent.runtime import Runtime
 from node_agent.settings import AgentSettings
+from tests import stand_in
 from tests.conftest import Server, metric
 from tests.conftest import chat as shared_chat
+from tests.inprocess import LocalStack
+from tests.node_agent import failing_upstream, impatient_upstream
 from tests.node_agent.helpers import (
     AgentFactory,
     node_ttl_ms,
@@ -45,6 +47,7 @@ def chat(max_tokens: int, stream: bool = True) -> dict[str, Any]:
     return shared_chat("model-14b-q4.gguf", max_tokens, stream, content="hello " * 50)
 
 
+@pytest.mark.in_process
 def test_heartbeat_document_and_honest_capacity(sim: SimFactory, agent: AgentFactory, redis_url: str) -> None:
     upstream = sim("--parallel", "24", "--speed", "20", "--metrics")
     gateway = agent("--upstream", upstream.url, "--calibrated-cap", "8")
@@ -91,6 +94,7 @@ async def _burst(url: str, n: int, token: str) -> list[httpx.Response]:
         return await asyncio.gather(*(one() for _ in range(n)))
 
 
+@pytest.mark.in_process
 def test_hard_cap_under_three_times_the_cap_and_token(sim: SimFactory, agent: AgentFactory) -> None:
     upstream = sim("--parallel", "16", "--speed", "20", "--metrics")
     gateway = agent("--upstream", upstream.url, "--cap", "4", "--token", "s3cret")
@@ -113,6 +117,7 @@ def test_hard_cap_under_three_times_the_cap_and_token(sim: SimFactory, agent: Ag
     assert stats["completed"] == len(ok) + 0  # the 401s and 503s never reached the simulator
 
 
+@pytest.mark.in_process
 def test_client_disconnect_frees_the_slot_within_a_second(sim: SimFactory, agent: AgentFactory) -> None:
     upstream = sim("--parallel", "4", "--speed", "20", "--metrics")
     gateway = agent("--upstream", upstream.url)
@@ -135,6 +140,7 @@ def test_client_disconnect_frees_the_slot_within_a_second(sim: SimFactory, agent
     assert sim_stats(upstream.url)["cancelled"] == 1
 
 
+@pytest.mark.in_process
 def test_memory_pressure_admits_nothing_new_then_recovers(
     sim: SimFactory, agent: AgentFactory, redis_url: str
 ) -> None:
@@ -260,6 +266,7 @@ def test_unreachable_upstream_keeps_starting_then_joins(
     wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready once up")
 
 
+@pytest.mark.in_process
 def test_gguf_estimate_and_openai_shaped_errors(
     sim: SimFactory, agent: AgentFactory, redis_url: str, tmp_path: Path
 ) -> None:
@@ -325,6 +332,7 @@ def _client_gone_count(gateway: Server) -> float:
     return metric(gateway.url, f'macpool_agent_requests_total{{endpoint="{CHAT}",status="499"}}')
 
 
+@pytest.mark.in_process
 def test_client_gone_before_the_first_byte_frees_the_slot_at_once(
     sim: SimFactory, agent: AgentFactory
 ) -> None:
@@ -344,6 +352,7 @@ def test_client_gone_before_the_first_byte_frees_the_slot_at_once(
     assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5, stream=False)).status_code == 200
 
 
+@pytest.mark.in_process
 def test_client_gone_while_a_reply_is_assembled_frees_the_slot_at_once(
     sim: SimFactory, agent: AgentFactory
 ) -> None:
@@ -356,6 +365,7 @@ def test_client_gone_while_a_reply_is_assembled_frees_the_slot_at_once(
     assert _client_gone_count(gateway) == 1
 
 
+@pytest.mark.in_process
 def test_client_gone_from_a_passed_through_request_frees_the_slot_at_once(
     sim: SimFactory, agent: AgentFactory
 ) -> None:
@@ -370,6 +380,7 @@ def test_client_gone_from_a_passed_through_request_frees_the_slot_at_once(
     _freed_at_once(upstream, gateway, cancelled=1)
 
 
+@pytest.mark.in_process
 def test_a_stalled_request_body_takes_no_slot(sim: SimFactory, agent: AgentFactory) -> None:
     _, gateway = _capped_node(sim, agent, cap=1, speed="20")
     body = json.dumps(chat(5, stream=False)).encode()
@@ -386,6 +397,7 @@ def test_a_stalled_request_body_takes_no_slot(sim: SimFactory, agent: AgentFacto
     wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=2, what="slot released")
 
 
+@pytest.mark.in_process
 def test_a_malformed_n_is_passed_through(sim: SimFactory, agent: AgentFactory) -> None:
     upstream = sim("--parallel", "2", "--speed", "20", "--metrics")
     gateway = agent("--upstream", upstream.url)
@@ -442,6 +454,7 @@ def test_a_dead_llama_server_is_refused_as_unavailable_and_published_at_once(
     assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5), timeout=10).status_code == 200
 
 
+@pytest.mark.in_process
 def test_each_generation_of_a_request_holds_a_slot(sim: SimFactory, agent: AgentFactory) -> None:
     # several prompts or n > 1: llama-server runs each generation in a slot of its own, with its memory
     upstream = sim("--parallel", "8", "--speed", "20", "--metrics")
@@ -472,6 +485,7 @@ def test_each_generation_of_a_request_holds_a_slot(sim: SimFactory, agent: Agent
     wait_until(lambda: status(gateway.url)["in_flight"] == 0, timeout=2, what="all slots given back")
 
 
+@pytest.mark.in_process
 def test_a_non_streamed_request_counts_in_the_ttft_histogram_as_in_the_heartbeats_p50(
     sim: SimFactory, agent: AgentFactory
 ) -> None:
@@ -488,12 +502,11 @@ def test_a_non_streamed_request_counts_in_the_ttft_histogram_as_in_the_heartbeat
     wait_until(lambda: status(gateway.url)["node"]["ttft_p50_ms"] is not None, what="TTFT p50 heartbeat")
 
 
+@pytest.mark.in_process
 def test_a_folded_request_that_fails_is_counted_with_the_status_it_got(
-    spawn: Callable[..., Server], agent: AgentFactory
+    local_stack: LocalStack, agent: AgentFactory
 ) -> None:
-    port = free_port()
-    upstream = spawn(argv=[sys.executable, "-m", "tests.node_agent.failing_upstream", "--port", str(port)],
-                     port=port, name="failing-upstream")
+    upstream = local_stack.serve("failing-upstream", stand_in.app("failing", failing_upstream.ROUTES))
     gateway = agent("--upstream", upstream.url)
     wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
     failed = httpx.post(gateway.url + CHAT, json=shared_chat(stream=False, content="error"), timeout=30)
@@ -506,14 +519,14 @@ def test_a_folded_request_that_fails_is_counted_with_the_status_it_got(
     assert metric(gateway.url, 'macpool_agent_upstream_errors_total{kind="mid_response"}') == 1
 
 
+@pytest.mark.in_process
 def test_a_connection_llama_server_closed_while_idle_costs_no_request(
-    spawn: Callable[..., Server], agent: AgentFactory, redis_url: str
+    local_stack: LocalStack, agent: AgentFactory, redis_url: str
 ) -> None:
     """llama-server closes an idle connection after a few seconds: the agent's next request must not be
     written on it (it would get no answer, and the node would call itself unavailable)."""
-    port = free_port()
-    upstream = spawn(argv=[sys.executable, "-m", "tests.node_agent.impatient_upstream", "--port", str(port)],
-                     port=port, name="impatient")
+    impatient = stand_in.app("impatient", impatient_upstream.ROUTES)
+    upstream = local_stack.serve("impatient", impatient, keep_alive=1)  # closes an idle connection after 1 s
     gateway = agent("--upstream", upstream.url, "--cap", "2", "--heartbeat-interval", "5")
     wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready", what="ready")
     body = {"model": "impatient", "messages": [{"role": "user", "content": "hi"}]}

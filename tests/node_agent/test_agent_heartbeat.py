@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from macpool.redis_server import free_port
 from node_agent.heartbeat import decoded_so_far
@@ -30,6 +31,11 @@ def logged(server: Server, needle: str) -> list[tuple[str, str]]:
             _date, _time, level, _logger, message = line.split(" ", 4)
             found.append((level, message))
     return found
+
+
+def logged_here(caplog: pytest.LogCaptureFixture, needle: str) -> list[tuple[str, str]]:
+    """``logged`` for servers in this process: (level, message) of each record that contains ``needle``."""
+    return [(r.levelname, r.getMessage()) for r in caplog.records if needle in r.getMessage()]
 
 
 def state_is(redis_url: str, state: str) -> Callable[[], bool]:
@@ -125,8 +131,9 @@ def test_a_failing_memory_probe_is_logged_once_per_failure_and_shown_in_status(
     assert [level for level, _ in logged(gateway, warning)] == ["WARNING", "WARNING"]
 
 
+@pytest.mark.in_process
 def test_a_cap_above_the_slots_is_held_to_the_slots_with_one_warning(
-    sim: SimFactory, agent: AgentFactory, redis_url: str
+    sim: SimFactory, agent: AgentFactory, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     upstream = sim("--parallel", "3", "--speed", "20", "--metrics")
     gateway = agent("--upstream", upstream.url, "--cap", "6")
@@ -135,7 +142,7 @@ def test_a_cap_above_the_slots_is_held_to_the_slots_with_one_warning(
     assert doc.reason == "capacity 3 set by llama-server's 3 slots (--cap 6 is above them)"
     assert status(gateway.url)["capacity"] == 3
     time.sleep(1.0)  # three more beats: still one line
-    assert logged(gateway, "--cap 6 is above") == [
+    assert logged_here(caplog, "--cap 6 is above") == [
         (
             "WARNING",
             "--cap 6 is above llama-server's 3 slots (total_slots in /props): capacity is at most 3, "
@@ -156,6 +163,7 @@ def test_tokens_still_being_generated_are_read_from_llama_servers_slots() -> Non
     assert decoded_so_far({"error": "not a list"}) == 0
 
 
+@pytest.mark.in_process
 def test_tokens_per_second_count_a_long_generation_before_it_ends(
     sim: SimFactory, agent: AgentFactory, redis_url: str
 ) -> None:

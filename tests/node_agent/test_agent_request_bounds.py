@@ -1,4 +1,4 @@
-"""The agent process met on the wire: a body not sent within --request-read-timeout gets an OpenAI-shaped
+"""The agent met on the wire: a body not sent within --request-read-timeout gets an OpenAI-shaped
 408 (holding no slot meanwhile), and an upgrade offer is answered over HTTP/1.1."""
 
 from __future__ import annotations
@@ -7,11 +7,15 @@ import json
 import time
 from collections.abc import Callable
 
+import pytest
+
 from tests.conftest import Server, wait_until
 from tests.node_agent.helpers import AgentFactory, status
 from tests.raw_http import at_eof, connect, exchange, head, read_reply
 
 TOKEN = "agent-bounds-token"
+
+pytestmark = pytest.mark.in_process  # neither test is about a process
 
 
 def _port(url: str) -> int:

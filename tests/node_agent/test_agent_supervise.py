@@ -19,6 +19,7 @@ import pytest
 from macpool.contract import heartbeat_ttl_ms
 from macpool.procs import macpool_argv
 from macpool.redis_server import free_port
+from node_agent import cli as agent_cli
 from node_agent.agent import bind_socket
 from node_agent.supervisor import Supervisor, redacted
 from tests.conftest import SpawnFactory
@@ -215,6 +216,7 @@ def inode(sock: socket.socket) -> Inode:
 
 
 def one_liner(*args: str) -> str:
+    """What ``macpool agent run <args>`` says as a process: exit 2, one line on stderr, no traceback."""
     done = subprocess.run(macpool_argv("agent", "run", *args), capture_output=True, text=True, timeout=30)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
@@ -223,19 +225,30 @@ def one_liner(*args: str) -> str:
     return lines[0]
 
 
-def test_bad_configuration_fails_before_start_with_one_line(tmp_path: Path) -> None:
-    assert "--model" in one_liner("--llama-server", SIM_COMMAND, "--model", str(tmp_path / "missing.gguf"))
-    assert "no such executable" in one_liner("--llama-server", "/nope/llama-server", "--model", __file__)
-    assert "--upstream" in one_liner("--upstream", "not a url")
-    assert "redis_url=" in one_liner("--upstream", "http://127.0.0.1:1", "--redis-url", "http://x")
+def said(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """The same, in this process: for settings refused before the agent starts anything."""
+    assert agent_cli.main(["run", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_bad_configuration_fails_before_start_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert "--model" in said(capsys, "--llama-server", SIM_COMMAND, "--model", str(tmp_path / "missing.gguf"))
+    assert "no such executable" in said(capsys, "--llama-server", "/nope/llama-server", "--model", __file__)
+    assert "--upstream" in said(capsys, "--upstream", "not a url")
+    assert "redis_url=" in said(capsys, "--upstream", "http://127.0.0.1:1", "--redis-url", "http://x")
     assert "exactly one" in one_liner()
     for after_dashes in (["--host", "0.0.0.0"], ["--port=8080"]):
-        line = one_liner("--llama-server", SIM_COMMAND, "--model", __file__, "--", *after_dashes)
+        line = said(capsys, "--llama-server", SIM_COMMAND, "--model", __file__, "--", *after_dashes)
         assert "127.0.0.1" in line and after_dashes[0] in line, line
-    assert "--config" in one_liner("--config", str(tmp_path / "none.toml"))
-    with socket_taken() as port:
+    assert "--config" in said(capsys, "--config", str(tmp_path / "none.toml"))
+    with socket_taken() as port:  # found once the agent binds, after its logging is set up: a process
         assert "cannot listen" in one_liner("--upstream", "http://127.0.0.1:1", "--port", str(port))
-    assert "heartbeat_interval" in one_liner("--upstream", "http://127.0.0.1:1", "--heartbeat-interval", "-1")
+    heartbeat = said(capsys, "--upstream", "http://127.0.0.1:1", "--heartbeat-interval", "-1")
+    assert "heartbeat_interval" in heartbeat
 
 
 class socket_taken:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from macpool import dev
+from tests.inprocess import LocalStack
 from tests.operator.helpers import ADMIN_KEY, HEARTBEAT_S, Pool, wait_until
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -133,6 +134,7 @@ def _tenant_load(router_url: str, key: str, priority: str, stop: threading.Event
 
 
 @pytest.mark.slow
+@pytest.mark.in_process
 def test_dashboard_shows_affinity_and_queues_by_class_and_key(
     pool: Callable[..., Pool], page: Any, tmp_path: Path
 ) -> None:
@@ -178,13 +180,16 @@ def test_dashboard_shows_affinity_and_queues_by_class_and_key(
 
 
 @pytest.mark.slow
-def test_a_node_out_of_the_pools_capacity_takes_no_share_of_it(pool: Callable[..., Pool], page: Any) -> None:
+@pytest.mark.in_process
+def test_a_node_out_of_the_pools_capacity_takes_no_share_of_it(
+    pool: Callable[..., Pool], page: Any, local_stack: LocalStack
+) -> None:
     running = pool(nodes=3)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(f"{running.router.url}/dashboard")
     wait_until(lambda: set(_node_states(page)) == set(running.agents), 30, "every node on the page")
-    running.sims["mac-3"].child.kill()  # its llama-server is gone: the agent stays, unhealthy
+    local_stack.stop(running.sims["mac-3"])  # its llama-server is gone: the agent stays, unhealthy
     wait_until(lambda: _cards(page)["mac-3"]["state"] == "unhealthy", 30, "mac-3 unhealthy")
     httpx.post(f"{running.router.url}/admin/nodes/mac-2/drain",
                headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=5).raise_for_status()

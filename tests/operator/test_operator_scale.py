@@ -122,6 +122,7 @@ def receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
         thread.join(10)
 
 
+@pytest.mark.in_process
 def test_router_serves_the_hint_and_posts_it_to_its_webhook(
     pool: Callable[..., Pool], receiver: tuple[str, list[dict[str, Any]]]
 ) -> None:

@@ -6,10 +6,13 @@ import re
 import subprocess
 from collections.abc import Callable
 
+import pytest
+
 from macpool.procs import macpool_argv
 from tests.operator.helpers import Pool
 
 
+@pytest.mark.in_process
 def test_top_once_renders_every_node_and_the_totals(pool: Callable[..., Pool]) -> None:
     running = pool(nodes=2)
     result = subprocess.run(

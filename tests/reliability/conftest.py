@@ -1,6 +1,7 @@
-"""A real pool for fault, abuse and security tests: one Redis, simulators behind agents, router processes.
+"""A real pool for fault, abuse and security tests: one Redis, simulators behind agents, routers.
 
-Everything is a real process (``spawn`` from the root conftest stops them all at the end of each test).
+They are real processes (``spawn`` from the root conftest stops them all at the end of each test), or
+servers in this process (tests/inprocess.py) for a test marked ``in_process``.
 Heartbeats are fast (0.3 s, TTL about 1 s) so nodes leave the pool quickly when they die.
 """
 
@@ -19,9 +20,10 @@ from macpool.redis_server import RedisServer
 from macpool.stack import Stack
 from macpool.store import Keys
 from tests.conftest import Node as Node
-from tests.conftest import Server, spawner
+from tests.conftest import Server, in_process, spawner
 from tests.conftest import chat as chat
 from tests.conftest import wait_until as wait_until
+from tests.inprocess import LocalStack
 
 AGENT_TOKEN = "reliability-agent-token-7f3a"
 ADMIN_KEY = "reliability-admin-key-91c2"
@@ -56,10 +58,11 @@ def sse_events(raw: bytes) -> list[dict[str, Any]]:
 
 
 class Rig:
-    """Builds the processes of one test against one Redis, on the test's process harness."""
+    """Builds the servers of one test against one Redis, on the test's process harness or (``servers``) in
+    this process; ``spawn`` always starts a process."""
 
-    def __init__(self, stack: Stack, redis_url: str) -> None:
-        self.stack = stack
+    def __init__(self, stack: Stack, redis_url: str, servers: Stack | LocalStack | None = None) -> None:
+        self.stack = servers or stack
         self.spawn = spawner(stack)
         self.redis_url = redis_url
         self.keys = Keys()
@@ -140,8 +143,8 @@ class Rig:
 
 
 @pytest.fixture
-def rig(stack: Stack, redis_url: str) -> Rig:
-    return Rig(stack, redis_url)
+def rig(request: pytest.FixtureRequest, stack: Stack, redis_url: str) -> Rig:
+    return Rig(stack, redis_url, in_process(request))
 
 
 @pytest.fixture

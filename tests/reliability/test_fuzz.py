@@ -15,7 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from macpool.stack import Stack
 from tests.raw_http import parse_head
 from tests.reliability.conftest import Node, Rig, assert_clean, wait_until
 
@@ -26,9 +25,11 @@ PROXIED = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/comple
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
+
+
 @pytest.fixture
-def target(stack: Stack, redis_url: str) -> tuple[Rig, Node, str]:
-    rig = Rig(stack, redis_url)
+def target(rig: Rig) -> tuple[Rig, Node, str]:
     node = rig.node("fz", cap=2, speed=50)
     router = rig.router("--max-body-bytes", str(MAX_BODY), "--queue-size", "2", "--queue-timeout", "0.2")
     rig.wait_ready(router, nodes=1)

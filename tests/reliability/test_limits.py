@@ -11,6 +11,7 @@ from tests.reliability.conftest import Rig, assert_clean, chat, wait_until
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.in_process
 def test_over_long_prompts_are_refused_without_holding_a_slot(rig: Rig) -> None:
     # 4 slots of 512 tokens each
     node = rig.node("ctx", cap=2, sim_args=("--ctx-size", "2048"))

@@ -125,6 +125,7 @@ def _non_loopback_address() -> str | None:
     return None
 
 
+@pytest.mark.in_process
 def test_admin_endpoints_need_the_admin_key(rig: Rig, spawn: SpawnFactory) -> None:
     rig.node("adm", cap=2)
     router = rig.router()

@@ -10,7 +10,6 @@ import time
 import httpx
 import pytest
 
-from macpool.stack import Stack
 from tests.reliability.conftest import Node, Rig, chat, wait_until
 
 pytestmark = pytest.mark.slow
@@ -18,9 +17,11 @@ pytestmark = pytest.mark.slow
 IDLE_S = 2.0
 
 
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
+
+
 @pytest.fixture
-def setup(stack: Stack, redis_url: str) -> tuple[Rig, Node, str]:
-    rig = Rig(stack, redis_url)
+def setup(rig: Rig) -> tuple[Rig, Node, str]:
     # a long context so a stream can outlast every socket buffer between the simulator and the client
     node = rig.node("slow", cap=2, speed=50, sim_args=("--ctx-size", "262144"))
     router = rig.router("--idle-timeout", str(IDLE_S), "--first-byte-timeout", "10")
@@ -87,11 +88,10 @@ def test_reader_that_never_reads_is_cut_off(setup: tuple[Rig, Node, str]) -> Non
         sock.close()
 
 
-def test_a_trickled_body_is_answered_408_within_the_read_timeout(stack: Stack, redis_url: str) -> None:
+def test_a_trickled_body_is_answered_408_within_the_read_timeout(rig: Rig) -> None:
     """Bodies still trickling in (a byte every 0.2 s) when --request-read-timeout has passed get an
     OpenAI-shaped 408 and their connections end; none held a slot. (Slowloris headers and silent connections
     are the fronting proxy's: tests/operator/test_operator_haproxy.py.)"""
-    rig = Rig(stack, redis_url)
     node = rig.node("cut", cap=1, speed=50)
     router = rig.router("--request-read-timeout", "1.5")
     rig.wait_ready(router, nodes=1)

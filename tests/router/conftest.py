@@ -1,4 +1,8 @@
-"""A real pool for router tests: simulators, one agent per simulator, router processes, one Redis."""
+"""A real pool for router tests: simulators, one agent per simulator, routers, one Redis.
+
+``pool`` starts them as processes, or in this process (tests.inprocess: the same servers on real sockets)
+for a test marked ``in_process``, where a separate process is not the point.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ import pytest
 from macpool.stack import Stack
 from tests.conftest import Node as Node
 from tests.conftest import Server as Server
+from tests.conftest import in_process
 from tests.conftest import wait_until as wait_until
+from tests.inprocess import LocalStack
 
 AGENT_TOKEN = "router-test-agent-token"
 PRESET = "m5max-128g-14b-q4"
@@ -18,9 +24,9 @@ START_TIMEOUT_S = 30.0
 
 
 class Pool:
-    """Factory for the processes of one test, on the test's process harness (which stops them all)."""
+    """Factory for the servers of one test, on its process harness or its LocalStack (which stop them all)."""
 
-    def __init__(self, stack: Stack, redis_url: str) -> None:
+    def __init__(self, stack: Stack | LocalStack, redis_url: str) -> None:
         self.stack = stack
         self.redis_url = redis_url
 
@@ -63,5 +69,5 @@ def queued(router_url: str) -> int:
 
 
 @pytest.fixture
-def pool(stack: Stack, redis_url: str) -> Pool:
-    return Pool(stack, redis_url)
+def pool(request: pytest.FixtureRequest, stack: Stack, redis_url: str) -> Pool:
+    return Pool(in_process(request) or stack, redis_url)

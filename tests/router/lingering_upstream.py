@@ -1,4 +1,5 @@
-"""A stand-in llama-server whose streams linger: ``python -m tests.router.lingering_upstream --port P``.
+"""A stand-in llama-server whose streams linger: ``app("lingering", ROUTES)`` from tests.stand_in, or
+``python -m tests.router.lingering_upstream --port P``.
 
 Enough of llama-server's surface for an agent to go ready. ``POST /v1/chat/completions`` answers 200 with an
 event stream of one chunk and ``data: [DONE]``, and ends the body only a second and a half later.
@@ -29,9 +30,11 @@ async def chat(request: Request) -> Response:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+ROUTES = [Route("/v1/chat/completions", chat, methods=["POST"])]
+
+
 def main(argv: list[str]) -> int:
-    routes = [Route("/v1/chat/completions", chat, methods=["POST"])]
-    return serve(argv, "lingering", routes, log_level="critical")
+    return serve(argv, "lingering", ROUTES, log_level="critical")
 
 
 if __name__ == "__main__":

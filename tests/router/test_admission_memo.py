@@ -16,6 +16,7 @@ from router.full_memo import FULL_MEMO_S
 from router.metrics import RouterMetrics
 from router.pool import PoolView
 from router.settings import Settings
+from tests.conftest import eventually
 
 NODE = NodeDoc(node_id="a", url="http://127.0.0.1:9", capacity=1, state="ready", models=["m"])
 
@@ -52,7 +53,7 @@ def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(
             holder = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             batch_ticket = Ticket(model="m", priority="batch")
             batch = asyncio.create_task(admission.acquire(lambda: [NODE], batch_ticket))
-            await asyncio.sleep(0.2)  # the batch request waits in the queue, which is now full
+            await eventually(lambda: redis.zcard(Keys().queue), what="the batch request queued")  # now full
             with pytest.raises(Rejected) as refused:
                 await admission.acquire(lambda: [NODE], Ticket(model="m", priority="batch"))
             assert refused.value.reason == "pool_full"
@@ -68,7 +69,7 @@ def test_a_batch_full_answer_does_not_refuse_an_interactive_request_from_memory(
             # an interactive "full" is remembered: the next refusal makes no Redis call
             holder = await admission.acquire(lambda: [NODE], Ticket(model="m"))
             waiting = asyncio.create_task(admission.acquire(lambda: [NODE], Ticket(model="m")))
-            await asyncio.sleep(0.2)
+            await eventually(lambda: redis.zcard(Keys().queue), what="the request queued")
             with pytest.raises(Rejected):
                 await admission.acquire(lambda: [NODE], Ticket(model="m"))
             before = await evalsha_calls(redis)

@@ -6,7 +6,6 @@ routers is in test_tenants.py.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ class Store:
     """The store's API on a real Redis, plus the raw client (``r``) and the events channel to look at it."""
 
     def __init__(self, url: str) -> None:
+        self.now = now_ms()  # the scripts' clock (ms): a test moves it on instead of sleeping
         self.api = BlockingStore(url, KEYS)
         self.r = redis.Redis.from_url(url, decode_responses=True)
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
@@ -45,19 +45,25 @@ class Store:
         kw.setdefault("model", "m")
         kw.setdefault("queue_lease_ms", QUEUE_LEASE)
         request = ReserveRequest(rid, [Candidate(n) for n in nodes], LEASE, **kw)
-        return self.api.run(self.api.store.reserve(request, now))
+        return self.api.run(self.api.store.reserve(request, self.now if now is None else now))
 
     def release(self, rid: str, node: str, tenant: str = "anonymous", slots: int = 1, now: int | None = None,
                 queue_lease_ms: int = QUEUE_LEASE) -> int:
         release = Release(rid, node, tenant, slots, queue_lease_ms=queue_lease_ms)
-        return self.api.run(self.api.store.release(release, now))
+        return self.api.run(self.api.store.release(release, self.now if now is None else now))
+
+    def tick(self, ms: int = 5) -> None:
+        """``ms`` pass on the scripts' clock: what is asked next arrives after what was asked before (ties
+        in arrival are broken by id)."""
+        self.now += ms
 
     def held(self, node: str) -> list[str]:
         return sorted(self.r.zrange(KEYS.reservations(node), 0, -1))
 
     def leave(self, rid: str, nodes: tuple[str, ...] = (), now: int | None = None) -> bool:
         """True when slots had been handed to it."""
-        return self.api.run(self.api.store.leave_queue(rid, nodes, QUEUE_LEASE, now))
+        when = self.now if now is None else now
+        return self.api.run(self.api.store.leave_queue(rid, nodes, QUEUE_LEASE, when))
 
     def events(self) -> list[str]:
         out = []
@@ -142,7 +148,7 @@ def test_a_new_arrival_does_not_jump_waiters_but_ranks_ahead_of_lower_classes(st
     store.node("a", 1)
     store.ask("busy", ["a"])
     # (queued 50 ms ago: requests of the same millisecond are ordered by id, and these calls can be that fast)
-    waiting = store.ask("w-batch", ["a"], priority="batch", batch_queue_max=4, now=now_ms() - 50)
+    waiting = store.ask("w-batch", ["a"], priority="batch", batch_queue_max=4, now=store.now - 50)
     assert waiting.status == "queued"
     # capacity grows (a heartbeat, not a release): the interactive arrival takes the new slot at once
     store.node("a", 2)
@@ -201,7 +207,7 @@ def test_models_decide_who_may_take_a_released_slot(store: Store) -> None:
 
 def test_a_slot_handed_to_a_dead_waiter_comes_back_after_the_queue_lease(store: Store) -> None:
     store.node("a", 1)
-    t = now_ms()
+    t = store.now
     store.ask("busy", ["a"], now=t)
     assert store.ask("waiter", ["a"], queue_lease_ms=200, now=t).status == "queued"
     store.events()
@@ -230,7 +236,7 @@ def test_a_waiter_excluding_a_node_is_neither_handed_its_slots_nor_holds_them_ba
     store.ask("busy-a", ["a"])
     store.ask("busy-b", ["b"])
     assert store.ask("picky", ["b"], excluded=("a",)).status == "queued"
-    time.sleep(0.005)  # queued after picky (ties in arrival are broken by id)
+    store.tick()
     assert store.ask("any", ["a", "b"]).status == "queued"
     store.events()
     store.release("busy-a", "a")  # a's slot skips picky, first in line, for the next one
@@ -267,7 +273,7 @@ def test_a_waiter_declines_a_slot_on_a_node_it_no_longer_takes_and_it_goes_to_th
     store.ask("busy-a", ["a"])
     store.ask("busy-b", ["b"])
     assert store.ask("picky", ["b"]).status == "queued"
-    time.sleep(0.005)  # queued after picky (ties in arrival are broken by id)
+    store.tick()
     assert store.ask("any", ["a", "b"]).status == "queued"
     store.events()
     store.release("busy-a", "a")  # hands a's slot to the head of the queue, by model only
@@ -400,7 +406,7 @@ def test_a_waiter_needing_several_slots_is_handed_them_together_and_holds_back_t
     for i in range(3):
         store.ask(f"busy-{i}", ["a"])
     assert store.ask("pair", ["a"], generations=2).status == "queued"
-    time.sleep(0.005)  # queued after the pair (ties in arrival are broken by id)
+    store.tick()
     assert store.ask("single", ["a"]).status == "queued"
     store.events()
     store.release("busy-0", "a")  # one free slot: not enough for the pair, and the single waits behind it
@@ -421,7 +427,7 @@ def test_one_release_hands_its_slots_to_as_many_waiters_as_they_serve(store: Sto
     store.node("a", 3)
     store.ask("big", ["a"], generations=3)
     store.ask("w1", ["a"])
-    time.sleep(0.005)
+    store.tick()
     store.ask("w2", ["a"])
     store.events()
     store.release("big", "a", slots=3)
@@ -432,7 +438,7 @@ def test_a_waiter_leaving_after_it_was_handed_several_slots_passes_them_all_on(s
     store.node("a", 2)
     store.ask("busy", ["a"], generations=2)
     store.ask("pair", ["a"], generations=2)
-    time.sleep(0.005)
+    store.tick()
     store.ask("w1", ["a"])
     store.events()
     store.release("busy", "a", slots=2)
@@ -449,7 +455,7 @@ def test_a_node_too_small_for_a_waiter_never_holds_its_slots_back(store: Store) 
     store.ask("busy-a", ["a"])
     store.ask("busy-b", ["b"], generations=2)
     assert store.ask("pair", ["b"], generations=2).status == "queued"
-    time.sleep(0.005)
+    store.tick()
     assert store.ask("single", ["a", "b"]).status == "queued"
     store.events()
     assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
@@ -466,7 +472,7 @@ def test_a_waiter_needing_several_slots_holds_back_only_the_node_it_waits_on(sto
         store.node(node, 2)
         store.ask(f"busy-{node}", [node])
     assert store.ask("pair", ["a", "b", "c"], generations=2).status == "queued"
-    time.sleep(0.005)  # arrivals after the pair (ties in arrival are broken by id)
+    store.tick()
     placed = {rid: store.ask(rid, ["a", "b", "c"]).node_id for rid in ("s1", "s2")}
     assert set(placed.values()) == {"b", "c"}
     assert store.ask("s3", ["a", "b", "c"]).status == "queued"
@@ -485,7 +491,7 @@ def test_slots_held_back_for_a_waiter_are_kept_from_arrivals_naming_another_name
     store.node("a", 2, models="m\nalias")
     store.ask("busy-a", ["a"])
     assert store.ask("pair", ["a"], generations=2).status == "queued"
-    time.sleep(0.005)  # arrives after the pair
+    store.tick()
     assert store.ask("late", ["a"], model=model).status == "queued"
     assert store.held("a") == ["busy-a"]
     store.events()
@@ -502,7 +508,7 @@ def _pair_waiting_on_a_with_a_single_behind(store: Store, b_busy: tuple[int, ...
     for i, k in enumerate(b_busy):
         store.ask(f"busy-b{i}", ["b"], generations=k)
     assert store.ask("pair", ["a", "b"], generations=2).status == "queued"
-    time.sleep(0.005)  # queued after the pair (ties in arrival are broken by id)
+    store.tick()
     assert store.ask("single", ["a", "b"]).status == "queued"
     assert store.ask("single", ["a", "b"], dequeue=True).status == "queued"
     store.events()
@@ -543,7 +549,7 @@ def test_a_waiter_with_no_node_to_wait_on_holds_back_every_node_it_could_run_on(
     meta = store.r.hget(KEYS.queue_meta, "pair")
     assert meta is not None and meta.split("\t")[10] == "a"
     store.r.hset(KEYS.queue_meta, "pair", "\t".join([*meta.split("\t")[:10], ""]))
-    time.sleep(0.005)
+    store.tick()
     assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
 
 
@@ -551,7 +557,7 @@ def test_a_renewal_renews_every_slot_and_recreates_them_all_when_gone(store: Sto
     store.node("a", 4)
     store.ask("pair", ["a"], generations=2)
     lease = Lease("pair", "a", slots=2)
-    now = now_ms() + LEASE
+    now = store.now + LEASE
 
     def renew() -> list[bool]:
         return store.api.run(store.api.store.renew([lease], LEASE, now))
@@ -572,7 +578,7 @@ def test_slots_held_back_on_one_node_leave_a_node_too_small_for_the_waiter_to_ot
     store.ask("busy-s", ["s"])
     store.ask("busy-b", ["b"], prefixes=("conv",))
     assert store.ask("quad", ["b"], generations=4).status == "queued"
-    time.sleep(0.005)  # arrivals after the quad (ties in arrival are broken by id)
+    store.tick()
     assert placed(store.ask("late", ["s", "b"], enqueue=False)) == ("reserved", "s")
     store.release("late", "s")
     turn = store.ask("turn", ["s", "b"], prefixes=("conv",), enqueue=False)
@@ -586,10 +592,10 @@ def test_a_waiter_that_fits_only_where_slots_are_held_back_leaves_the_other_node
     store.ask("busy-s", ["s"])
     store.ask("busy-b", ["b"])
     store.ask("quad", ["b"], generations=4)
-    time.sleep(0.005)
+    store.tick()
     # fits neither: s has one free slot, b's are the quad's; it waits on b (the most free slots) too
     assert store.ask("pair", ["s", "b"], generations=2).status == "queued"
-    time.sleep(0.005)
+    store.tick()
     # s's free slot, too few for the pair, goes to the request behind them (as a release on s hands it over)
     assert placed(store.ask("late", ["s", "b"], enqueue=False)) == ("reserved", "s")
 
@@ -602,7 +608,7 @@ def test_a_waiter_waits_on_its_node_also_for_a_request_that_does_not_go_there(st
     store.ask("busy-a", ["a"])
     store.ask("busy-b", ["b"], generations=3)
     assert store.ask("quad", ["a", "b"], generations=4).status == "queued"  # a has the most free slots
-    time.sleep(0.005)  # arrivals after the quad (ties in arrival are broken by id)
+    store.tick()
     assert placed(store.ask("single", ["b"], excluded=("a",))) == ("reserved", "b")
     store.release("single", "b")
     store.r.sadd(KEYS.drained, "a")  # the quad can no longer wait on a: it waits on b, for such a request too
@@ -619,9 +625,10 @@ def test_a_hand_over_does_not_shorten_the_life_of_the_leases_already_held(store:
     store.events()
     store.release("done", "a", queue_lease_ms=100)
     assert store.events() == ["granted waiter a 1"]
-    time.sleep(0.3)  # past the queue lease: the waiter never took its slot
-    assert store.r.zscore(KEYS.reservations("a"), "long") is not None
-    assert store.r.zscore(KEYS.tenant("anonymous"), "long") is not None
+    # the keys live on for the full lease (Redis's own clock ends them: no `now` to pass), not the
+    # queue lease the slot was handed over with
+    assert store.r.pttl(KEYS.reservations("a")) > LEASE
+    assert store.r.pttl(KEYS.tenant("anonymous")) > LEASE
 
 
 def test_a_waiter_taking_its_slot_keeps_it_for_the_full_lease(store: Store) -> None:
@@ -630,9 +637,10 @@ def test_a_waiter_taking_its_slot_keeps_it_for_the_full_lease(store: Store) -> N
     store.ask("waiter", ["a"])
     store.release("done", "a", queue_lease_ms=100)
     assert placed(store.ask("waiter", ["a"], dequeue=True)) == ("reserved", "a")
-    time.sleep(0.3)  # past the queue lease it was handed the slot with
-    assert store.r.zscore(KEYS.reservations("a"), "waiter") is not None
-    assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") is not None
+    # its keys live on for the full lease (Redis's own clock ends them), not the queue lease it was
+    # handed the slot with
+    assert store.r.pttl(KEYS.reservations("a")) > LEASE
+    assert store.r.pttl(KEYS.tenant("anonymous")) > LEASE
 
 
 def test_a_waiter_whose_place_lapsed_keeps_no_slot_handed_to_it(store: Store) -> None:
@@ -640,7 +648,7 @@ def test_a_waiter_whose_place_lapsed_keeps_no_slot_handed_to_it(store: Store) ->
     # can no longer take the slots handed to it - they lapse with it, not 3 s after they were handed over
     store.node("a", 1)
     store.node("b", 1)
-    t = now_ms()
+    t = store.now
     store.ask("busy-a", ["a"], now=t)
     store.ask("busy-b", ["b"], now=t)
     assert store.ask("late", ["a", "b"], now=t).status == "queued"  # its place lasts until t + QUEUE_LEASE
@@ -653,7 +661,7 @@ def test_a_waiter_whose_place_lapsed_keeps_no_slot_handed_to_it(store: Store) ->
 
 def test_a_lease_ending_now_is_over_also_for_a_waiter_passing_on_held_back_slots(store: Store) -> None:
     store.node("a", 1)
-    t = now_ms()
+    t = store.now
     store.ask("busy", ["a"], now=t - LEASE)  # its lease ends at t
     assert store.ask("single", ["a"], now=t - 10).status == "queued"
     store.events()

@@ -8,12 +8,16 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
 
 from macpool.procs import macpool_argv
 from tests.conftest import chat
 from tests.router.conftest import Pool
 
 ORIGIN = "https://chat.example.com"
+
+
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def preflight(url: str, origin: str) -> httpx.Response:

@@ -7,12 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import metric
 from tests.router.conftest import Pool, wait_until
 
 API_KEY = "client-secret"
 ADMIN_KEY = "admin-secret"
+
+
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def _error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:

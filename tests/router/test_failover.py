@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import chat, metric
 from tests.router.conftest import AGENT_TOKEN, Pool, queued, wait_until
@@ -48,6 +49,7 @@ def test_failover_before_first_byte_then_error_event_mid_stream(pool: Pool) -> N
     assert f'macpool_upstream_errors_total{{kind="connect",node="{idle}"}}' in metrics
 
 
+@pytest.mark.in_process
 def test_a_request_waiting_after_a_node_refused_it_neither_gets_nor_blocks_that_node(pool: Pool) -> None:
     nodes = {name: pool.node(name, cap=1, speed=1) for name in ("a", "b")}
     router = pool.router("--queue-size", "4", "--queue-timeout", "45")
@@ -124,6 +126,7 @@ def test_a_full_node_then_an_unreachable_one_is_a_503_to_retry_not_a_502(pool: P
     assert answer.json()["error"]["code"] == "pool_full"
 
 
+@pytest.mark.in_process
 def test_an_agent_that_has_not_yet_seen_a_slot_freed_is_asked_again_before_the_request_fails_over(
         pool: Pool) -> None:
     # Redis gives a slot on as soon as the router releases it, often before the agent has seen that request

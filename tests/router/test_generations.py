@@ -8,12 +8,15 @@ import threading
 import time
 
 import httpx
+import pytest
 import redis
 
 from macpool.contract import now_ms
 from macpool.store import Keys
 from tests.conftest import chat, metric, wait_until
 from tests.router.conftest import Pool
+
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def test_more_generations_than_any_node_runs_are_a_400_and_the_others_count_each(pool: Pool) -> None:

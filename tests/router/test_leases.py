@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import time
 
 import httpx
@@ -10,9 +9,11 @@ import pytest
 import redis
 
 from macpool.contract import now_ms
-from macpool.redis_server import free_port
 from macpool.store import Keys
-from tests.conftest import SpawnFactory, metric
+from tests import stand_in
+from tests.conftest import metric
+from tests.inprocess import LocalStack
+from tests.router import lingering_upstream
 from tests.router.conftest import AGENT_TOKEN, Pool, wait_until
 
 LEASE_S = 2.0
@@ -72,14 +73,12 @@ def test_disconnect_renewal_and_crash(pool: Pool, redis_url: str) -> None:
     store.close()
 
 
-def test_a_client_leaving_after_done_was_served(pool: Pool, spawn: SpawnFactory, redis_url: str) -> None:
+@pytest.mark.in_process
+def test_a_client_leaving_after_done_was_served(pool: Pool, local_stack: LocalStack) -> None:
     """The OpenAI SDK closes the connection once it reads `data: [DONE]`, often before the end of the body
     reaches the router: that stream was served whole - counted with its status, not as `client_closed`."""
-    port = free_port()
-    upstream = spawn(argv=[sys.executable, "-m", "tests.router.lingering_upstream", "--port", str(port)],
-                     port=port, name="lingering")
-    spawn("agent", "run", "--upstream", upstream.url, "--redis-url", redis_url, "--node-id", "n1",
-          "--token", AGENT_TOKEN, name="agent-n1")
+    upstream = local_stack.serve("lingering", stand_in.app("lingering", lingering_upstream.ROUTES))
+    local_stack.agent("agent-n1", upstream.url, pool.redis_url, "n1", "--token", AGENT_TOKEN)
     router = pool.router()
     pool.wait_ready(router, nodes=1)
     body = {"model": "lingering", "stream": True, "messages": [{"role": "user", "content": "hi"}]}

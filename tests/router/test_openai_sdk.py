@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import openai
+import pytest
 
 from tests.router.conftest import Pool
+
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def test_openai_sdk_chat(pool: Pool) -> None:

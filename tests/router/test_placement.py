@@ -18,6 +18,8 @@ from router.placement import BATCH_COST, STRATEGIES, Placement
 from tests.blocking_store import BlockingStore
 from tests.router.conftest import Pool, wait_until
 
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
+
 
 def _long_stream(model: str) -> dict[str, object]:
     return {

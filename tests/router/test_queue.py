@@ -6,11 +6,14 @@ import contextlib
 import threading
 
 import httpx
+import pytest
 import redis
 
 from macpool.store import Keys
 from tests.conftest import chat, metric
 from tests.router.conftest import Pool, queued, wait_until
+
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def test_queued_request_wakes_on_release_and_times_out_otherwise(pool: Pool, redis_url: str) -> None:

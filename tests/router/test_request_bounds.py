@@ -1,4 +1,4 @@
-"""The router process, met on the wire: a body's size (413) and the time to send it (408) are bounded by
+"""The router, met on the wire: a body's size (413) and the time to send it (408) are bounded by
 the router itself, both OpenAI-shaped; an upgrade offer is answered over HTTP/1.1; a trailing slash names the
 same path. (Bounds on a request's head are the fronting proxy's: tests/operator/test_operator_haproxy.py.)"""
 
@@ -7,10 +7,15 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from tests.raw_http import at_eof, connect, exchange, head, read_reply
 from tests.router.conftest import Pool
 
 CHAT = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def _port(url: str) -> int:

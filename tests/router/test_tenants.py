@@ -10,11 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import chat, metric
 from tests.router.conftest import Pool, wait_until
 
 LONG_DOCUMENT = "The quarterly report says revenue grew in every region. " * 40  # ~2.2 KB: worth caching
+
+
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
 
 
 def _model(router_url: str, key: str) -> str:

@@ -1,4 +1,4 @@
-"""The simulator as a process: /sim endpoints, the prompt cache, cancellation, speed, loading, the CLI."""
+"""The simulator on a real socket: /sim endpoints, the prompt cache, cancellation, speed, loading, the CLI."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import simulator
 from macpool.procs import macpool_argv
 from simulator.cli import UsageError, parse_settings
 from simulator.machine import load_preset
-from tests.conftest import Server, SpawnFactory
+from tests.conftest import Server
+from tests.inprocess import LocalStack
 
 SimFactory = Callable[..., Server]
 MEMORY_KEYS = {
@@ -46,6 +47,7 @@ def chat(url: str, text: str, **extra: Any) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.in_process
 def test_memory_pressure_and_stats(sim: SimFactory) -> None:
     server = sim("--parallel", "4", "--speed", "50")
     memory = httpx.get(server.url + "/sim/memory").json()
@@ -69,6 +71,7 @@ def test_memory_pressure_and_stats(sim: SimFactory) -> None:
     assert reset["completed"] == 0 and reset["max_concurrent"] == 0
 
 
+@pytest.mark.in_process
 def test_prompt_cache_hit_is_reported(sim: SimFactory) -> None:
     server = sim("--parallel", "2", "--speed", "50", "--metrics")
     text = "A long shared system prompt for the cache. " * 30
@@ -82,6 +85,7 @@ def test_prompt_cache_hit_is_reported(sim: SimFactory) -> None:
     assert f"llamacpp:prompt_tokens_cached_total {n_prompt - 1}" in metrics
 
 
+@pytest.mark.in_process
 def test_disconnect_cancels_the_task(sim: SimFactory) -> None:
     server = sim("--parallel", "1", "--speed", "1")
     body = {"prompt": "a story", "n_predict": 5000, "stream": True}
@@ -97,6 +101,7 @@ def test_disconnect_cancels_the_task(sim: SimFactory) -> None:
     assert not any(s["is_processing"] for s in httpx.get(server.url + "/slots").json())
 
 
+@pytest.mark.in_process
 def test_a_waiting_child_holds_no_tokens_in_its_slot(sim: SimFactory) -> None:
     # llama-server's /slots n_prompt_tokens counts the tokens a slot holds: none for a child (n > 1) while
     # its parent prefills the prompt
@@ -116,6 +121,7 @@ def test_a_waiting_child_holds_no_tokens_in_its_slot(sim: SimFactory) -> None:
         assert answers.result().status_code == 200
 
 
+@pytest.mark.in_process
 def test_speed_compresses_time(sim: SimFactory) -> None:
     server = sim("--parallel", "1", "--speed", "50")
     start_wall = time.monotonic()
@@ -125,8 +131,8 @@ def test_speed_compresses_time(sim: SimFactory) -> None:
     assert simulated_ms > 5 * wall_ms  # 50x nominal; generous for a loaded machine
 
 
-def test_loading_then_ready(spawn: SpawnFactory) -> None:
-    server = spawn("sim", "--preset", "m2pro-32g-8b-q4", "--load-seconds", "1.5", ready_path=None)
+def test_loading_then_ready(local_stack: LocalStack) -> None:
+    server = local_stack.sim("sim", "--preset", "m2pro-32g-8b-q4", "--load-seconds", "1.5", ready=None)
 
     def answering() -> bool:
         try:
@@ -142,6 +148,7 @@ def test_loading_then_ready(spawn: SpawnFactory) -> None:
     assert poll(lambda: httpx.get(server.url + "/health").status_code == 200)
 
 
+@pytest.mark.in_process
 def test_llama_server_flags_and_model_name(sim: SimFactory) -> None:
     server = sim(
         "--host", "127.0.0.1", "-np", "3", "-c", "6000", "--metrics", "-m", "/models/qwen-14b-q4.gguf",
@@ -155,6 +162,7 @@ def test_llama_server_flags_and_model_name(sim: SimFactory) -> None:
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "qwen-14b-q4.gguf"
 
 
+@pytest.mark.in_process
 def test_default_context_is_the_presets_per_slot(sim: SimFactory) -> None:
     server = sim("--parallel", "2", preset="m4max-64g-32b-q4")
     slots = httpx.get(server.url + "/slots").json()
@@ -162,6 +170,7 @@ def test_default_context_is_the_presets_per_slot(sim: SimFactory) -> None:
     assert httpx.get(server.url + "/metrics").status_code == 501  # like llama-server without --metrics
 
 
+@pytest.mark.in_process
 def test_embeddings_and_cors_preflight(sim: SimFactory) -> None:
     server = sim("--speed", "50")
     preflight = httpx.options(server.url + "/v1/chat/completions")
@@ -193,6 +202,7 @@ def test_a_bad_value_is_named_where_it_was_given(monkeypatch: pytest.MonkeyPatch
         parse_settings([])
 
 
+@pytest.mark.in_process
 def test_environment_fills_the_flags_not_given(sim: SimFactory) -> None:
     env = {"MACPOOL_SIM_SPEED": "40", "MACPOOL_SIM_METRICS": "true", "MACPOOL_SIM_PARALLEL": "3"}
     server = sim("--parallel", "2", env=env)  # a flag still wins over the environment
