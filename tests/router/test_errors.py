@@ -107,7 +107,7 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
 
         view = client.get("/api/pool").json()
         assert set(view) == {"ts_ms", "router_id", "redis_ok", "pool", "nodes", "tenants", "affinity",
-                             "queue_wait_p50_ms"}
+                             "queue_wait_p50_ms", "autoscale"}
         assert set(view["pool"]) == {
             "capacity",
             "busy",
