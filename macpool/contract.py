@@ -59,6 +59,7 @@ class NodeDoc(BaseModel):
     tokens_per_s: float = 0.0
     ttft_p50_ms: float | None = None
     ctx_per_slot: int = 0
+    sizing: str = ""  # supervise mode: the slots llama-server runs with, and why
     llama_build: str = ""
     agent_version: str = ""
     started_at_ms: int = 0

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Callable, Generator
 
 import httpx
@@ -21,10 +22,11 @@ from macpool import upstream
 from macpool.serving import server_config
 from macpool.settings import ConfigError
 
+from . import sizing
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
 from .heartbeat import Heartbeat
-from .memory import make_probe
+from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, make_probe
 from .runtime import Runtime
 from .settings import AgentSettings
 from .supervisor import Supervisor
@@ -68,6 +70,22 @@ def load_model_shape(settings: AgentSettings) -> tuple[ModelShape | None, int | 
     except GGUFError as exc:
         log.warning("no KV estimate from the model file: %s", exc)
         return None, None
+
+
+async def probed_wired_limit(settings: AgentSettings) -> float | None:
+    """This machine's wired limit, before llama-server starts (the simulator's is known only once it runs)."""
+    probe: MemoryProbe
+    if settings.memory_probe == "macos" or (settings.memory_probe == "auto" and sys.platform == "darwin"):
+        probe = MacProbe()
+    elif settings.memory_probe in ("linux", "auto"):
+        probe = LinuxProbe()
+    else:
+        return None
+    try:
+        return (await probe.sample()).wired_limit_gb
+    except (ProbeError, OSError) as exc:
+        log.warning("no wired limit to size llama-server by: %s", exc)
+        return None
 
 
 class Agent:
@@ -126,10 +144,20 @@ class Agent:
         }
         if settings.supervise:
             assert settings.model is not None
+            chosen = sizing.choose(
+                parallel=settings.parallel,
+                ctx_per_slot=settings.ctx_per_slot,
+                wired_limit_gb=settings.wired_limit_gb or await probed_wired_limit(settings),
+                weights_gb=shape.weights_gb if shape else None,
+                headroom_gb=settings.headroom_gb,
+                kv_bytes_per_token=kv_per_token,
+                calibrated_cap=settings.calibrated_cap,
+            )
+            self._set_sizing(chosen)
             self.supervisor = Supervisor(
                 settings.llama_command,
                 settings.model,
-                settings.parallel,
+                chosen.parallel,
                 settings.ctx_per_slot,
                 settings.llama_args,
                 settings.llama_log,
@@ -152,6 +180,7 @@ class Agent:
             shape,
             kv_per_token,
             supervisor_state=(supervisor.state if supervisor else lambda: None),
+            on_persistent_pressure=self._shrink if supervisor else None,
         )
         self.tasks.append(asyncio.create_task(self.heartbeat.run()))
         config = server_config(
@@ -173,6 +202,32 @@ class Agent:
             settings.public_url,
             self.runtime.upstream_url,
         )
+
+    def _set_sizing(self, chosen: sizing.Sizing) -> None:
+        self.runtime.sizing = chosen
+        self.runtime.details["sizing"] = chosen.as_dict()
+        log.info("llama-server sized: %s", chosen.reason)
+
+    def _shrink(self, beats: int) -> None:
+        """Memory pressure that does not go away: restart llama-server with a quarter fewer slots (its KV
+        cache is allocated at start, so only fewer slots give memory back). Never below one slot, and
+        never against the operator's --parallel."""
+        current, supervisor = self.runtime.sizing, self.supervisor
+        if current is None or supervisor is None:
+            return
+        if current.chosen_by == "operator":
+            log.warning("memory pressure for %d heartbeats; --parallel %d was given, so llama-server keeps "
+                        "its slots", beats, current.parallel)
+            return
+        smaller = sizing.shrunk(current, beats)
+        if smaller is None:
+            log.warning("memory pressure for %d heartbeats with one slot: nothing left to give back", beats)
+            return
+        log.warning("memory pressure for %d heartbeats: restarting llama-server with %d slots (was %d)",
+                    beats, smaller.parallel, current.parallel)
+        self._set_sizing(smaller)
+        self.runtime.upstream_lost()
+        supervisor.resize(smaller.parallel)
 
     def _llama_server_died(self) -> None:
         """Stop admitting at once, not at the next heartbeat: requests would only meet a dead port."""

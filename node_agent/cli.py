@@ -35,7 +35,11 @@ def _run_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "-m", "--model", type=Path, help="the GGUF file (required to supervise; sizes the KV cache)"
     )
-    mode.add_argument("--parallel", type=int, help="llama-server slots (supervise; default 4)")
+    mode.add_argument(
+        "--parallel", type=int,
+        help="llama-server slots (supervise; default: the slots whose KV cache fits the memory budget at "
+        "--ctx-per-slot, bounded by the calibrated cap; fewer after persistent memory pressure)",
+    )
     mode.add_argument("--ctx-per-slot", dest="ctx_per_slot", type=int, help="context per slot (default 4096)")
     mode.add_argument(
         "--llama-log", dest="llama_log", type=Path, help="append llama-server output to this file"
@@ -74,6 +78,15 @@ def _run_parser() -> argparse.ArgumentParser:
     cap.add_argument("--calibrated-cap", dest="calibrated_cap", type=int, help="the calibrated cap, directly")
     cap.add_argument(
         "--headroom-gb", dest="headroom_gb", type=float, help="kept free under the wired limit (2)"
+    )
+    cap.add_argument(
+        "--wired-limit-gb", dest="wired_limit_gb", type=float,
+        help="the GPU wired-memory limit llama-server's slots are sized for (default: the memory probe's)",
+    )
+    cap.add_argument(
+        "--shrink-after-beats", dest="shrink_after_beats", type=int,
+        help="heartbeats of memory pressure before a supervised llama-server restarts with a quarter fewer "
+        "slots (default 10; only when the agent chose the slots)",
     )
     cap.add_argument(
         "--request-overhead-gb",

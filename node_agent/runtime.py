@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from macpool.contract import NODE_STATES, NodeDoc, NodeState
 
 from .settings import AgentSettings
+from .sizing import Sizing
 
 
 class AgentMetrics:
@@ -84,6 +85,7 @@ class Runtime:
     in_flight: int = 0
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
+    sizing: Sizing | None = None  # supervise mode: llama-server's slots and why
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     # set to publish a heartbeat now rather than at the next tick (llama-server found dead)
     beat_now: asyncio.Event = field(default_factory=asyncio.Event)

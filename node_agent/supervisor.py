@@ -89,6 +89,7 @@ class Supervisor:
         self.restarts = 0
         self._state: NodeState | None = "starting"
         self._stopping = False
+        self._resizing = False
 
     @property
     def url(self) -> str:
@@ -139,6 +140,11 @@ class Supervisor:
                 code = await self._watch(client)
                 if self._stopping:
                     return
+                if self._resizing:  # stopped on purpose: start again at once, with the new slot count
+                    self._resizing = False
+                    self._state = "starting"
+                    log.info("llama-server restarting with %d slots", self.parallel)
+                    continue
                 self._state = "unhealthy"
                 self.restarts += 1
                 if self.on_restart:
@@ -190,6 +196,15 @@ class Supervisor:
                 pass
             await asyncio.wait({exited}, timeout=0.2)
         return await asyncio.shield(exited)  # stop() waits for it too
+
+    def resize(self, parallel: int) -> None:
+        """Restart llama-server with ``parallel`` slots: stop it (SIGTERM); ``run`` starts it again."""
+        self.parallel = parallel
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        self._resizing = True
+        _killpg(process.pid, signal.SIGTERM)
 
     async def stop(self, grace: float = 5.0) -> None:
         """SIGTERM the process group, then SIGKILL after ``grace`` seconds. Safe to call more than once."""
