@@ -28,7 +28,8 @@ from .loadgen import Clock, Level, LevelResult
 NEAR_LIMIT = 0.85  # pinned at this share of the wired limit "nears" it
 SATURATED = 0.95  # the throughput knee: the smallest level reaching this share of the best healthy throughput
 CONFIRM = 2  # healthy levels past a throughput knee before it holds (one noisy dip never decides)
-MAX_ERROR_RATE = 0.05  # failed requests above this share at a level: a knee signal
+MAX_ERROR_RATE = 0.05  # failed requests above this share at a level: a knee signal...
+MIN_ERRORS = 3  # ...once there are this many (one connection reset in a short window is no knee)
 PAGING_STATES = ("paging", "collapsed")
 
 
@@ -78,7 +79,7 @@ def memory_hit(row: LevelResult) -> bool:
 
 
 def error_hit(row: LevelResult) -> bool:
-    return row.error_rate > MAX_ERROR_RATE
+    return row.errors >= MIN_ERRORS and row.error_rate > MAX_ERROR_RATE
 
 
 def _first(rows: list[LevelResult], hit: Any) -> int | None:
