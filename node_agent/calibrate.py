@@ -28,6 +28,7 @@ from .loadgen import Clock, Level, LevelResult
 NEAR_LIMIT = 0.85  # pinned at this share of the wired limit "nears" it
 SATURATED = 0.95  # the throughput knee: the smallest level reaching this share of the best healthy throughput
 CONFIRM = 2  # healthy levels past a throughput knee before it holds (one noisy dip never decides)
+MIN_LEVELS = 4  # healthy levels before a throughput knee holds: a curve through three says little
 MAX_ERROR_RATE = 0.05  # failed requests above this share at a level: a knee signal...
 MIN_ERRORS = 3  # ...once there are this many (one connection reset in a short window is no knee)
 PAGING_STATES = ("paging", "collapsed")
@@ -126,7 +127,7 @@ def _throughput_candidate(healthy: list[LevelResult]) -> int | None:
 
 def throughput_confirmed(healthy: list[LevelResult]) -> bool:
     index = _throughput_candidate(healthy)
-    return index is not None and len(healthy) - 1 - index >= CONFIRM
+    return index is not None and len(healthy) - 1 - index >= CONFIRM and len(healthy) >= MIN_LEVELS
 
 
 def _throughput_knee(healthy: list[LevelResult], complete: bool) -> int | None:
@@ -135,7 +136,7 @@ def _throughput_knee(healthy: list[LevelResult], complete: bool) -> int | None:
     index = _throughput_candidate(healthy)
     if index is None:
         return None
-    if len(healthy) - 1 - index >= CONFIRM or (complete and index < len(healthy) - 1):
+    if throughput_confirmed(healthy) or (complete and index < len(healthy) - 1):
         return healthy[index].concurrency
     return None
 

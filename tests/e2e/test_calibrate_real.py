@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -53,6 +54,11 @@ async def measured_saturation(base: str) -> tuple[int, list[float]]:
 def test_calibrate_finds_the_saturation_point_of_the_real_llama_server(
     spawn: SpawnFactory, tmp_path: Path
 ) -> None:
+    # a throughput curve is only measurable on CPUs this test has to itself (CI runners do); on a machine
+    # already running more than it has cores for, other processes decide every level's figure
+    busy, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if busy > cores and not os.environ.get("CI"):
+        pytest.skip(f"load average {busy:.1f} on {cores} cores: throughput here measures the other processes")
     binary, model, port = require_llama_server(), tiny_model.ensure("small"), free_port()
     slots = max(LEVELS)
     argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
