@@ -189,7 +189,7 @@ def explain(rows: list[LevelResult], knee: Knee, bounds: Bounds) -> str:
         row = rows[err_index]
         attempted = row.errors + row.succeeded
         said.append(f"errors at {row.concurrency}: {row.errors} of {attempted} requests failed "
-                    f"(knee {knee.error_knee})")
+                    f"(knee {knee.error_knee}; last: {row.last_error or '-'})")
     healthy = healthy_rows(rows)
     if healthy:
         if knee.throughput_knee is not None:
@@ -304,7 +304,10 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
     base = options.upstream.rstrip("/")
     timeout = httpx.Timeout(600, connect=5)
     rows: list[LevelResult] = []
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+    # idle connections are dropped well before llama-server closes them (5 s): a request sent on one it is
+    # closing fails without an answer, and would count as an error of the level
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         clock = Clock(client, base)
         await clock.detect()
         slots = await total_slots(client, base)

@@ -44,6 +44,7 @@ class LevelResult:
     completed: int  # requests measured
     errors: int  # failed requests, warm-up included
     succeeded: int = 0  # requests that completed, warm-up included
+    last_error: str = ""  # what the last failed request said
 
     @property
     def error_rate(self) -> float:
@@ -142,6 +143,7 @@ class Level:
     generated: list[float] = field(default_factory=list)
     errors: int = 0
     succeeded: int = 0
+    last_error: str = ""
     measuring: bool = False
 
     def _body(self) -> dict[str, Any]:
@@ -162,16 +164,27 @@ class Level:
         started = time.monotonic()
         first: float | None = None
         tail = b""
-        async with self.client.stream(
-            "POST", self.base + "/v1/completions", json=self._body(), headers=self.headers
-        ) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise httpx.HTTPStatusError("bad status", request=response.request, response=response)
-            async for chunk in response.aiter_raw():
-                if first is None:
-                    first = time.monotonic()
-                tail = (tail + chunk)[-8192:]
+        body = self._body()
+        for attempt in range(2):
+            answered = False
+            try:
+                async with self.client.stream(
+                    "POST", self.base + "/v1/completions", json=body, headers=self.headers
+                ) as response:
+                    answered = True
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise httpx.HTTPStatusError("bad status", request=response.request, response=response)
+                    async for chunk in response.aiter_raw():
+                        if first is None:
+                            first = time.monotonic()
+                        tail = (tail + chunk)[-8192:]
+                break
+            except httpx.RemoteProtocolError:
+                # a kept-alive connection the server closed as the request went out (llama-server's HTTP
+                # library ends a connection after a few requests): it never saw the request, so send it again
+                if answered or attempt:
+                    raise
         if not self.measuring:
             return
         timings = final_timings(tail)
@@ -190,8 +203,14 @@ class Level:
         while True:
             try:
                 await self._one()
-            except httpx.HTTPError:
+            except httpx.HTTPStatusError as exc:
                 self.errors += 1
+                self.last_error = f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
+                await asyncio.sleep(0.05)
+                continue
+            except httpx.HTTPError as exc:
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(0.05)
                 continue
             self.succeeded += 1
@@ -252,4 +271,5 @@ class Level:
             completed=len(self.latencies),
             errors=self.errors,
             succeeded=self.succeeded,
+            last_error=self.last_error,
         )
