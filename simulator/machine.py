@@ -6,10 +6,9 @@ Every figure the simulator reports is derived from these parameters (see docs/si
   ``seq_overhead_gb + kv_mb_per_token/1024 * tokens_in_kv`` (the seed's working set, growing per request);
   or, with ``kv_at_start`` (llama-server's real allocation), weights + base + external +
   ``slots * ctx_per_slot * kv_mb_per_token/1024``, allocated at start and flat under load;
-- a step (one llama_decode call) costs ``t0 + t1 * decode_batch + prefill_tokens / prefill_tok_s`` seconds
-  (with ``roofline``: the larger of the memory time ``t0 + t1 * decode_batch`` and the compute time
-  ``(decode_batch + prefill_tokens) / prefill_tok_s``), multiplied by the paging penalty
-  ``1 + (overflow_gb / paging_scale_gb) ** paging_exponent`` once pinned memory passes the wired limit.
+- a step (one llama_decode call) costs ``t0 + t1 * decode_batch + prefill_tokens / prefill_tok_s`` seconds,
+  multiplied by the paging penalty ``1 + (overflow_gb / paging_scale_gb) ** paging_exponent`` once pinned
+  memory passes the wired limit.
 """
 
 from __future__ import annotations
@@ -81,9 +80,6 @@ class Machine(BaseModel):
     overcommit: Literal["page", "fail"] = Field(
         "page", description="a start past the wired limit: page from the first request, or fail to load"
     )
-    roofline: bool = Field(
-        False, description="a step costs the larger of its memory and compute times, not their sum"
-    )
 
     # --- memory -------------------------------------------------------------------------------------------
     def sequence_gb(self, tokens: int) -> float:
@@ -137,11 +133,8 @@ class Machine(BaseModel):
 
     # --- time ---------------------------------------------------------------------------------------------
     def step_seconds(self, decode_batch: int, prefill_tokens: int, pinned_gb: float) -> float:
-        memory = (self.decode_t0_ms + self.decode_t1_ms * decode_batch) / 1000.0
-        if self.roofline:
-            compute = max(memory, (decode_batch + prefill_tokens) / self.prefill_tok_s)
-        else:
-            compute = memory + prefill_tokens / self.prefill_tok_s
+        compute = (self.decode_t0_ms + self.decode_t1_ms * decode_batch) / 1000.0
+        compute += prefill_tokens / self.prefill_tok_s
         return compute * self.paging_penalty(pinned_gb)
 
     def with_changes(self, **changes: object) -> Machine:
