@@ -254,7 +254,7 @@ class CalibrateOptions:
     max_tokens: int = 1024
     max_concurrency: int = 24
     step: int = 1
-    window_requests: int = 0  # 0: 4 x concurrency, at least 12
+    window_requests: int = 0  # 0: 6 x concurrency, at least 16
     model: str | None = None
     levels: list[int] = field(default_factory=list)
     bounds: Bounds = field(default_factory=Bounds)
@@ -265,8 +265,8 @@ class CalibrateOptions:
         return list(range(1, self.max_concurrency + 1, self.step))
 
     def window(self, concurrency: int) -> int:
-        # four rounds per client: enough that two sweeps of one machine agree within one level
-        return self.window_requests or max(12, 4 * concurrency)
+        # six rounds per client: enough that two sweeps of one machine agree within one level
+        return self.window_requests or max(16, 6 * concurrency)
 
 
 async def _settle(client: httpx.AsyncClient, base: str) -> None:

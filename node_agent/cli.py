@@ -125,7 +125,7 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=1, help="between two levels (default 1)")
     p.add_argument("--levels", help="explicit comma-separated concurrency levels instead of 1..max by step")
     p.add_argument(
-        "--window", type=int, default=0, help="requests measured per level (default max(8, 3 x level))"
+        "--window", type=int, default=0, help="requests measured per level (default max(16, 6 x level))"
     )
     p.add_argument(
         "--max-p50-ratio", type=float,
