@@ -69,6 +69,7 @@ class NodeDoc(BaseModel):
     slot_tokens_per_s: float | None = None
     slot_concurrency: float | None = None
     ctx_per_slot: int = 0
+    sizing: str = ""  # supervise mode: the slots llama-server runs with, and why
     llama_build: str = ""
     agent_version: str = ""
     started_at_ms: int = 0

@@ -12,6 +12,7 @@ import functools
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Callable, Generator
 
 import httpx
@@ -25,10 +26,11 @@ from macpool.store import Keys
 from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.elastic import ElasticStore
 
+from . import sizing
 from .gateway import create_app
 from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
 from .heartbeat import Heartbeat
-from .memory import make_probe
+from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, make_probe
 from .runtime import Runtime
 from .settings import AgentSettings
 from .standby import Standby
@@ -73,6 +75,22 @@ def load_model_shape(settings: AgentSettings) -> tuple[ModelShape | None, int | 
     except GGUFError as exc:
         log.warning("no KV estimate from the model file: %s", exc)
         return None, None
+
+
+async def probed_wired_limit(settings: AgentSettings) -> float | None:
+    """This machine's wired limit, before llama-server starts (the simulator's is known only once it runs)."""
+    probe: MemoryProbe
+    if settings.memory_probe == "macos" or (settings.memory_probe == "auto" and sys.platform == "darwin"):
+        probe = MacProbe()
+    elif settings.memory_probe in ("linux", "auto"):
+        probe = LinuxProbe()
+    else:
+        return None
+    try:
+        return (await probe.sample()).wired_limit_gb
+    except (ProbeError, OSError) as exc:
+        log.warning("no wired limit to size llama-server by: %s", exc)
+        return None
 
 
 class Agent:
@@ -132,13 +150,23 @@ class Agent:
             "weights_gb": shape.weights_gb if shape else None,
         }
         if settings.supervise:
+            self._set_sizing(sizing.choose(
+                parallel=settings.parallel,
+                ctx_per_slot=settings.ctx_per_slot,
+                wired_limit_gb=settings.wired_limit_gb or await probed_wired_limit(settings),
+                weights_gb=shape.weights_gb if shape else None,
+                headroom_gb=settings.headroom_gb,
+                kv_bytes_per_token=kv_per_token,
+                calibrated_cap=settings.calibrated_cap,
+            ))
             if not settings.standby:
                 self._start_llama_server()
         else:
             assert settings.upstream is not None
             self.runtime.upstream_url = settings.upstream.rstrip("/")
         probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
-        self.heartbeat = Heartbeat(self.runtime, self.redis, probe, shape, kv_per_token)
+        self.heartbeat = Heartbeat(self.runtime, self.redis, probe, shape, kv_per_token,
+                                   on_persistent_pressure=self._shrink if settings.supervise else None)
         if settings.follows_autoscaler:
             store = ElasticStore(self.redis, Keys(settings.key_prefix))
             standby = Standby(self.runtime, store, self._start_llama_server, self._stop_llama_server)
@@ -172,11 +200,11 @@ class Agent:
         settings = self.settings
         if not settings.supervise:
             return
-        assert settings.model is not None
+        assert settings.model is not None and self.runtime.sizing is not None
         self.supervisor = Supervisor(
             settings.llama_command,
             settings.model,
-            settings.parallel,
+            self.runtime.sizing.parallel,
             settings.ctx_per_slot,
             settings.llama_args,
             settings.llama_log,
@@ -201,6 +229,33 @@ class Agent:
         self.tasks.remove(task)
         self.supervisor = self._llama_task = None
         self.runtime.details["llama_server"] = None
+
+    def _set_sizing(self, chosen: sizing.Sizing) -> None:
+        self.runtime.sizing = chosen
+        self.runtime.details["sizing"] = chosen.as_dict()
+        log.info("llama-server sized: %s", chosen.reason)
+
+    def _shrink(self, beats: int) -> None:
+        """Memory pressure that does not go away: restart llama-server with a quarter fewer slots (its KV
+        cache is allocated at start, so only fewer slots give memory back). Never below one slot, and
+        never against the operator's --parallel."""
+        current, supervisor = self.runtime.sizing, self.supervisor
+        if current is None or supervisor is None:
+            return
+        if current.chosen_by == "operator":
+            log.warning("memory pressure for %d heartbeats; --parallel %d was given, so llama-server keeps "
+                        "its slots", beats, current.parallel)
+            return
+        smaller = sizing.shrunk(current, beats)
+        if smaller is None:
+            log.warning("memory pressure for %d heartbeats with one slot: nothing left to give back", beats)
+            return
+        log.warning("memory pressure for %d heartbeats: restarting llama-server with %d slots (was %d)",
+                    beats, smaller.parallel, current.parallel)
+        self._set_sizing(smaller)
+        self.runtime.llama_resizing()
+        supervisor.resize(smaller.parallel)
+
 
     def _set_upstream(self, url: str) -> None:
         self.runtime.upstream_url = url

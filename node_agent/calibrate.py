@@ -1,8 +1,11 @@
 """``macpool agent calibrate``: measure a Mac's ceiling instead of copying a table.
 
-Drive concurrency up in steps with a fixed prompt length, record throughput, p50 latency and pinned memory,
-and recommend the cap: the concurrency just before pinned memory nears the wired limit, p50 latency stops
-rising linearly (hockey stick), or throughput starts to fall - whichever comes first.
+Drive concurrency up in steps with a fixed prompt length, record throughput, p50 latency, TTFT and pinned
+memory, and recommend the cap: the smaller of two knees - memory (the level before pinned memory nears the
+wired limit) and throughput saturation (the smallest level reaching 95% of the best healthy throughput: past
+it, every admitted request only makes the others slower). A level where more than 5% of requests fail ends
+the healthy range too. Optional latency bounds pick the largest level meeting them instead of the
+throughput knee.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import statistics
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,58 +26,198 @@ from macpool import plotting
 from .loadgen import Clock, Level, LevelResult
 
 NEAR_LIMIT = 0.85  # pinned at this share of the wired limit "nears" it
-LATENCY_BEND = 1.3  # p50 this far above the line through the earlier levels: the hockey stick
-THROUGHPUT_DROP = 0.9  # throughput below this share of the best so far: falling
-THROUGHPUT_GAIN = 1.05  # less than this gain over the best so far: no longer growing
-PAST_KNEE = 2  # levels measured past the knee, for the curve
+SATURATED = 0.95  # the throughput knee: the smallest level reaching this share of the best healthy throughput
+CONFIRM = 2  # healthy levels past a throughput knee before it holds (one noisy dip never decides)
+MIN_LEVELS = 4  # healthy levels before a throughput knee holds: a curve through three says little
+MAX_ERROR_RATE = 0.05  # failed requests above this share at a level: a knee signal...
+MIN_ERRORS = 3  # ...once there are this many (one connection reset in a short window is no knee)
+PAGING_STATES = ("paging", "collapsed")
+
+
+@dataclass
+class Bounds:
+    """Optional latency bounds: the cap is then the largest healthy level meeting them all."""
+
+    max_p50_ratio: float | None = None  # p50 over the lowest level's p50
+    max_ttft_s: float | None = None  # TTFT p50, seconds
+
+    def __bool__(self) -> bool:
+        return self.max_p50_ratio is not None or self.max_ttft_s is not None
+
+    def met(self, row: LevelResult, base_p50: float) -> bool:
+        ratio_ok = self.max_p50_ratio is None or row.p50_latency_s <= self.max_p50_ratio * base_p50
+        ttft_ok = self.max_ttft_s is None or row.ttft_p50_s <= self.max_ttft_s
+        return ratio_ok and ttft_ok
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_p50_ratio is not None:
+            parts.append(f"--max-p50-ratio {self.max_p50_ratio:g}")
+        if self.max_ttft_s is not None:
+            parts.append(f"--max-ttft {self.max_ttft_s:g}")
+        return " and ".join(parts)
 
 
 @dataclass
 class Knee:
     recommended_cap: int
-    limited_by: str  # "memory", "latency", "throughput" or "none" (no knee up to the highest level)
+    # "memory", "throughput", "errors", "latency" (a bound) or "none" (no knee up to the highest level)
+    limited_by: str
     per_request_gb: float | None
     weights_gb: float | None
     wired_limit_gb: float | None
+    memory_knee: int | None = None  # the last level before pinned memory neared the wired limit
+    throughput_knee: int | None = None  # the smallest level reaching SATURATED x the best healthy throughput
+    error_knee: int | None = None  # the last level before more than MAX_ERROR_RATE of requests failed
+    latency_cap: int | None = None  # with bounds: the largest healthy level meeting them
+    reason: str = ""
 
 
-def _first_failure(rows: list[LevelResult]) -> tuple[int, str] | None:
-    """Index of the first row past the knee, and which signal says so."""
-    best = 0.0
-    for i, row in enumerate(rows):
-        pinned, limit = row.peak_pinned_gb, row.wired_limit_gb
-        if pinned is not None and limit and pinned >= NEAR_LIMIT * limit:
-            return i, "memory"
-        if i > 0 and row.throughput_tok_s < THROUGHPUT_DROP * best:
-            return i, "throughput"
-        # the hockey stick: p50 well above its line while throughput no longer grows (p50 alone is noisy)
-        bent = i >= 2 and row.p50_latency_s > LATENCY_BEND * _linear_p50(rows[:i], row.concurrency)
-        if bent and row.throughput_tok_s < THROUGHPUT_GAIN * best:
-            return i, "latency"
-        best = max(best, row.throughput_tok_s)
+def memory_hit(row: LevelResult) -> bool:
+    pinned, limit = row.peak_pinned_gb, row.wired_limit_gb
+    near = pinned is not None and bool(limit) and pinned >= NEAR_LIMIT * (limit or 0.0)
+    return near or row.state in PAGING_STATES
+
+
+def error_hit(row: LevelResult) -> bool:
+    return row.errors >= MIN_ERRORS and row.error_rate > MAX_ERROR_RATE
+
+
+def _first(rows: list[LevelResult], hit: Any) -> int | None:
+    return next((i for i, row in enumerate(rows) if hit(row)), None)
+
+
+def _before(rows: list[LevelResult], index: int | None) -> int | None:
+    """The knee a signal at ``index`` sets: the level before it (0 when it fired at the first level)."""
+    if index is None:
+        return None
+    return rows[index - 1].concurrency if index > 0 else 0
+
+
+def healthy_rows(rows: list[LevelResult]) -> list[LevelResult]:
+    """The rows before the first level past the memory or the error knee."""
+    bad = [i for i in (_first(rows, memory_hit), _first(rows, error_hit)) if i is not None]
+    return rows[: min(bad)] if bad else rows
+
+
+def fitted(healthy: list[LevelResult]) -> list[float]:
+    """Each level's throughput on the saturating curve ``A x c / (c + h)`` fitted to all healthy levels.
+
+    A closed loop of long prefills falls into lucky and unlucky patterns, so one level can read 10% off its
+    neighbours; a fit over every level (least squares of ``c / throughput`` against ``c``, a straight line
+    for that curve) lets no single dip or spike decide the knee or set the bar. Curves it does not describe
+    (fewer than three levels, throughput growing faster than linearly) use the median of each level and
+    its neighbours instead.
+    """
+    values = [r.throughput_tok_s for r in healthy]
+    points = [(r.concurrency, r.concurrency / r.throughput_tok_s) for r in healthy if r.throughput_tok_s > 0]
+    slope, intercept = _line(points) if len(points) == len(healthy) >= 3 else (None, None)
+    if slope is None or intercept is None or slope <= 0 or intercept < 0:
+        return [statistics.median(values[max(0, i - 1) : i + 2]) for i in range(len(values))]
+    return [r.concurrency / (slope * r.concurrency + intercept) for r in healthy]
+
+
+def _throughput_candidate(healthy: list[LevelResult]) -> int | None:
+    if not healthy:
+        return None
+    levels = fitted(healthy)
+    best = max(levels)
+    return next(i for i, value in enumerate(levels) if value >= SATURATED * best)
+
+
+def throughput_confirmed(healthy: list[LevelResult]) -> bool:
+    index = _throughput_candidate(healthy)
+    return index is not None and len(healthy) - 1 - index >= CONFIRM and len(healthy) >= MIN_LEVELS
+
+
+def _throughput_knee(healthy: list[LevelResult], complete: bool) -> int | None:
+    """The saturation level, once CONFIRM healthy levels past it did not lift the best; or, when the sweep
+    could go no further, any candidate that is not the last healthy level (there, throughput still grew)."""
+    index = _throughput_candidate(healthy)
+    if index is None:
+        return None
+    if throughput_confirmed(healthy) or (complete and index < len(healthy) - 1):
+        return healthy[index].concurrency
     return None
 
 
-def _linear_p50(rows: list[LevelResult], concurrency: int) -> float:
-    """p50 at ``concurrency`` if it kept rising along the least-squares line through the earlier rows."""
-    slope, intercept = _line([(r.concurrency, r.p50_latency_s) for r in rows])
-    if slope is None or intercept is None:
-        return rows[-1].p50_latency_s
-    return max(intercept + max(slope, 0.0) * concurrency, rows[-1].p50_latency_s)
+def find_knee(rows: list[LevelResult], bounds: Bounds | None = None, complete: bool = True) -> Knee:
+    """The recommended cap for measured rows (sorted by concurrency), on any machine, and why.
 
-
-def find_knee(rows: list[LevelResult]) -> Knee:
-    """The recommended cap for measured rows (sorted by concurrency), on any machine."""
-    failure = _first_failure(rows)
-    if failure is None:
-        cap, limited_by, healthy = rows[-1].concurrency, "none", rows
+    The smaller of the memory knee and the throughput knee (with ``bounds``: the largest healthy level
+    meeting them, instead of the throughput knee); a level where requests failed ends the healthy range too.
+    """
+    bounds = bounds or Bounds()
+    mem_index, err_index = _first(rows, memory_hit), _first(rows, error_hit)
+    healthy = healthy_rows(rows)
+    memory_knee, error_knee = _before(rows, mem_index), _before(rows, err_index)
+    throughput_knee = _throughput_knee(healthy, complete)
+    latency_cap: int | None = None
+    if bounds and rows:
+        meeting = [r.concurrency for r in healthy if bounds.met(r, rows[0].p50_latency_s)]
+        latency_cap = max(meeting, default=0)
+    knees = {"memory": memory_knee, "errors": error_knee}
+    knees["latency" if bounds else "throughput"] = latency_cap if bounds else throughput_knee
+    known = {name: value for name, value in knees.items() if value is not None}
+    if known:
+        limited_by = min(known, key=lambda name: known[name])
+        cap = known[limited_by]
     else:
-        index, limited_by = failure
-        cap = rows[index - 1].concurrency if index > 0 else 0
-        healthy = rows[:index]
+        limited_by, cap = "none", (healthy[-1].concurrency if healthy else 0)
     per_request, weights = _memory_line(healthy or rows)
     limit = next((r.wired_limit_gb for r in rows if r.wired_limit_gb), None)
-    return Knee(cap, limited_by, per_request, weights, limit)
+    knee = Knee(cap, limited_by, per_request, weights, limit, memory_knee, throughput_knee, error_knee,
+                latency_cap)
+    knee.reason = explain(rows, knee, bounds)
+    return knee
+
+
+def explain(rows: list[LevelResult], knee: Knee, bounds: Bounds) -> str:
+    """One sentence per signal, then the choice."""
+    said: list[str] = []
+    mem_index, err_index = _first(rows, memory_hit), _first(rows, error_hit)
+    if mem_index is not None:
+        row = rows[mem_index]
+        pinned = "-" if row.peak_pinned_gb is None else f"{row.peak_pinned_gb:.1f} GB"
+        limit = "-" if row.wired_limit_gb is None else f"{row.wired_limit_gb:.1f} GB"
+        said.append(f"memory knee {knee.memory_knee}: pinned {pinned} of the {limit} wired limit "
+                    f"({row.state or 'near it'}) at {row.concurrency}")
+    else:
+        peak = max((r.peak_pinned_gb for r in rows if r.peak_pinned_gb is not None), default=None)
+        said.append("memory knee not reached" + ("" if peak is None else f" (pinned at most {peak:.1f} GB)"))
+    if err_index is not None:
+        row = rows[err_index]
+        attempted = row.errors + row.succeeded
+        said.append(f"errors at {row.concurrency}: {row.errors} of {attempted} requests failed "
+                    f"(knee {knee.error_knee}; last: {row.last_error or '-'})")
+    healthy = healthy_rows(rows)
+    if healthy:
+        if knee.throughput_knee is not None:
+            said.append(f"throughput knee {knee.throughput_knee}: {SATURATED:.0%} of the best "
+                        f"{max(fitted(healthy)):.1f} tok/s (fitted); more only adds latency")
+        else:
+            said.append(f"throughput still growing at {healthy[-1].concurrency} "
+                        f"({healthy[-1].throughput_tok_s:.1f} tok/s)")
+    if bounds:
+        said.append(f"largest level meeting {bounds.describe()}: {knee.latency_cap}")
+    if knee.limited_by == "none":
+        chose = f"cap {knee.recommended_cap}: no knee up to the highest level measured"
+    else:
+        chose = f"cap {knee.recommended_cap}, limited by {knee.limited_by}"
+    return "; ".join(said) + f" -> {chose}"
+
+
+def advice(knee: Knee, bounds: Bounds) -> str:
+    """What to change when no level is safe (the recommended cap would be 0)."""
+    if knee.limited_by == "memory":
+        return ("the model and its KV cache already fill the wired limit at the first level: start "
+                "llama-server with fewer --parallel slots or a smaller --ctx-size, use a smaller model or "
+                "quantization, close what else pins memory, or raise the wired limit (iogpu.wired_limit_mb)")
+    if knee.limited_by == "errors":
+        return ("requests fail at the first level: read llama-server's log, check --model, and that "
+                "--prompt-tokens + --max-tokens fit one slot's context")
+    return (f"no level meets {bounds.describe()}: loosen the bound, or lower --prompt-tokens to what "
+            "your clients really send")
 
 
 def _memory_line(rows: list[LevelResult]) -> tuple[float | None, float | None]:
@@ -90,6 +234,7 @@ def _memory_line(rows: list[LevelResult]) -> tuple[float | None, float | None]:
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float | None, float | None]:
+    """Least-squares slope and intercept (None, None when the points do not define a line)."""
     if len(points) < 2:
         return None, None
     n = len(points)
@@ -109,14 +254,19 @@ class CalibrateOptions:
     max_tokens: int = 1024
     max_concurrency: int = 24
     step: int = 1
-    window_requests: int = 0  # 0: 2 x concurrency, at least 6
+    window_requests: int = 0  # 0: 6 x concurrency, at least 16
     model: str | None = None
     levels: list[int] = field(default_factory=list)
+    bounds: Bounds = field(default_factory=Bounds)
 
     def concurrency_levels(self) -> list[int]:
         if self.levels:
             return sorted(set(self.levels))
         return list(range(1, self.max_concurrency + 1, self.step))
+
+    def window(self, concurrency: int) -> int:
+        # six rounds per client: enough that two sweeps of one machine agree within one level
+        return self.window_requests or max(16, 6 * concurrency)
 
 
 async def _settle(client: httpx.AsyncClient, base: str) -> None:
@@ -139,12 +289,25 @@ async def total_slots(client: httpx.AsyncClient, base: str) -> int | None:
     return int(slots) if slots else None
 
 
+def decided(rows: list[LevelResult], bounds: Bounds) -> bool:
+    """Nothing further can change the cap: stop (levels past a knee are slow and say little)."""
+    if any(memory_hit(r) or error_hit(r) for r in rows):
+        return True
+    if bounds:
+        base = rows[0].p50_latency_s
+        return len(rows) >= 2 and not any(bounds.met(r, base) for r in rows[-CONFIRM:])
+    return throughput_confirmed(rows)
+
+
 async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[LevelResult], Knee]:
-    """Measure level after level; stop a few levels past the knee (paging levels are slow, say little)."""
+    """Measure level after level; stop once the knee is decided."""
     base = options.upstream.rstrip("/")
     timeout = httpx.Timeout(600, connect=5)
     rows: list[LevelResult] = []
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
+    # idle connections are dropped well before llama-server closes them (5 s): a request sent on one it is
+    # closing fails without an answer, and would count as an error of the level
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         clock = Clock(client, base)
         await clock.detect()
         slots = await total_slots(client, base)
@@ -153,7 +316,6 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
             raise ValueError(f"the server has only {slots} slots; start it with --parallel >= the levels")
         for concurrency in levels:
             await _settle(client, base)
-            window = options.window_requests or max(6, 2 * concurrency)
             level = Level(
                 client,
                 base,
@@ -162,23 +324,29 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
                 options.prompt_tokens,
                 options.max_tokens,
                 options.model,
-                window,
+                options.window(concurrency),
             )
             rows.append(await level.run())
             if progress is not None:
                 progress(rows[-1])
-            failure = _first_failure(rows)
-            if failure is not None and len(rows) - 1 - failure[0] >= PAST_KNEE:
+            if decided(rows, options.bounds):
                 break
         await _settle(client, base)
-    return rows, find_knee(rows)
+    return rows, find_knee(rows, options.bounds)
 
 
 def result_json(rows: list[LevelResult], knee: Knee, options: CalibrateOptions) -> dict[str, Any]:
-    base = rows[0].p50_latency_s if rows else 1.0
+    base = rows[0].p50_latency_s if rows and rows[0].p50_latency_s else 1.0
     return {
         "recommended_cap": knee.recommended_cap,
         "limited_by": knee.limited_by,
+        "memory_knee": knee.memory_knee,
+        "throughput_knee": knee.throughput_knee,
+        "error_knee": knee.error_knee,
+        "latency_cap": knee.latency_cap,
+        "reason": knee.reason,
+        "max_p50_ratio": options.bounds.max_p50_ratio,
+        "max_ttft_s": options.bounds.max_ttft_s,
         "per_request_gb": knee.per_request_gb,
         "weights_gb": knee.weights_gb,
         "wired_limit_gb": knee.wired_limit_gb,
@@ -231,7 +399,11 @@ def plot(path: Path, rows: list[LevelResult], knee: Knee) -> None:
     for ax in axes:
         ax.axvline(knee.recommended_cap, color="grey", linestyle=":")
         ax.set_xlabel("concurrency")
-    fig.suptitle(f"recommended cap {knee.recommended_cap} (limited by {knee.limited_by})")
+    fig.suptitle(
+        f"recommended cap {knee.recommended_cap} (limited by {knee.limited_by}; memory knee "
+        f"{knee.memory_knee if knee.memory_knee is not None else '-'}, throughput knee "
+        f"{knee.throughput_knee if knee.throughput_knee is not None else '-'})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

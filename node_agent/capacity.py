@@ -37,11 +37,13 @@ class PressureGuard:
     recover_beats: int = 3
     limited: bool = False
     reason: str = ""
+    pressed: bool = False  # the last sample itself showed pressure (``limited`` also covers the calm beats)
     _calm: int = 0
     _last_swap_gb: float | None = None
 
     def update(self, sample: MemorySample) -> bool:
         why = self._pressure(sample)
+        self.pressed = bool(why)
         self._last_swap_gb = sample.swap_used_gb
         if why:
             self.limited, self.reason, self._calm = True, why, 0

@@ -35,7 +35,11 @@ def _run_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "-m", "--model", type=Path, help="the GGUF file (required to supervise; sizes the KV cache)"
     )
-    mode.add_argument("--parallel", type=int, help="llama-server slots (supervise; default 4)")
+    mode.add_argument(
+        "--parallel", type=int,
+        help="llama-server slots (supervise; default: the slots whose KV cache fits the memory budget at "
+        "--ctx-per-slot, bounded by the calibrated cap; fewer after persistent memory pressure)",
+    )
     mode.add_argument("--ctx-per-slot", dest="ctx_per_slot", type=int, help="context per slot (default 4096)")
     mode.add_argument(
         "--llama-log", dest="llama_log", type=Path, help="append llama-server output to this file"
@@ -76,6 +80,15 @@ def _run_parser() -> argparse.ArgumentParser:
         "--headroom-gb", dest="headroom_gb", type=float, help="kept free under the wired limit (2)"
     )
     cap.add_argument(
+        "--wired-limit-gb", dest="wired_limit_gb", type=float,
+        help="the GPU wired-memory limit llama-server's slots are sized for (default: the memory probe's)",
+    )
+    cap.add_argument(
+        "--shrink-after-beats", dest="shrink_after_beats", type=int,
+        help="heartbeats of memory pressure before a supervised llama-server restarts with a quarter fewer "
+        "slots (default 10; only when the agent chose the slots)",
+    )
+    cap.add_argument(
         "--request-overhead-gb",
         dest="request_overhead_gb",
         type=float,
@@ -113,8 +126,9 @@ def _run_parser() -> argparse.ArgumentParser:
 def _calibrate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"{PROG} calibrate",
-        description="Drive concurrency up in steps and recommend the cap (the knee of throughput, p50 and "
-        "pinned memory).",
+        description="Drive concurrency up in steps and recommend the cap: the smaller of the memory knee and "
+        "the throughput knee (the smallest level reaching 95%% of the best throughput). Exits 1 when no "
+        "level is safe.",
     )
     p.add_argument("--upstream", required=True, help="llama-server (or `macpool sim`) URL")
     p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
@@ -125,7 +139,15 @@ def _calibrate_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=1, help="between two levels (default 1)")
     p.add_argument("--levels", help="explicit comma-separated concurrency levels instead of 1..max by step")
     p.add_argument(
-        "--window", type=int, default=0, help="requests measured per level (default max(6, 2 x level))"
+        "--window", type=int, default=0, help="requests measured per level (default max(16, 6 x level))"
+    )
+    p.add_argument(
+        "--max-p50-ratio", type=float,
+        help="latency bound: the cap is the largest level whose p50 is at most this many times the first "
+        "level's (instead of the throughput knee; memory and errors still bound it)",
+    )
+    p.add_argument(
+        "--max-ttft", type=float, help="latency bound: the largest level whose TTFT p50 is at most this (s)"
     )
     p.add_argument("--model", help="model name to send (default: the server's)")
     p.add_argument("--json", type=Path, help="write the result (recommended_cap, per_request_gb, rows)")
@@ -167,6 +189,12 @@ def _check_calibrate_args(a: argparse.Namespace, levels: list[int]) -> None:
                                ("--window", a.window, 0)):
         if value < least:
             raise ConfigError(f"{flag} {value}: must be >= {least}")
+    bounds: tuple[tuple[str, float | None, float], ...] = (
+        ("--max-p50-ratio", a.max_p50_ratio, 1.0), ("--max-ttft", a.max_ttft, 0.0)
+    )
+    for name, bound, floor in bounds:
+        if bound is not None and not bound > floor:
+            raise ConfigError(f"{name} {bound}: must be > {floor:g}")
     if any(level < 1 for level in levels):
         raise ConfigError(f"--levels {a.levels!r}: every level must be >= 1")
     for flag, path in (("--json", a.json), ("--plot", a.plot), ("--write-config", a.write_config)):
@@ -203,20 +231,23 @@ def calibrate(argv: list[str]) -> int:
         window_requests=a.window,
         model=a.model,
         levels=levels,
+        bounds=cal.Bounds(a.max_p50_ratio, a.max_ttft),
     )
     from .settings import _check_http_url
 
     _check_http_url("--upstream", a.upstream)
     _check_calibrate_args(a, levels)
-    print(f"{'conc':>4} {'tok/s':>8} {'p50 s':>8} {'ratio':>6} {'pinned GB':>9}  state", flush=True)
+    print(f"{'conc':>4} {'tok/s':>8} {'p50 s':>8} {'ratio':>6} {'ttft s':>7} {'pinned GB':>9} {'errors':>6}"
+          "  state", flush=True)
     first: list[float] = []
 
     def progress(row: Any) -> None:
-        first.append(row.p50_latency_s)
+        first.append(row.p50_latency_s or 1.0)
         pinned = "-" if row.peak_pinned_gb is None else f"{row.peak_pinned_gb:.1f}"
         print(
             f"{row.concurrency:>4} {row.throughput_tok_s:>8.1f} {row.p50_latency_s:>8.2f} "
-            f"{row.p50_latency_s / first[0]:>5.1f}x {pinned:>9}  {row.state or '-'}",
+            f"{row.p50_latency_s / first[0]:>5.1f}x {row.ttft_p50_s:>7.2f} {pinned:>9} "
+            f"{row.errors:>6}  {row.state or '-'}",
             flush=True,
         )
 
@@ -229,14 +260,19 @@ def calibrate(argv: list[str]) -> int:
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from exc
     data = cal.result_json(rows, knee, options)
-    per_request = "-" if knee.per_request_gb is None else f"{knee.per_request_gb:.2f} GB"
-    print(
-        f"recommended cap: {knee.recommended_cap} (limited by {knee.limited_by}; per request {per_request})"
-    )
     if a.json:
         cal.dump_json(a.json, data)
     if a.plot:
         cal.plot(a.plot, rows, knee)
+    print(f"why: {knee.reason}")
+    if knee.recommended_cap == 0:
+        print(f"{PROG} calibrate: no safe concurrency (measured: {knee.reason}). To change: "
+              f"{cal.advice(knee, options.bounds)}", file=sys.stderr)
+        return 1
+    per_request = "-" if knee.per_request_gb is None else f"{knee.per_request_gb:.2f} GB"
+    print(
+        f"recommended cap: {knee.recommended_cap} (limited by {knee.limited_by}; per request {per_request})"
+    )
     if a.write_config:
         cal.write_config(a.write_config, knee)
         print(f"wrote calibrated_cap = {knee.recommended_cap} to {a.write_config}")

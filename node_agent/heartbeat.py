@@ -151,6 +151,9 @@ class Heartbeat:
     probe: MemoryProbe
     model_shape: ModelShape | None
     kv_bytes_per_token: int | None
+    # called after ``shrink_after_beats`` heartbeats in a row under memory pressure (then counted afresh)
+    on_persistent_pressure: Callable[[int], None] | None = None
+    pressure_beats: int = 0
     started_at_ms: int = field(default_factory=now_ms)
     instance: str = field(default_factory=lambda: secrets.token_hex(8))  # this process, in the node record
     superseded_by: str | None = None  # the URL of the agent started later that holds our node id
@@ -247,6 +250,7 @@ class Heartbeat:
                 memory_cap = capacity.memory_cap(budget, weights, settings.headroom_gb, per_request)
             if self.pressure.update(sample):
                 pressure_reason = self.pressure.reason
+            self._count_pressure(self.pressure.pressed)
             runtime.metrics.pinned.set(sample.pinned_gb * GB)
             runtime.metrics.wired_limit.set(sample.wired_limit_gb * GB)
         self._log_upstream_change()
@@ -276,6 +280,7 @@ class Heartbeat:
             slot_tokens_per_s=_rounded(runtime.slot_tokens_per_s),
             slot_concurrency=_rounded(runtime.slot_concurrency),
             ctx_per_slot=view.ctx_per_slot,
+            sizing=runtime.sizing.reason if runtime.sizing else "",
             llama_build=view.build,
             agent_version=__version__,
             started_at_ms=self.started_at_ms,
@@ -286,6 +291,15 @@ class Heartbeat:
             wol_mac=normalize_mac(settings.wol_mac) if settings.wol_mac else "",
             wol_broadcast=settings.wol_broadcast if settings.wol_mac else "",
         )
+
+    def _count_pressure(self, pressed: bool) -> None:
+        # only while llama-server runs: a restart it causes must not count the beats before it again
+        self.pressure_beats = self.pressure_beats + 1 if pressed and self.runtime.llama_state is None else 0
+        limit = self.runtime.settings.shrink_after_beats
+        act = self.on_persistent_pressure
+        if self.pressure_beats >= limit and act is not None and not self.runtime.draining:
+            self.pressure_beats = 0
+            act(limit)
 
     def _warn_cap_over_slots(self, slots: int | None) -> None:
         """Say once (per slot count: a restarted llama-server may have another) that --cap is not honoured."""

@@ -2,14 +2,18 @@
 
 Figures are measured on the server's own clock: llama-server (and the simulator, in simulated time) ends
 every stream with ``timings`` (``prompt_ms``, ``predicted_ms``, ``predicted_n``). A request's latency is
-``prompt_ms + predicted_ms``, its TTFT ``prompt_ms``, and a level's throughput follows from Little's law,
-``concurrency x mean tokens / mean latency`` - so client overhead and a simulator running faster than
-real time do not distort the curve. Levels never exceed the server's slots (no queueing inside it).
+``prompt_ms + predicted_ms``, its TTFT ``prompt_ms``. A level's throughput is the server's own token count
+over the measuring window (tokens generated so far, from ``/metrics`` and ``/slots``, or the simulator's
+``/sim/stats`` in simulated time): a time average, steadier than any mean over a few completions. Without
+those, it follows from Little's law, ``concurrency x mean tokens / mean latency``. Either way client overhead
+and a simulator running faster than real time do not distort the curve. Levels never exceed the server's
+slots (no queueing inside it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import secrets
@@ -21,14 +25,11 @@ from typing import Any
 
 import httpx
 
+from .heartbeat import decoded_so_far, parse_metrics
 from .memory import MacProbe, ProbeError
 
 MEMORY_EVERY_S = 0.1  # pinned-memory sampling period while a level is measured
 WARMUP_ROUNDS = 2  # requests per client before measuring: the first round starts all prefills at once
-
-
-class UpstreamFailing(RuntimeError):
-    """Requests keep failing: the server is down or refusing."""
 
 
 @dataclass
@@ -40,8 +41,15 @@ class LevelResult:
     peak_pinned_gb: float | None
     wired_limit_gb: float | None
     state: str | None
-    completed: int
-    errors: int
+    completed: int  # requests measured
+    errors: int  # failed requests, warm-up included
+    succeeded: int = 0  # requests that completed, warm-up included
+    last_error: str = ""  # what the last failed request said
+
+    @property
+    def error_rate(self) -> float:
+        attempted = self.errors + max(self.succeeded, self.completed)
+        return self.errors / attempted if attempted else 0.0
 
 
 @dataclass
@@ -64,6 +72,24 @@ class Clock:
 
     def to_server(self, wall_seconds: float) -> float:
         return wall_seconds * self.speed if self.simulated else wall_seconds
+
+    async def tokens(self) -> tuple[float, float] | None:
+        """(tokens generated so far, server time): a counter that moves with every token, not per request."""
+        try:
+            if self.simulated:
+                stats = (await self.client.get(self.base + "/sim/stats", timeout=5)).json()
+                return float(stats["tokens_predicted_total"]), float(stats["sim_time_s"])
+            metrics, slots = await asyncio.gather(
+                self.client.get(self.base + "/metrics", timeout=5),
+                self.client.get(self.base + "/slots", timeout=5),
+            )
+            now = time.monotonic()
+            total = parse_metrics(metrics.text).get("llamacpp:tokens_predicted_total")
+            if metrics.status_code != 200 or slots.status_code != 200 or total is None:
+                return None
+            return total + decoded_so_far(slots.json()), now
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
 
 
 def final_timings(tail: bytes) -> dict[str, Any] | None:
@@ -116,6 +142,8 @@ class Level:
     ttfts: list[float] = field(default_factory=list)
     generated: list[float] = field(default_factory=list)
     errors: int = 0
+    succeeded: int = 0
+    last_error: str = ""
     measuring: bool = False
 
     def _body(self) -> dict[str, Any]:
@@ -136,16 +164,27 @@ class Level:
         started = time.monotonic()
         first: float | None = None
         tail = b""
-        async with self.client.stream(
-            "POST", self.base + "/v1/completions", json=self._body(), headers=self.headers
-        ) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise httpx.HTTPStatusError("bad status", request=response.request, response=response)
-            async for chunk in response.aiter_raw():
-                if first is None:
-                    first = time.monotonic()
-                tail = (tail + chunk)[-8192:]
+        body = self._body()
+        for attempt in range(2):
+            answered = False
+            try:
+                async with self.client.stream(
+                    "POST", self.base + "/v1/completions", json=body, headers=self.headers
+                ) as response:
+                    answered = True
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise httpx.HTTPStatusError("bad status", request=response.request, response=response)
+                    async for chunk in response.aiter_raw():
+                        if first is None:
+                            first = time.monotonic()
+                        tail = (tail + chunk)[-8192:]
+                break
+            except httpx.RemoteProtocolError:
+                # a kept-alive connection the server closed as the request went out (llama-server's HTTP
+                # library ends a connection after a few requests): it never saw the request, so send it again
+                if answered or attempt:
+                    raise
         if not self.measuring:
             return
         timings = final_timings(tail)
@@ -164,17 +203,24 @@ class Level:
         while True:
             try:
                 await self._one()
-            except httpx.HTTPError:
+            except httpx.HTTPStatusError as exc:
                 self.errors += 1
+                self.last_error = f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
                 await asyncio.sleep(0.05)
                 continue
+            except httpx.HTTPError as exc:
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(0.05)
+                continue
+            self.succeeded += 1
             counter[0] += 1
             if counter[0] >= WARMUP_ROUNDS * self.concurrency:
                 warmed.set()
 
-    def _check_errors(self) -> None:
-        if self.errors > max(20, 2 * self.window_requests):
-            raise UpstreamFailing(f"{self.errors} failed requests at concurrency {self.concurrency}")
+    def _failing(self) -> bool:
+        """Enough failures to end the level early: its error rate is a knee signal, reported, not fatal."""
+        return self.errors > max(20, 2 * self.window_requests)
 
     async def run(self) -> LevelResult:
         warmed = asyncio.Event()
@@ -184,13 +230,15 @@ class Level:
         limit: float | None = None
         state: str | None = None
         try:
-            while not warmed.is_set():
-                self._check_errors()
-                await asyncio.sleep(0.02)
+            while not self._failing():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(warmed.wait(), 0.05)
+                if warmed.is_set():
+                    break
             self.measuring = True
+            counted_from = await self.clock.tokens()
             sampled_at = 0.0
-            while len(self.latencies) < self.window_requests:
-                self._check_errors()
+            while len(self.latencies) < self.window_requests and not self._failing():
                 mem = None
                 if time.monotonic() - sampled_at >= MEMORY_EVERY_S:
                     sampled_at = time.monotonic()
@@ -201,20 +249,27 @@ class Level:
                         peak, state = pinned, str(mem.get("state"))
                     limit = float(mem["wired_limit_gb"])
                 await asyncio.sleep(0.02)
+            counted_to = await self.clock.tokens()
         finally:
             for worker in workers:
                 worker.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
         # Little's law on the requests' own timings: immune to client overhead and to a lagging simulator
-        throughput = self.concurrency * statistics.mean(self.generated) / statistics.mean(self.latencies)
+        throughput = 0.0
+        if counted_from and counted_to and counted_to[1] > counted_from[1] and self.latencies:
+            throughput = (counted_to[0] - counted_from[0]) / (counted_to[1] - counted_from[1])
+        elif self.latencies:
+            throughput = self.concurrency * statistics.mean(self.generated) / statistics.mean(self.latencies)
         return LevelResult(
             concurrency=self.concurrency,
             throughput_tok_s=throughput,
-            p50_latency_s=statistics.median(self.latencies),
-            ttft_p50_s=statistics.median(self.ttfts),
+            p50_latency_s=statistics.median(self.latencies) if self.latencies else 0.0,
+            ttft_p50_s=statistics.median(self.ttfts) if self.ttfts else 0.0,
             peak_pinned_gb=peak,
             wired_limit_gb=limit,
             state=state,
             completed=len(self.latencies),
             errors=self.errors,
+            succeeded=self.succeeded,
+            last_error=self.last_error,
         )

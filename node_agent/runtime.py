@@ -14,6 +14,7 @@ from macpool.contract import NODE_STATES, NodeDoc, NodeState
 from macpool.upstream import Upstream
 
 from .settings import AgentSettings
+from .sizing import Sizing
 
 MIN_DECODE_EVENTS = 16  # the fewest events of an answer whose decode speed is counted
 DECODE_EWMA = 0.2  # weight of the latest answer in the smoothed per-slot decode speed
@@ -89,6 +90,7 @@ class Runtime:
     upstream_url: str = ""
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
+    sizing: Sizing | None = None  # supervise mode: llama-server's slots and why
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     slot_tokens_per_s: float | None = None  # smoothed decode speed of one answer (note_decode)
     slot_concurrency: float | None = None  # ... and the requests in flight while it was measured
@@ -149,7 +151,8 @@ class Runtime:
         """The capacity this node would have once loaded (its last decided capacity while it was loaded,
         else what its settings allow)."""
         settings = self.settings
-        fallback = settings.cap or settings.calibrated_cap or (settings.parallel if settings.supervise else 0)
+        slots = self.sizing.parallel if self.sizing else settings.parallel
+        fallback = settings.cap or settings.calibrated_cap or ((slots or 0) if settings.supervise else 0)
         return self._standby_capacity or fallback
 
     @property
@@ -218,6 +221,11 @@ class Runtime:
         self.metrics.restarts.inc()
         if not self.draining and self._elastic is None:
             self._set_state("unhealthy")
+        self.upstream_lost()
+
+    def llama_resizing(self) -> None:
+        """llama-server is restarted on purpose with other slots: "starting" until it answers."""
+        self._llama = "starting"
         self.upstream_lost()
 
     def upstream_lost(self) -> None:

@@ -34,7 +34,7 @@ class AgentSettings(BaseSettings):
     upstream: str | None = None
     llama_server: Annotated[str, AfterValidator(os.path.expanduser)] | None = None  # a path, or on PATH
     model: UserPath | None = None
-    parallel: int = Field(default=4, ge=1)
+    parallel: int | None = Field(default=None, ge=1)  # None: the slots that fit (node_agent/sizing.py)
     ctx_per_slot: int = Field(default=4096, ge=16)
     llama_args: list[str] = Field(default_factory=list)
     llama_log: UserPath | None = None
@@ -64,6 +64,8 @@ class AgentSettings(BaseSettings):
     request_overhead_gb: float = Field(default=0.25, ge=0)
     memory_probe: ProbeKind = "auto"
     pressure_recover_beats: int = Field(default=3, ge=1)
+    wired_limit_gb: float | None = Field(default=None, gt=0)  # to size llama-server by; None: the probe's
+    shrink_after_beats: int = Field(default=10, ge=1)  # heartbeats of pressure before fewer slots
     restart_backoff_max: float = Field(default=30.0, gt=0)
 
     # the elastic pool (node_agent/standby.py): follow the autoscaler's active/standby word; start in standby

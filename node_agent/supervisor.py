@@ -89,6 +89,7 @@ class Supervisor:
         self._exited: asyncio.Future[int] | None = None
         self.restarts = 0
         self._stopping = False
+        self._resizing = False
 
     @property
     def url(self) -> str:
@@ -136,6 +137,10 @@ class Supervisor:
                 code = await self._watch(client)
                 if self._stopping:
                     return
+                if self._resizing:  # stopped on purpose: start again at once, with the new slot count
+                    self._resizing = False
+                    log.info("llama-server restarting with %d slots", self.parallel)
+                    continue
                 self.restarts += 1
                 if self.on_exit:
                     self.on_exit()
@@ -187,6 +192,15 @@ class Supervisor:
                 pass
             await asyncio.wait({exited}, timeout=0.2)
         return await asyncio.shield(exited)  # stop() waits for it too
+
+    def resize(self, parallel: int) -> None:
+        """Restart llama-server with ``parallel`` slots: stop it (SIGTERM); ``run`` starts it again."""
+        self.parallel = parallel
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        self._resizing = True
+        _killpg(process.pid, signal.SIGTERM)
 
     async def stop(self, grace: float = 5.0) -> None:
         """SIGTERM the process group, then SIGKILL after ``grace`` seconds. Safe to call more than once."""

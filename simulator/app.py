@@ -173,6 +173,7 @@ class SimServer:
         self.settings = settings
         self.machine = machine
         self.resolved = Resolved(settings, machine)
+        machine.check_start(self.resolved.n_slots, self.resolved.n_ctx_slot, self.resolved.model_path)
         self.engine = Engine(machine, self.resolved.n_slots, self.resolved.n_ctx_slot)
         self.runner = Runner(self.engine, settings.speed)
         self.started = time.monotonic()
@@ -601,12 +602,19 @@ class SimServer:
             "wired_limit_gb": m.wired_limit_gb,
             "weights_gb": m.weights_gb,
             "pinned_gb": round(pinned, 3),
-            "per_request_gb": round(m.per_request_gb(), 3),
+            "per_request_gb": round(self.per_request_gb(), 3),
+            "kv_cache_gb": round(self.engine.kv_cache_gb, 3),
             "state": state.value,
             "external_gb": self.engine.external_gb,
             "swap_used_gb": round(max(0.0, pinned - m.wired_limit_gb), 3),
             "pressure": _PRESSURE[state],
         }
+
+    def per_request_gb(self) -> float:
+        """With the KV cache allocated at start, what one more slot costs (what an agent estimates from the
+        GGUF on a real Mac); else the working set one more typical request adds."""
+        m = self.machine
+        return self.resolved.n_ctx_slot * m.kv_mb_per_token / 1024 if m.kv_at_start else m.per_request_gb()
 
     async def sim_memory(self, request: Request) -> Response:
         return json_response(self.memory_json())

@@ -9,7 +9,7 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
-from simulator.machine import MachineError, preset_names
+from simulator.machine import MachineError, StartFailure, preset_names
 from simulator.settings import DEFAULT_PRESET, SimSettings
 
 # llama-server flags an agent may pass that mean nothing to the simulator: name -> takes a value
@@ -107,7 +107,11 @@ def main(argv: list[str]) -> int:
         return 2
     from simulator.app import create_app
 
-    app = create_app(settings, machine)
+    try:
+        app = create_app(settings, machine)
+    except StartFailure as exc:  # as llama-server: its loader's lines on stderr, then exit status 1
+        print("\n".join(exc.lines), file=sys.stderr)
+        return 1
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=log_level, server_header=False,
         access_log=False, timeout_graceful_shutdown=3,

@@ -133,6 +133,7 @@ class Engine:
         self.running: list[Task] = []
         self.sim_time = 0.0
         self.external_gb = 0.0
+        self.kv_cache_gb = machine.kv_cache_gb(n_slots, n_ctx_slot)
         self.counters = Counters()
         self._ids = itertools.count()
 
@@ -176,6 +177,8 @@ class Engine:
 
     # --- memory -------------------------------------------------------------------------------------------
     def pinned_gb(self) -> float:
+        if self.machine.kv_at_start:
+            return self.machine.fixed_gb(self.external_gb) + self.kv_cache_gb
         held = sum(self.machine.sequence_gb(t.n_past + t.n_decoded) for t in self.running)
         return self.machine.fixed_gb(self.external_gb) + held
 

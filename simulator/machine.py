@@ -3,7 +3,9 @@
 Every figure the simulator reports is derived from these parameters (see docs/simulator.md):
 
 - pinned memory = weights + base + external + sum over in-flight sequences of
-  ``seq_overhead_gb + kv_mb_per_token/1024 * tokens_in_kv``;
+  ``seq_overhead_gb + kv_mb_per_token/1024 * tokens_in_kv`` (the seed's working set, growing per request);
+  or, with ``kv_at_start`` (llama-server's real allocation), weights + base + external +
+  ``slots * ctx_per_slot * kv_mb_per_token/1024``, allocated at start and flat under load;
 - a step (one llama_decode call) costs ``t0 + t1 * decode_batch + prefill_tokens / prefill_tok_s`` seconds,
   multiplied by the paging penalty ``1 + (overflow_gb / paging_scale_gb) ** paging_exponent`` once pinned
   memory passes the wired limit.
@@ -15,6 +17,7 @@ import json
 from enum import StrEnum
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -23,6 +26,14 @@ PRESET_PACKAGE = "simulator.presets"
 
 class MachineError(ValueError):
     """A machine description that cannot be loaded."""
+
+
+class StartFailure(MachineError):
+    """llama-server could not allocate its buffers at start (``overcommit: fail``): it exits with status 1."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(lines[0])
+        self.lines = lines
 
 
 class MemoryState(StrEnum):
@@ -63,6 +74,12 @@ class Machine(BaseModel):
     typical_prompt_tokens: int = Field(4096, gt=0, description="prompt size per_request_gb is quoted at")
     typical_output_tokens: int = Field(256, ge=0)
     default_n_predict: int = Field(256, gt=0, description="tokens generated when a request sets no limit")
+    kv_at_start: bool = Field(
+        False, description="allocate every slot's whole KV cache at start, flat under load (llama-server)"
+    )
+    overcommit: Literal["page", "fail"] = Field(
+        "page", description="a start past the wired limit: page from the first request, or fail to load"
+    )
 
     # --- memory -------------------------------------------------------------------------------------------
     def sequence_gb(self, tokens: int) -> float:
@@ -74,6 +91,29 @@ class Machine(BaseModel):
 
     def fixed_gb(self, external_gb: float = 0.0) -> float:
         return self.weights_gb + self.base_gb + external_gb
+
+    def kv_cache_gb(self, n_slots: int, n_ctx_slot: int) -> float:
+        """The KV cache llama-server allocates at start (0 in the growing working-set model)."""
+        return n_slots * n_ctx_slot * self.kv_mb_per_token / 1024.0 if self.kv_at_start else 0.0
+
+    def start_gb(self, n_slots: int, n_ctx_slot: int) -> float:
+        return self.fixed_gb() + self.kv_cache_gb(n_slots, n_ctx_slot)
+
+    def check_start(self, n_slots: int, n_ctx_slot: int, model_path: str) -> None:
+        """Raise :class:`StartFailure` with llama-server's log lines when ``overcommit: fail`` and the start
+        does not fit under the wired limit."""
+        need = self.start_gb(n_slots, n_ctx_slot)
+        if self.overcommit != "fail" or need <= self.wired_limit_gb:
+            return
+        kv_mib = self.kv_cache_gb(n_slots, n_ctx_slot) * 1024
+        raise StartFailure([
+            f"ggml_metal_buffer_init: error: failed to allocate buffer, size = {kv_mib:.2f} MiB "
+            f"({need:.1f} GB needed at start, wired limit {self.wired_limit_gb:.1f} GB)",
+            "llama_init_from_model: failed to initialize the context: failed to allocate buffer for kv cache",
+            f"common_init_from_params: failed to create context with model '{model_path}'",
+            f"srv    load_model: failed to load model, '{model_path}'",
+            "main: exiting due to model loading error",
+        ])
 
     def state(self, pinned_gb: float) -> MemoryState:
         overflow = pinned_gb - self.wired_limit_gb

@@ -94,6 +94,9 @@ function renderNode(card, poolCapacity) {
     ? `left the pool ${Math.round((Date.now() - card.goneSince) / 1000)}s ago (heartbeat expired or agent stopped)`
     : doc.drained ? "drained through the admin API: no new requests until undrained" + (doc.reason ? "; " + doc.reason : "")
     : (doc.reason || "");
+  // supervise mode: llama-server's slots and why (what fits the memory budget, the calibrated cap, pressure)
+  q(".sizing").textContent = doc.sizing ? "llama-server: " + doc.sizing : "";
+  q(".slots-text").title = doc.sizing || "";
   q(".drain").disabled = !!card.goneSince || !!doc.drained;
   q(".undrain").disabled = !!card.goneSince || !doc.drained;
 }

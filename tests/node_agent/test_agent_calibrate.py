@@ -16,18 +16,17 @@ from tests.conftest import Server
 SimFactory = Callable[..., Server]
 
 
-def calibrate(url: str, tmp_path: Path, *args: str) -> dict[str, object]:
-    out = tmp_path / "cal.json"
+def run_calibrate(url: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     config = tmp_path / "agent.toml"
     config.write_text('redis_url = "redis://127.0.0.1:6379/0"\n')
-    done = subprocess.run(
+    return subprocess.run(
         macpool_argv(
             "agent",
             "calibrate",
             "--upstream",
             url,
             "--json",
-            str(out),
+            str(tmp_path / "cal.json"),
             "--plot",
             str(tmp_path / "cal.png"),
             "--write-config",
@@ -38,8 +37,14 @@ def calibrate(url: str, tmp_path: Path, *args: str) -> dict[str, object]:
         text=True,
         timeout=240,
     )
+
+
+def calibrate(url: str, tmp_path: Path, *args: str) -> dict[str, object]:
+    out = tmp_path / "cal.json"
+    config = tmp_path / "agent.toml"
+    done = run_calibrate(url, tmp_path, *args)
     assert done.returncode == 0, done.stderr
-    assert "recommended cap" in done.stdout
+    assert "recommended cap" in done.stdout and "why: " in done.stdout
     assert (tmp_path / "cal.png").stat().st_size > 0
     result: dict[str, object] = json.loads(out.read_text())
     assert f"calibrated_cap = {result['recommended_cap']}" in config.read_text()
@@ -87,6 +92,70 @@ def test_calibrate_finds_the_knee_of_another_machine(sim: SimFactory, tmp_path: 
     assert result["limited_by"] == "memory"
 
 
+# a 70B model on an M3 Ultra, memory allocated at start: prompt processing dominates, so throughput plateaus
+# at a few requests while p50 keeps climbing, and memory never nears the wired limit
+PLATEAU = ("--prompt-tokens", "2048", "--max-tokens", "64")
+ULTRA = "m3ultra-192g-70b-q4"
+
+
+@pytest.mark.slow
+def test_calibrate_stops_at_the_throughput_plateau_and_agrees_with_itself(
+    sim: SimFactory, tmp_path: Path
+) -> None:
+    upstream = sim("--parallel", "12", "-c", "98304", "--speed", "50", "--metrics", preset=ULTRA)
+    caps = []
+    for run in range(3):
+        folder = tmp_path / str(run)
+        folder.mkdir()
+        result = calibrate(upstream.url, folder, *PLATEAU)
+        assert result["limited_by"] == "throughput", result["reason"]
+        assert result["memory_knee"] is None and result["throughput_knee"] == result["recommended_cap"]
+        rows = result["rows"]
+        assert isinstance(rows, list)
+        cap = result["recommended_cap"]
+        assert isinstance(cap, int) and 2 <= cap <= 6
+        assert len(rows) <= cap + 3  # stops soon after the knee: the two levels that confirm it, at most one
+        assert rows[-1]["p50_latency_s"] > 2 * rows[0]["p50_latency_s"]  # past the knee, p50 kept climbing
+        caps.append(cap)
+    assert max(caps) - min(caps) <= 1, caps
+
+
+@pytest.mark.slow
+def test_a_latency_bound_picks_the_largest_level_that_meets_it(sim: SimFactory, tmp_path: Path) -> None:
+    upstream = sim("--parallel", "12", "-c", "98304", "--speed", "50", "--metrics", preset=ULTRA)
+    result = calibrate(upstream.url, tmp_path, *PLATEAU, "--max-p50-ratio", "2", "--max-concurrency", "8")
+    rows = result["rows"]
+    assert isinstance(rows, list)
+    meeting = [r["concurrency"] for r in rows if r["p50_ratio"] <= 2]
+    assert result["recommended_cap"] == result["latency_cap"] == max(meeting)
+    assert result["limited_by"] == "latency" and result["max_p50_ratio"] == 2
+    assert rows[-1]["p50_ratio"] > 2 and rows[-2]["p50_ratio"] > 2  # two levels past the bound: it stopped
+
+
+def test_a_first_level_past_the_memory_knee_says_so_and_exits_1(sim: SimFactory, tmp_path: Path) -> None:
+    # 16 slots x 32K context of a 70B model: 160 GB of KV cache at start, past the 144 GB wired limit
+    upstream = sim("--parallel", "16", "-c", "524288", "--speed", "200", "--metrics", preset=ULTRA)
+    done = run_calibrate(upstream.url, tmp_path, "--prompt-tokens", "128", "--max-tokens", "8", "--window=3")
+    assert done.returncode == 1, done.stderr
+    assert "no safe concurrency" in done.stderr and "memory knee 0" in done.stderr
+    assert "--parallel" in done.stderr and "--ctx-size" in done.stderr  # what to change
+    assert "recommended cap" not in done.stdout
+    assert "calibrated_cap" not in (tmp_path / "agent.toml").read_text()
+    result = json.loads((tmp_path / "cal.json").read_text())
+    assert result["recommended_cap"] == 0 and result["rows"][0]["state"] in ("paging", "collapsed")
+
+
+def test_requests_failing_at_the_first_level_are_reported(sim: SimFactory, tmp_path: Path) -> None:
+    # 4 slots of 512 tokens: every 1,024-token prompt is refused by the server
+    upstream = sim("--parallel", "4", "-c", "2048", "--speed", "50", "--metrics")
+    done = run_calibrate(upstream.url, tmp_path, "--prompt-tokens", "1024", "--max-tokens", "8")
+    assert done.returncode == 1, done.stderr
+    assert "requests failed" in done.stderr and "context" in done.stderr
+    assert "Traceback" not in done.stderr
+    result = json.loads((tmp_path / "cal.json").read_text())
+    assert result["limited_by"] == "errors" and result["rows"][0]["errors"] > 0
+
+
 def test_bad_figures_and_unwritable_outputs_fail_before_measuring(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -102,6 +171,7 @@ def test_bad_figures_and_unwritable_outputs_fail_before_measuring(
     for args, said in ((["--step", "0"], "--step"),  # the others in this process
                        (["--write-config", str(broken)], "not a TOML file"),
                        (["--max-concurrency", "0"], "--max-concurrency"),
+                       (["--max-p50-ratio", "1"], "--max-p50-ratio"), (["--max-ttft", "0"], "--max-ttft"),
                        (["--json", str(tmp_path / "missing" / "cal.json")], "--json"),
                        (["--write-config", str(tmp_path)], "--write-config")):
         assert agent_cli.main(["calibrate", *refused, *args]) == 2, args

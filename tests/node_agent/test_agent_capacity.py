@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from node_agent.calibrate import find_knee
+from node_agent.calibrate import Bounds, find_knee
 from node_agent.capacity import PressureGuard, decide, memory_cap
 from node_agent.loadgen import LevelResult
 from node_agent.memory import MemorySample, Pressure
@@ -71,14 +71,44 @@ def test_knee_of_the_seed_table() -> None:
     assert knee.per_request_gb is not None and 2 < knee.per_request_gb < 3
 
 
-def test_knee_without_memory_figures_uses_latency_and_throughput() -> None:
-    # a real llama-server: no /sim/memory; past 6 the latency bends and throughput stops growing
-    curve = [(c, 50 * c**0.5, 1 + 0.1 * c, None) for c in range(1, 7)]
-    curve += [(7, 125, 3.0, None), (8, 126, 5.0, None)]
+def test_knee_without_memory_figures_is_where_throughput_saturates() -> None:
+    # a real llama-server: no /sim/memory; throughput saturates (130 x c / (c + 1.5)) while p50 climbs
+    curve = [(c, 130 * c / (c + 1.5), 1 + 0.5 * c, None) for c in range(1, 10)]
     knee = find_knee(_rows(curve, None))
-    assert knee.recommended_cap == 6
-    assert knee.limited_by == "latency"
+    assert (knee.recommended_cap, knee.throughput_knee, knee.memory_knee) == (7, 7, None)
+    assert knee.limited_by == "throughput" and "throughput knee 7" in knee.reason
     assert knee.per_request_gb is None
+
+
+def test_one_noisy_level_moves_the_throughput_knee_by_one_at_most() -> None:
+    clean = [(c, 130 * c / (c + 1.5), 1 + 0.5 * c, None) for c in range(1, 13)]
+    for noisy in (2, 3, 5, 7):
+        for factor in (0.9, 1.1):
+            curve = [(c, thr * (factor if c == noisy else 1), p50, m) for c, thr, p50, m in clean]
+            measured = next(
+                knee for k in range(3, 13) if (knee := find_knee(_rows(curve[:k], None), complete=False))
+                .throughput_knee
+            )
+            assert measured.throughput_knee in (6, 7, 8), (noisy, factor)
+
+
+def test_levels_with_failed_requests_end_the_healthy_range_and_keep_the_sweep() -> None:
+    curve = [(c, 40.0 * c, 1 + 0.05 * c, 5 + c) for c in range(1, 7)]
+    rows = _rows(curve, 64)
+    rows[4].errors, rows[4].succeeded = 3, 20  # 13% failed at 5
+    knee = find_knee(rows)
+    assert (knee.recommended_cap, knee.limited_by, knee.error_knee) == (4, "errors", 4)
+    assert "errors at 5: 3 of 23 requests failed" in knee.reason
+
+
+def test_a_latency_bound_takes_the_largest_level_meeting_it() -> None:
+    curve = [(c, 130 * c / (c + 1.5), 1 + 0.5 * c, None) for c in range(1, 10)]
+    knee = find_knee(_rows(curve, None), Bounds(max_p50_ratio=2.0))
+    assert (knee.recommended_cap, knee.limited_by, knee.latency_cap) == (4, "latency", 4)  # 3.0 / 1.5
+    knee = find_knee(_rows(curve, None), Bounds(max_ttft_s=0.5))  # _rows: TTFT = p50 / 4
+    assert (knee.recommended_cap, knee.limited_by) == (2, "latency")
+    knee = find_knee(_rows(curve, None), Bounds(max_ttft_s=0.3))
+    assert (knee.recommended_cap, knee.limited_by) == (0, "latency")
 
 
 def test_knee_of_a_machine_that_never_bends() -> None:

@@ -55,7 +55,8 @@ def test_every_preset_loads_and_has_a_knee() -> None:
         machine = load_preset(name)
         assert machine.name == name
         assert machine.per_request_gb() > 0
-        assert 1 < knee(machine, machine.typical_prompt_tokens) < max(LEVELS)
+        if not machine.kv_at_start:  # memory flat under load: no memory knee (test_sim_memory_modes.py)
+            assert 1 < knee(machine, machine.typical_prompt_tokens) < max(LEVELS)
 
 
 def test_bad_machine_descriptions(tmp_path: object) -> None:

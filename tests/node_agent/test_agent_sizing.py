@@ -1,0 +1,75 @@
+"""Supervise mode sizes llama-server to the Mac when the operator gives no --parallel, and gives memory
+back (fewer slots) when pressure persists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from node_agent.sizing import MAX_SLOTS, Sizing, choose, shrunk
+from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until, write_gguf
+
+KV_14B = 48 * 8 * 128 * 2 * 2  # bytes per token of a 14B GQA model's f16 KV cache (196,608)
+
+
+def _choose(**overrides: Any) -> Sizing:
+    figures: dict[str, Any] = {
+        "parallel": None, "ctx_per_slot": 4096, "wired_limit_gb": 36.0, "weights_gb": 8.0, "headroom_gb": 2.0,
+        "kv_bytes_per_token": KV_14B, "calibrated_cap": None, **overrides,
+    }
+    return choose(**figures)
+
+
+def test_the_slots_that_fit_bounded_by_the_calibrated_cap() -> None:
+    fits = _choose(wired_limit_gb=12.0)  # (12 - 8 - 2) GB / 0.805 GB a slot (4,096 x 196,608 bytes)
+    assert (fits.parallel, fits.chosen_by, fits.fits) == (2, "memory", 2)
+    assert "wired limit 12.0 GB - weights 8.0 GB - headroom 2.0 GB" in fits.reason
+    roomy = _choose()
+    assert (roomy.parallel, roomy.chosen_by) == (MAX_SLOTS, "memory")
+    capped = _choose(calibrated_cap=6)
+    assert (capped.parallel, capped.chosen_by) == (6, "calibrated")
+    given = _choose(parallel=3, calibrated_cap=2)
+    assert (given.parallel, given.chosen_by) == (3, "operator")
+    blind = _choose(wired_limit_gb=None, calibrated_cap=2)
+    assert (blind.parallel, blind.chosen_by) == (2, "default")
+    assert _choose(kv_bytes_per_token=None).parallel == 4
+    tight = _choose(wired_limit_gb=10.0)
+    assert tight.parallel == 1 and "not even one slot fits" in tight.reason
+
+
+def test_pressure_takes_a_quarter_of_the_slots_down_to_one() -> None:
+    chain = []
+    current: Sizing | None = _choose(calibrated_cap=8)
+    while current is not None and (current := shrunk(current, 10)) is not None:
+        chain.append(current.parallel)
+        assert current.chosen_by == "pressure" and "memory pressure for 10 heartbeats" in current.reason
+    assert chain == [6, 4, 3, 2, 1]
+
+
+def test_supervise_sizes_llama_server_then_restarts_it_smaller_under_pressure(
+    agent: AgentFactory, redis_url: str, tmp_path: Path
+) -> None:
+    model = write_gguf(tmp_path / "model-14b-q4.gguf", layers=48, heads=40, kv_heads=8, embd=5120)
+    # (8 GB - 2 GB headroom) / 0.805 GB a slot at 4,096 tokens -> 7 slots
+    gateway = agent("--llama-server", SIM_COMMAND, "--model", str(model), "--ctx-per-slot", "4096",
+                    "--wired-limit-gb", "8", "--headroom-gb", "2", "--shrink-after-beats", "3")
+    doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready" and d, what="ready")
+    assert doc.total_slots == 7 and doc.sizing.startswith("7 slots x 4096 tokens: 7 fit")
+    shown = status(gateway.url)
+    assert shown["sizing"]["parallel"] == 7 and shown["sizing"]["chosen_by"] == "memory"
+    argv = shown["llama_server"]["argv"]
+    assert argv[argv.index("--parallel") + 1] == "7" and argv[argv.index("--ctx-size") + 1] == str(7 * 4096)
+
+    # another app takes the pool: the simulated Mac pages until llama-server gives memory back
+    llama = shown["llama_server"]["url"]
+    httpx.post(llama + "/sim/pressure", json={"external_gb": 40}, timeout=5).raise_for_status()
+    doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.state == "ready" and d.total_slots == 5
+                     and d, what="llama-server back with fewer slots", timeout=60)
+    assert doc.sizing.startswith("5 slots x 4096 tokens: memory pressure for 3 heartbeats with 7")
+    shown = status(gateway.url)
+    assert (shown["sizing"]["parallel"], shown["sizing"]["chosen_by"]) == (5, "pressure")
+    log = Path(str(gateway.log_path)).read_text()
+    assert "memory pressure for 3 heartbeats: restarting llama-server with 5 slots (was 7)" in log
+    assert "llama-server sized: 7 slots" in log
