@@ -41,7 +41,7 @@ from macpool.stack import Proc, wait_nodes
 
 VENV = Path.home() / ".cache" / "macpool" / "peers" / "litellm-venv"
 LEVELS = [1, 16, 64]
-TARGET_LITELLM_RATIO = 10.0
+TARGET_LITELLM_RATIO = 5.0  # at 1, 16 and 64 streams
 
 
 class PeerError(RuntimeError):
