@@ -40,7 +40,7 @@ STANDBY_STATES = ("standby",)
 @dataclass
 class ElasticOptions:
     cap: int = 2
-    speed: float = 20.0
+    speed: float = 2.0
     max_tokens: int = 24
     low: float = 0.3
     high: float = 3.0
@@ -304,7 +304,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="macpool bench elastic", description=__doc__.split("\n\n")[0])
     defaults = ElasticOptions()
     p.add_argument("--cap", type=int, default=defaults.cap, help="slots per node (default 2)")
-    p.add_argument("--speed", type=float, default=defaults.speed, help="simulator speed-up (default 20)")
+    p.add_argument("--speed", type=float, default=defaults.speed,
+                   help="simulator speed-up (default 2: the Macs, not this machine, are the limit)")
     p.add_argument("--low-seconds", type=float, default=defaults.low_s, help="0.3x step before (8)")
     p.add_argument("--high-seconds", type=float, default=defaults.high_s, help="3x step (20)")
     p.add_argument("--tail-seconds", type=float, default=defaults.tail_s, help="0.3x step after (20)")

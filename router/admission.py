@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from macpool.contract import NodeDoc, Priority, slots_needed
@@ -102,6 +103,8 @@ class Admission:
         self.place = STRATEGIES[settings.placement]  # a node as a candidate, weighed as --placement says
         pool.freed_listeners.append(self.waiters.wake)
         pool.waiter_listeners.append(self.waiters.wake_request)
+        pool.grown_listeners.append(self._node_grew)
+        self._offers: set[asyncio.Task[None]] = set()
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -117,7 +120,25 @@ class Admission:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
+        for task in self._offers:
+            task.cancel()
+        await asyncio.gather(*self._offers, return_exceptions=True)
         await self.leases.stop()
+
+    def _node_grew(self, node_id: str) -> None:
+        """A node shows free slots no release announced: while requests wait here, have them handed over
+        (each router with waiters asks; the script hands over only slots still free)."""
+        if not self.waiters:
+            return
+        task = asyncio.get_running_loop().create_task(self._offer(node_id))
+        self._offers.add(task)
+        task.add_done_callback(self._offers.discard)
+
+    async def _offer(self, node_id: str) -> None:
+        try:
+            await self.store.offer(node_id)
+        except RedisError as exc:  # the waiters still look for themselves (SAFETY_RECHECK_S)
+            log.warning("handing node %s's new slots to the queue failed: %s", node_id, exc)
 
     # --- acquire / release -------------------------------------------------------------------------
 

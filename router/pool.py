@@ -99,6 +99,9 @@ class PoolView:
         self.autoscale: deque[dict[str, Any]] = deque(maxlen=10)  # macpool autoscale's last decisions
         self.freed_listeners: list[Callable[[str], None]] = []  # called with a node id
         self.waiter_listeners: list[Callable[[str], None]] = []  # called with a request id (granted, shed)
+        # called with a node id when a heartbeat shows it ready with more capacity than before (just ready,
+        # or grown): slots no release will announce
+        self.grown_listeners: list[Callable[[str], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -238,6 +241,10 @@ class PoolView:
         self._heard(doc)
         self.snapshot.nodes[doc.node_id] = doc
         self.snapshot.reservations.setdefault(doc.node_id, 0)
+        before = previous.capacity if previous is not None and previous.state == "ready" else 0
+        if doc.state == "ready" and doc.capacity > before:
+            for listener in self.grown_listeners:
+                listener(doc.node_id)
 
     def reserved(self, node_id: str, count: int) -> None:
         """A reservation answer told us the exact count on a node."""

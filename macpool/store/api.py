@@ -148,6 +148,7 @@ class Store:
         self.keys = keys or Keys()
         self._reserve = redis.register_script(source("reserve"))
         self._release = redis.register_script(source("release"))
+        self._offer = redis.register_script(source("offer"))
         self._leave = redis.register_script(source("leave"))
         self._renew = redis.register_script(source("renew"))
         self._heartbeat = redis.register_script(source("heartbeat"))
@@ -192,6 +193,12 @@ class Store:
         ]
         keys = self.keys.admission([release.node_id], [release.tenant], [release.router])
         return int(await self._release(keys=keys, args=args))
+
+    async def offer(self, node_id: str, queue_lease_ms: int = QUEUE_LEASE_MS, now: int | None = None) -> int:
+        """Hand ``node_id``'s free slots to waiting requests, as a release does, for slots no release
+        announces (the node just became ready, or its capacity grew); the slots handed over."""
+        args: list[str | int] = [*self._common(now), node_id, queue_lease_ms]
+        return int(await self._offer(keys=self.keys.admission([node_id]), args=args))
 
     async def leave_queue(
         self, request_id: str, nodes: Sequence[str] = (), queue_lease_ms: int = QUEUE_LEASE_MS,

@@ -75,9 +75,34 @@ def test_the_pool_read_counts_waiters_as_of_the_time_given(redis_url: str) -> No
     with_store(redis_url, Keys(), scenario)
 
 
+def test_a_node_that_becomes_ready_is_offered_to_the_queue(redis_url: str) -> None:
+    """Slots no release announces (a node just ready) go to the waiters in queue order, as a release's would,
+    and only while they are free."""
+
+    async def scenario(store: Store) -> None:
+        t = now_ms()
+        await store.heartbeat(node("n1", 1), 60_000)
+        await store.reserve(ReserveRequest("busy", [Candidate("n1")], LEASE, model="m"), now=t)
+        for rid in ("w1", "w2", "w3"):
+            ask = ReserveRequest(rid, [Candidate("n1")], LEASE, queue_size=4, enqueue=True, model="m")
+            assert (await store.reserve(ask, now=t)).status == "queued"
+        await store.heartbeat(node("n2", 2), 60_000)
+        assert await store.offer("n2", now=t + 1) == 2
+        assert await store.offer("n2", now=t + 2) == 0  # nothing free there any more
+        both = [Candidate("n1"), Candidate("n2")]
+        for rid, status in (("w1", "reserved"), ("w2", "reserved"), ("w3", "queued")):
+            again = ReserveRequest(rid, both, LEASE, queue_size=4, enqueue=True, dequeue=True, model="m")
+            answer = await store.reserve(again, now=t + 3)
+            assert answer.status == status, (rid, answer)
+            if status == "reserved":
+                assert answer.node_id == "n2"
+
+    with_store(redis_url, Keys(), scenario)
+
+
 def test_the_admission_scripts_share_one_library_and_the_others_stand_alone() -> None:
     library = source("lib").strip()
-    for name in ("reserve", "release", "leave"):
+    for name in ("reserve", "release", "leave", "offer"):
         assert source(name).startswith(library)
     for name in ("renew", "heartbeat", "deregister"):
         assert "local function queue_entries" not in source(name)

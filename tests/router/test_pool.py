@@ -54,6 +54,21 @@ def test_freed_events_count_and_notify() -> None:
     assert view.freed.rate() > 0
 
 
+def test_a_node_ready_or_grown_is_announced_as_new_slots() -> None:
+    view = _view()
+    grown: list[str] = []
+    view.grown_listeners.append(grown.append)
+    _heartbeat(view, "a", state="standby", capacity=0)
+    _heartbeat(view, "a", state="loading", capacity=0)
+    assert grown == []
+    _heartbeat(view, "a", capacity=2)  # ready
+    _heartbeat(view, "a", capacity=2)  # the same: no new slots
+    _heartbeat(view, "a", capacity=1)
+    _heartbeat(view, "a", capacity=3)  # grown
+    _heartbeat(view, "b", capacity=4)  # a new node
+    assert grown == ["a", "a", "b"]
+
+
 def test_a_hand_over_counts_every_slot_it_handed_in_the_release_rate() -> None:
     view = _view()
     woken: list[str] = []
