@@ -36,7 +36,7 @@ from simulator.app import create_app as sim_app
 from simulator.cli import parse_settings as sim_settings
 
 T = TypeVar("T")
-STOP_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 20.0  # an agent's shutdown alone is bounded at about 8 s of Redis and server waits
 _env_lock = threading.Lock()
 
 
