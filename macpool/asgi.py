@@ -162,9 +162,16 @@ class Guard:
 
     async def run(self, work: Awaitable[T]) -> T | None:
         """``work``'s result, or None when the guard cancelled it (the cancellation is taken back). On any
-        other exit the guard is finished first, so that the server's answer to an error is not cancelled."""
+        other exit the guard is finished first, so that the server's answer to an error is not cancelled.
+
+        A library may swallow the cancellation (``asyncio.wait_for`` on Python 3.11 returns instead when
+        the cancellation meets the end of what it waits for; redis-py writes through it): ``work`` then
+        returns its result, the cancellation is taken back, and ``reason`` tells the caller. The next
+        ``run`` of a guard that has cancelled is cancelled again at once, so it ends its own way."""
+        if self.reason is not None and not self.finished:
+            self.task.cancel()
         try:
-            return await work
+            result = await work
         except asyncio.CancelledError:
             self.finish()
             if not self.claim():
@@ -173,6 +180,9 @@ class Guard:
         except BaseException:
             self.finish()
             raise
+        if self.reason is not None:
+            self.claim()
+        return result
 
     def finish(self) -> None:
         """No cancellation from here on (the response is complete, or the request's cleanup runs)."""

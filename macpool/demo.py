@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import secrets
 import signal
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from macpool.loops import wait_event
 from macpool.redis_server import RedisServerError
 from macpool.stack import Proc, ProcessError, Stack, free_port
 
@@ -232,8 +232,7 @@ async def drive_load(
 
 
 async def _pause(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
+    await wait_event(stop, seconds)
 
 
 # --- the command -----------------------------------------------------------------------------------

@@ -10,6 +10,24 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 
+def raise_if_cancelled() -> None:
+    """Raise the current task's cancellation if a library swallowed it. On Python 3.11,
+    ``asyncio.wait_for`` returns the result instead when the cancellation meets the end of what it waits
+    for, and redis-py writes every command through it: a loop cancelled during a Redis call would go on."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def wait_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``event``; whether it is set. Unlike ``asyncio.wait_for`` on Python 3.11,
+    a cancellation that arrives as the event is set is never lost."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    return event.is_set()
+
+
 async def ticker(interval: float, wake: asyncio.Event | None = None) -> AsyncIterator[int]:
     """Drift-free ticks: tick n is due at start + n x interval; missed ticks are skipped, not bunched.
     Setting ``wake`` brings the next tick forward (it is cleared then); the schedule stays as it was."""
@@ -22,9 +40,7 @@ async def ticker(interval: float, wake: asyncio.Event | None = None) -> AsyncIte
         if wake is None:
             await asyncio.sleep(delay)
             continue
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), delay)
-        if wake.is_set():
+        if await wait_event(wake, delay):
             wake.clear()
             n -= 1  # the due tick is still due
 
@@ -49,3 +65,4 @@ async def every(
         except Exception as exc:
             log.warning("%s: iteration failed: %s: %s", name, type(exc).__name__, exc,
                         exc_info=log.isEnabledFor(logging.DEBUG))
+        raise_if_cancelled()

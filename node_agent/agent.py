@@ -171,10 +171,11 @@ class Agent:
             store = ElasticStore(self.redis, Keys(settings.key_prefix))
             standby = Standby(self.runtime, store, self._start_llama_server, self._stop_llama_server)
             self.heartbeat.before_beat = standby.follow
-        self.tasks.append(asyncio.create_task(self.heartbeat.run()))
+        self.tasks.append(asyncio.create_task(self.heartbeat.run(), name="heartbeat"))
         if self.connection.sentinel is not None:  # a failover, logged when the sentinels name a new primary
             watch = functools.partial(self.connection.check_primary, log)
-            self.tasks.append(asyncio.create_task(every(1.0, watch, "redis primary", log, first_now=True)))
+            self.tasks.append(asyncio.create_task(every(1.0, watch, "redis primary", log, first_now=True),
+                                                     name="redis primary"))
         config = server_config(
             create_app(self.runtime),
             # longer than the routers keep an idle connection (30 s, router/forward.py), so a router never
@@ -215,7 +216,8 @@ class Agent:
         )
         self.runtime.upstream_url = self.supervisor.url
         self.runtime.details["llama_server"] = self.supervisor.describe
-        self._llama_task = asyncio.create_task(self.supervisor.run(self.runtime.client()))
+        run = self.supervisor.run(self.runtime.client())
+        self._llama_task = asyncio.create_task(run, name="llama-server")
         self.tasks.append(self._llama_task)
 
     async def _stop_llama_server(self) -> None:
@@ -289,7 +291,10 @@ class Agent:
             # then the heartbeat: a beat written after remove_node would bring the key back
             for task in self.tasks:
                 task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            if self.tasks:
+                _, running = await asyncio.wait(self.tasks, timeout=5)
+                for task in running:  # a bug: shutdown goes on, and says which loop would not end
+                    log.error("task %s did not end within 5 s of its cancellation", task.get_name())
             if self.heartbeat is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.heartbeat.remove(), 3)

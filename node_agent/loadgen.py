@@ -13,7 +13,6 @@ slots (no queueing inside it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import secrets
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from macpool.loops import wait_event
 
 from .heartbeat import decoded_so_far, parse_metrics
 from .memory import MacProbe, ProbeError
@@ -231,9 +232,7 @@ class Level:
         state: str | None = None
         try:
             while not self._failing():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(warmed.wait(), 0.05)
-                if warmed.is_set():
+                if await wait_event(warmed, 0.05):
                     break
             self.measuring = True
             counted_from = await self.clock.tokens()

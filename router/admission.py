@@ -11,7 +11,6 @@ answer router/full_memo.py, Retry-After router/retry_after.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import statistics
@@ -27,6 +26,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from macpool.contract import NodeDoc, Priority, slots_needed
+from macpool.loops import wait_event
 from macpool.store import (
     ANONYMOUS,
     Reservation,
@@ -195,8 +195,7 @@ class Admission:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self.reject("queue_timeout", "no slot freed up within the queue timeout")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter.woken.wait(), min(remaining, SAFETY_RECHECK_S))
+                await wait_event(waiter.woken, min(remaining, SAFETY_RECHECK_S))
                 waiter.woken.clear()
                 docs = candidates()
                 waiter.nodes = {doc.node_id for doc in docs}

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from redis.asyncio import RedisCluster
 
 from macpool.contract import NODE_STATES, NodeDoc, now_ms
-from macpool.loops import every
+from macpool.loops import every, raise_if_cancelled
 from macpool.store import PoolSnapshot, Store
 from macpool.store.events import Autoscaled, Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
 from router.metrics import RouterMetrics
@@ -166,6 +166,7 @@ class PoolView:
                             await self.refresh()
                         elif message["type"] == "message":
                             self._on_event(message["data"])
+                        raise_if_cancelled()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

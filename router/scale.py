@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from macpool.loops import wait_event
 from router.settings import Settings
 
 log = logging.getLogger("macpool.router.scale")
@@ -314,8 +315,7 @@ class ScaleWatch:
             delay = next_at - time.monotonic()
             if delay < 0:
                 next_at, delay = time.monotonic(), 0.0
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+            await wait_event(stop, delay)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[ScaleWatch]:

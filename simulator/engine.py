@@ -10,13 +10,13 @@ advances more slowly (every reported figure is in simulated time).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from macpool.loops import wait_event
 from simulator import tokens
 from simulator.machine import STATE_ORDER, Machine, MemoryState
 
@@ -405,8 +405,7 @@ class Runner:
     async def _wait_for_readers(self) -> None:
         while self._behind():
             self._sent.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sent.wait(), self.STALL_S)
+            await wait_event(self._sent, self.STALL_S)
 
     async def run(self) -> None:
         engine = self.engine

@@ -206,13 +206,20 @@ class LocalStack:
             served.stop()
         tasks = [served.task for served in self.served]
         _, pending = await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S) if tasks else (set(), set())
+        stuck = {served.name: _awaiting(served.task) for served in self.served if served.task in pending}
+        if pending:
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t not in tasks]
+            for served in self.served:
+                if served.task in pending:
+                    stuck[served.name] += "".join(f"\n task {t.get_name()}:\n{_awaiting(t)}" for t in others)
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for task in rest:  # what a stopped server left behind (a handler still streaming), and the stuck
             task.cancel()
         await asyncio.gather(*rest, return_exceptions=True)
         for served in self.served:
             if served.task in pending:
-                raise AssertionError(f"{served.name} did not stop within {STOP_TIMEOUT_S}s")
+                raise AssertionError(f"{served.name} did not stop within {STOP_TIMEOUT_S}s; it was waiting "
+                                     f"in:\n{stuck[served.name]}")
             if served.task.cancelled():
                 continue
             error = served.task.exception()
@@ -224,6 +231,19 @@ class LocalStack:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a task waits: each coroutine of its await chain, innermost last (what a stuck stop reports)."""
+    lines, awaited = [], task.get_coro()
+    while awaited is not None and hasattr(awaited, "cr_frame"):
+        frame = awaited.cr_frame
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        awaited = awaited.cr_await
+    if awaited is not None:
+        lines.append(f"  awaiting {awaited!r}")
+    return "\n".join(lines)
 
 
 def _answers(client: httpx.Client, url: str) -> bool:

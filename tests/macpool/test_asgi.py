@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -14,7 +15,14 @@ from starlette.routing import Mount, Route
 from starlette.testclient import TestClient
 from starlette.types import Message
 
-from macpool.asgi import BodyTooLarge, ShutdownAnswering, TrailingSlash, UpgradeWithBody, read_body
+from macpool.asgi import (
+    BodyTooLarge,
+    Guard,
+    ShutdownAnswering,
+    TrailingSlash,
+    UpgradeWithBody,
+    read_body,
+)
 
 
 async def echo(request: Request) -> Response:
@@ -147,3 +155,39 @@ def test_a_cancellation_that_is_not_the_servers_goes_on() -> None:
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(endpoint(scope, receive, send))
+
+
+def test_a_guard_whose_cancellation_was_swallowed_cancels_the_next_step() -> None:
+    # a library swallowed the guard's cancellation (asyncio.wait_for on Python 3.11): the step returns its
+    # result, and the next step (the relay) is cancelled at once and cleans up its own way
+    async def main() -> tuple[str | None, str | None, list[str]]:
+        disconnected = asyncio.Event()
+        cleaned: list[str] = []
+
+        async def receive() -> Message:
+            await disconnected.wait()
+            return {"type": "http.disconnect"}
+
+        async def admit() -> str:
+            with contextlib.suppress(asyncio.CancelledError):  # swallowed
+                await asyncio.sleep(60)
+            return "lease"
+
+        async def relay() -> str:
+            try:
+                await asyncio.sleep(60)
+                return "relayed"
+            finally:
+                cleaned.append("upstream closed")
+
+        guard = Guard(receive)
+        asyncio.get_running_loop().call_later(0.01, disconnected.set)
+        first = await guard.run(admit())
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0  # taken back
+        async with asyncio.timeout(5):
+            second = await guard.run(relay())
+        return first, second, cleaned
+
+    first, second, cleaned = asyncio.run(main())
+    assert (first, second, cleaned) == ("lease", None, ["upstream closed"])

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 import time
 
 import pytest
+import redis.asyncio as redis
 
-from macpool.loops import every
+from macpool.loops import every, wait_event
 
 log = logging.getLogger("tests.loops")
 
@@ -60,3 +63,71 @@ def test_wake_runs_the_next_tick_at_once() -> None:
         return second - woken
 
     assert asyncio.run(main()) < 5
+
+
+def test_a_loop_cancelled_as_it_is_woken_ends() -> None:
+    # the agent's shutdown wakes its heartbeat (a last beat) and cancels it in the same turn of the loop
+    async def main() -> None:
+        async def tick() -> None:
+            pass
+
+        wake = asyncio.Event()
+        loop = asyncio.create_task(every(60.0, tick, "test loop", log, wake=wake))
+        await asyncio.sleep(0.01)  # waiting for its first tick, or for wake
+        wake.set()
+        loop.cancel()
+        await asyncio.wait_for(asyncio.shield(_stop(loop)), 5)
+
+    asyncio.run(main())
+
+
+def test_wait_event_says_whether_the_event_came() -> None:
+    async def main() -> tuple[bool, bool]:
+        event = asyncio.Event()
+        timed_out = await wait_event(event, 0.01)
+        asyncio.get_running_loop().call_later(0.01, event.set)
+        return timed_out, await wait_event(event, 5)
+
+    assert asyncio.run(main()) == (False, True)
+
+
+def test_a_loop_ends_when_its_tick_swallowed_the_cancellation() -> None:
+    # as asyncio.wait_for does on Python 3.11 when the cancellation meets the end of what it waits for
+    async def main() -> None:
+        started = asyncio.Event()
+
+        async def tick() -> None:
+            if started.is_set():
+                return
+            started.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(60)
+
+        loop = asyncio.create_task(every(0.01, tick, "test loop", log, first_now=True))
+        await started.wait()
+        loop.cancel()  # once: a second cancellation would end the loop anyway
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(loop), 5)
+
+    asyncio.run(main())
+
+
+def test_a_loop_of_redis_calls_ends_whenever_it_is_cancelled(redis_url: str) -> None:
+    # redis-py writes each command through asyncio.wait_for: some of these cancellations arrive as a
+    # write completes, and only the loop's own check delivers them
+    async def main() -> int:
+        client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+        ended = 0
+        try:
+            for _ in range(300):
+                loop = asyncio.create_task(every(0.0001, lambda: client.set("loops:k", 1), "test", log,
+                                                 first_now=True))
+                await asyncio.sleep(random.random() * 0.002)
+                loop.cancel()
+                await asyncio.wait_for(asyncio.shield(_stop(loop)), 5)
+                ended += 1
+        finally:
+            await client.aclose()
+        return ended
+
+    assert asyncio.run(main()) == 300
