@@ -180,8 +180,7 @@ class Guard:
         except BaseException:
             self.finish()
             raise
-        if self.reason is not None:
-            self.claim()
+        self.claim()  # (False, and nothing done, unless the guard cancelled)
         return result
 
     def finish(self) -> None:

@@ -36,7 +36,7 @@ from simulator.app import create_app as sim_app
 from simulator.cli import parse_settings as sim_settings
 
 T = TypeVar("T")
-STOP_TIMEOUT_S = 20.0  # an agent's shutdown alone is bounded at about 8 s of Redis and server waits
+STOP_TIMEOUT_S = 20.0  # an agent's shutdown alone is bounded at about 13 s of Redis, server and loop waits
 _env_lock = threading.Lock()
 
 
@@ -206,20 +206,16 @@ class LocalStack:
             served.stop()
         tasks = [served.task for served in self.served]
         _, pending = await asyncio.wait(tasks, timeout=STOP_TIMEOUT_S) if tasks else (set(), set())
-        stuck = {served.name: _awaiting(served.task) for served in self.served if served.task in pending}
-        if pending:
-            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t not in tasks]
-            for served in self.served:
-                if served.task in pending:
-                    stuck[served.name] += "".join(f"\n task {t.get_name()}:\n{_awaiting(t)}" for t in others)
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        # where each task still running waits, taken before they are cancelled: what a stuck stop reports
+        waiting = "\n".join(f" task {t.get_name()}:\n{_awaiting(t)}" for t in rest) if pending else ""
         for task in rest:  # what a stopped server left behind (a handler still streaming), and the stuck
             task.cancel()
         await asyncio.gather(*rest, return_exceptions=True)
         for served in self.served:
             if served.task in pending:
-                raise AssertionError(f"{served.name} did not stop within {STOP_TIMEOUT_S}s; it was waiting "
-                                     f"in:\n{stuck[served.name]}")
+                raise AssertionError(f"{served.name} did not stop within {STOP_TIMEOUT_S}s; the tasks left "
+                                     f"were waiting in:\n{waiting}")
             if served.task.cancelled():
                 continue
             error = served.task.exception()
