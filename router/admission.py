@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from macpool.contract import NodeDoc, Priority, slots_needed
-from macpool.loops import wait_event
+from macpool.loops import raise_if_cancelled, wait_event
 from macpool.store import (
     ANONYMOUS,
     Reservation,
@@ -192,6 +192,7 @@ class Admission:
         admitted = False
         try:
             while True:
+                raise_if_cancelled()  # a client gone while a Redis call ran: leave the queue now
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise self.reject("queue_timeout", "no slot freed up within the queue timeout")
