@@ -41,7 +41,8 @@ class AgentSettings(BaseSettings):
 
     # the pool
     redis_url: RedisUrl = "redis://127.0.0.1:6379/0"
-    node_id: str = Field(default_factory=socket.gethostname)
+    # (no whitespace: the pool's events and scripts list node ids separated by spaces and newlines)
+    node_id: str = Field(default_factory=socket.gethostname, pattern=r"^\S+$")
     advertise_url: str | None = None
     key_prefix: str = DEFAULT_PREFIX
     heartbeat_interval: float = Field(default=1.0, gt=0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
@@ -154,6 +154,10 @@ class Store:
         self._heartbeat = redis.register_script(source("heartbeat"))
         self._deregister = redis.register_script(source("deregister"))
         self._beat = redis.register_script(source("beat"))
+        self._forget = redis.register_script(source("forget"))
+        # the nodes the last read_pool found: a reservation or a queue exit declares them all, so that a
+        # slot handed to a waiter on any of them can be taken, turned down or given back (lib.lua)
+        self.known_nodes: frozenset[str] = frozenset()
 
     @property
     def address(self) -> str:
@@ -166,18 +170,20 @@ class Store:
         kwargs = pool.connection_kwargs
         return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
-    def _common(self, now: int | None) -> list[str | int]:
-        """The admission scripts' first ARGV (lib.lua): the prefix, the events channel, the time."""
-        return [self.keys.prefix, self.keys.events, now_ms() if now is None else now]
+    def _admission(self, nodes: Iterable[str], now: int | None) -> tuple[list[str], list[str | int]]:
+        """An admission script's KEYS, declaring ``nodes``, and its first ARGV (lib.lua): the nodes
+        declared, the events channel, the time."""
+        keys, declared = self.keys.admission(nodes)
+        return keys, [declared, self.keys.events, now_ms() if now is None else now]
 
     # --- admission ---------------------------------------------------------------------------------
 
     async def reserve(self, request: ReserveRequest, now: int | None = None) -> Reservation:
         """Reserve slots on the node holding the prompt's prefix or the candidate that would answer soonest
         (least utilised, unmeasured), or queue the request, or say why not - in one atomic call."""
-        nodes = [c.node_id for c in request.candidates]
-        keys = self.keys.admission(nodes, [request.tenant], [request.router])
-        raw = await self._reserve(keys=keys, args=[*self._common(now), _encode(request)])
+        nodes = [*(c.node_id for c in request.candidates), *request.excluded, *self.known_nodes]
+        keys, common = self._admission(nodes, now)
+        raw = await self._reserve(keys=keys, args=[*common, _encode(request)])
         status, affinity = _text(raw[0]), _text(raw[3])
         if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
             raise ValueError(f"reserve.lua answered {raw!r}")
@@ -187,18 +193,18 @@ class Store:
 
     async def release(self, release: Release, now: int | None = None) -> int:
         """Give the slots back, handing them to waiting requests; the slots released."""
+        keys, common = self._admission([release.node_id], now)
         args: list[str | int] = [
-            *self._common(now), release.request_id, release.node_id, release.tenant, release.slots,
-            "1" if release.failed else "0", release.queue_lease_ms, release.router,
+            *common, release.request_id, release.node_id, release.tenant, release.slots,
+            "1" if release.failed else "0", release.queue_lease_ms,
         ]
-        keys = self.keys.admission([release.node_id], [release.tenant], [release.router])
         return int(await self._release(keys=keys, args=args))
 
     async def offer(self, node_id: str, queue_lease_ms: int = QUEUE_LEASE_MS, now: int | None = None) -> int:
         """Hand ``node_id``'s free slots to waiting requests, as a release does, for slots no release
         announces (the node just became ready, or its capacity grew); the slots handed over."""
-        args: list[str | int] = [*self._common(now), node_id, queue_lease_ms]
-        return int(await self._offer(keys=self.keys.admission([node_id]), args=args))
+        keys, common = self._admission([node_id], now)
+        return int(await self._offer(keys=keys, args=[*common, node_id, queue_lease_ms]))
 
     async def leave_queue(
         self, request_id: str, nodes: Sequence[str] = (), queue_lease_ms: int = QUEUE_LEASE_MS,
@@ -207,18 +213,23 @@ class Store:
         """Take a waiting request out of the queue; ``nodes``: those it could run on if it runs several
         generations (their free slots were held back for it). True when slots had been handed to it (they go
         to the next in line)."""
-        args: list[str | int] = [*self._common(now), request_id, queue_lease_ms, *nodes]
-        return int(await self._leave(keys=self.keys.admission(nodes), args=args)) == 2
+        # the node that handed it slots, if one did: declared, so that they can be given back (were it
+        # to hand it others before the script runs, those lapse with the queue lease)
+        record = await self.redis.hget(self.keys.queue_meta, request_id)
+        mark = _QueueRecord.parse(_text(record)).mark if record else ""
+        granted = [mark[2:]] if mark.startswith("g:") else []
+        keys, common = self._admission([*nodes, *granted, *self.known_nodes], now)
+        args: list[str | int] = [*common, request_id, queue_lease_ms, *nodes]
+        return int(await self._leave(keys=keys, args=args)) == 2
 
     async def renew(self, leases: Sequence[Lease], lease_ms: int, now: int | None = None) -> list[bool]:
         """Extend each lease to ``now + lease_ms``, in one round trip. For each, True when it was gone
         (Redis restarted empty, or it had expired) and has been counted again."""
         expiry = (now_ms() if now is None else now) + lease_ms
         calls: list[tuple[list[str], list[str | int]]] = [
-            ([self.keys.reservations(lease.node_id), self.keys.tenant(lease.tenant),
-              *([self.keys.held(lease.router)] if lease.router else [])],
-             [expiry, lease_ms, f"{lease.node_id}\t{lease.tenant}\t{lease.slots}",
-              *members(lease.request_id, lease.slots)]) for lease in leases
+            (self._lease_keys(lease), [expiry, lease_ms, lease.tenant, _held_record(lease),
+                                       *members(lease.request_id, lease.slots)])
+            for lease in leases
         ]
         if isinstance(self.redis, RedisCluster):  # (its pipelines do not reload a script Redis forgot)
             results = await asyncio.gather(*(self._renew(keys=k, args=a) for k, a in calls))
@@ -241,12 +252,13 @@ class Store:
 
     async def forget(self, lease: Lease) -> None:
         """Remove a lease without handing its slots on: a renewal that crossed its release brought it back."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(self.keys.reservations(lease.node_id), *members(lease.request_id, lease.slots))
-            pipe.zrem(self.keys.tenant(lease.tenant), lease.request_id)
-            if lease.router:
-                pipe.hdel(self.keys.held(lease.router), lease.request_id)
-            await pipe.execute()
+        await self._forget(keys=self._lease_keys(lease),
+                           args=[lease.tenant, *members(lease.request_id, lease.slots)])
+
+    def _lease_keys(self, lease: Lease) -> list[str]:
+        """renew.lua's and forget.lua's KEYS."""
+        keys = self.keys
+        return [keys.reservations(lease.node_id), keys.in_flight, keys.in_flight_count, keys.held]
 
     # --- router liveness ---------------------------------------------------------------------------
 
@@ -255,15 +267,11 @@ class Store:
         """``router`` counts as alive for ``alive_ms`` more; what routers that stopped beating held is given
         back (handed to waiters). The slots given back."""
         now = now_ms() if now is None else now
-        args: list[str | int] = [*self._common(now), router, now + alive_ms, queue_lease_ms]
-        return int(await self._beat(keys=self.keys.admission(routers=[router]), args=args))
-
-    async def leave_routers(self, router: str) -> None:
-        """A clean shutdown, its leases given back: ``router`` no longer beats."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(self.keys.routers, router)
-            pipe.delete(self.keys.held(router))
-            await pipe.execute()
+        index = await self.redis.zrange(self.keys.nodes, 0, -1)
+        nodes = [_text(cast(str | bytes, node_id)) for node_id in index]
+        keys, common = self._admission(nodes, now)  # (reclaim may give back slots on any node)
+        args: list[str | int] = [*common, router, now + alive_ms, queue_lease_ms]
+        return int(await self._beat(keys=keys, args=args))
 
     # --- the node agent ----------------------------------------------------------------------------
 
@@ -299,11 +307,12 @@ class Store:
             pipe.smembers(keys.drained)
             pipe.zrangebyscore(keys.queue, now, "+inf")
             pipe.hgetall(keys.queue_meta)
-            for tenant in tenants:
-                pipe.zcount(keys.tenant(tenant), now, "+inf")
+            if tenants:
+                pipe.hmget(keys.in_flight_count, list(tenants))
+                pipe.zrangebyscore(keys.in_flight, "-inf", f"({now}")  # expired, not yet pruned
             ids_raw, drained_raw, waiting_raw, meta_raw, *loads = await pipe.execute()
         snapshot = PoolSnapshot(drained={_text(d) for d in drained_raw},
-                                in_flight=dict(zip(tenants, (int(n) for n in loads), strict=True)))
+                                in_flight=_in_flight(tenants, *loads) if tenants else {})
         records = {_text(k): _QueueRecord.parse(_text(v)) for k, v in meta_raw.items()}
         for rid in waiting_raw:
             record = records.get(_text(rid))
@@ -314,6 +323,7 @@ class Store:
             snapshot.queue_depth += 1
             snapshot.queued_slots += record.generations
         ids = [_text(i) for i in ids_raw]
+        self.known_nodes = frozenset(ids)
         if ids:
             await self._read_nodes(ids, now, snapshot)
         return snapshot
@@ -348,6 +358,24 @@ class _QueueRecord:
     def parse(cls, text: str) -> _QueueRecord:
         f = text.split("\t")
         return cls(f[0], f[1], f[4], int(f[9]))
+
+
+def _held_record(lease: Lease) -> str:
+    """What K.held keeps of a lease its router holds (lib.lua's ``track``); "" when no router is named."""
+    if not lease.router:
+        return ""
+    return f"{lease.router}\t{lease.node_id}\t{lease.tenant}\t{lease.slots}"
+
+
+def _in_flight(tenants: Sequence[str], counts: list[Any], expired: list[Any]) -> dict[str, int]:
+    """Each tenant's requests in flight: its count in ``{p}inflight:count`` less its members that expired
+    and that no script has pruned yet."""
+    out = {tenant: int(n or 0) for tenant, n in zip(tenants, counts, strict=True)}
+    for member in expired:
+        tenant = _text(member).split("\t", 1)[0]
+        if tenant in out:
+            out[tenant] = max(out[tenant] - 1, 0)
+    return out
 
 
 def _encode(request: ReserveRequest) -> str:

@@ -14,10 +14,12 @@ cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or b
 ``{p}drained``        SET of node ids an operator drained.
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
 ``{p}qmeta``          HASH waiter id -> its record (the format is in lib.lua).
-``{p}tenant:{name}``  ZSET request id -> lease expiry: one tenant's (API key's) requests in flight.
+``{p}inflight``       ZSET "tenant \t request id" -> lease expiry: every request in flight, by tenant.
+``{p}inflight:count`` HASH tenant -> how many members ``{p}inflight`` holds for it (the scripts prune
+                      expired members and keep the count with them).
 ``{p}routers``        ZSET router id -> until when it counts as alive (ms), which each router beats.
-``{p}held:{router}``  HASH request id -> "node \t tenant \t slots": the reservations one router holds, given
-                      back by any router's next reservation or beat once that router stops beating.
+``{p}held``           HASH request id -> "router \t node \t tenant \t slots": the reservations each router
+                      holds, given back by any router's next beat once that router stops beating.
 ``{p}affinity``       HASH prompt-prefix hash -> the node that last served it;
 ``{p}affinity:lru``   ZSET prefix hash -> last use (ms), which bounds it to the newest N entries.
 ``{p}desired:{id}``   STRING ``active`` or ``standby``: what the autoscaler wants of a standby-capable agent,
@@ -50,6 +52,9 @@ class Keys:
         self.affinity_lru = f"{prefix}affinity:lru"
         self.events = f"{prefix}events"
         self.routers = f"{prefix}routers"
+        self.in_flight = f"{prefix}inflight"
+        self.in_flight_count = f"{prefix}inflight:count"
+        self.held = f"{prefix}held"
         self.autoscale_leader = f"{prefix}autoscale:leader"
         self.autoscale_known = f"{prefix}autoscale:known"
 
@@ -59,27 +64,18 @@ class Keys:
     def reservations(self, node_id: str) -> str:
         return f"{self.prefix}resv:{node_id}"
 
-    def tenant(self, name: str) -> str:
-        return f"{self.prefix}tenant:{name}"
-
-    def held(self, router: str) -> str:
-        return f"{self.prefix}held:{router}"
     def desired(self, node_id: str) -> str:
         return f"{self.prefix}desired:{node_id}"
 
     def pool_wide(self) -> list[str]:
         """The pool-wide KEYS of the admission scripts, in the order lib.lua reads them."""
-        return [self.queue, self.queue_meta, self.drained, self.affinity, self.affinity_lru, self.routers]
+        return [self.queue, self.queue_meta, self.drained, self.affinity, self.affinity_lru, self.routers,
+                self.in_flight, self.in_flight_count, self.held]
 
-    def admission(
-        self, nodes: Iterable[str] = (), tenants: Iterable[str] = (), routers: Iterable[str] = ()
-    ) -> list[str]:
-        """The KEYS of an admission script: the pool-wide ones, then each of ``nodes``' heartbeat and
-        reservations, each of ``tenants``' requests in flight and what each of ``routers`` holds - every
-        key the call is known to touch before it runs. lib.lua builds the same names from the prefix; keys
-        it finds only as it runs (the tenant of a queued request a freed slot is handed to, what a router
-        that stopped beating held) carry the same hash tag, so they live in the declared keys' slot."""
-        per_node = [key for node_id in dict.fromkeys(nodes)
-                    for key in (self.node(node_id), self.reservations(node_id))]
-        return [*self.pool_wide(), *per_node, *(self.tenant(t) for t in dict.fromkeys(tenants)),
-                *(self.held(r) for r in dict.fromkeys(routers) if r)]
+    def admission(self, nodes: Iterable[str] = ()) -> tuple[list[str], str]:
+        """The KEYS and the first ARGV of an admission script: the pool-wide keys, then each of ``nodes``'
+        heartbeat and reservations; ARGV[1] names those nodes, one per line. A script touches no other key:
+        a node not declared is one it cannot see (lib.lua)."""
+        declared = list(dict.fromkeys(nodes))
+        per_node = [key for node_id in declared for key in (self.node(node_id), self.reservations(node_id))]
+        return [*self.pool_wide(), *per_node], "\n".join(declared)

@@ -1,19 +1,24 @@
--- Shared by the admission scripts (reserve.lua, release.lua, leave.lua), which are this file followed by
--- their own text (macpool/store/scripts.py).
+-- Shared by the admission scripts (reserve.lua, release.lua, leave.lua, beat.lua, offer.lua), which are
+-- this file followed by their own text (macpool/store/scripts.py).
 --
--- Key names are macpool/store/keys.py's. KEYS (Keys.admission) are the pool-wide keys, in Keys.pool_wide()
--- order, then the heartbeat and reservations of each node the call names and its tenant's requests in flight.
--- A node's and a tenant's keys are built here from the prefix, as keys.py builds them: a script finds some
--- of them only as it runs (the tenant of each queued request a freed slot is handed to); the prefix's hash
--- tag keeps those in the declared keys' slot. ARGV starts with the prefix, the events channel and the time
--- (ms); each script's own arguments follow.
+-- Every key a script touches is in KEYS (Keys.admission): the pool-wide keys, in Keys.pool_wide() order,
+-- then the heartbeat and reservations of each node the call declares, whose ids ARGV[1] lists one per line.
+-- No key name is built here: a node not declared is one this call cannot see (node_key and resv_key answer
+-- nil), and each use of them says what that means. ARGV[2] is the events channel, ARGV[3] the time (ms);
+-- each script's own arguments follow.
 local K = {queue = KEYS[1], qmeta = KEYS[2], drained = KEYS[3], affinity = KEYS[4], lru = KEYS[5],
-           routers = KEYS[6], events = ARGV[2]}
-local PREFIX, NOW = ARGV[1], tonumber(ARGV[3])
-local function node_key(id) return PREFIX .. 'node:' .. id end
-local function resv_key(id) return PREFIX .. 'resv:' .. id end
-local function tenant_key(name) return PREFIX .. 'tenant:' .. name end
-local function held_key(router) return PREFIX .. 'held:' .. router end
+           routers = KEYS[6], inflight = KEYS[7], counts = KEYS[8], held = KEYS[9], events = ARGV[2]}
+local NOW = tonumber(ARGV[3])
+local NODE, RESV = {}, {}  -- declared node id -> its heartbeat key, its reservations key
+do
+  local i = 10
+  for id in string.gmatch(ARGV[1], '[^\n]+') do
+    NODE[id], RESV[id] = KEYS[i], KEYS[i + 1]
+    i = i + 2
+  end
+end
+local function node_key(id) return NODE[id] end
+local function resv_key(id) return RESV[id] end
 
 -- Queue entries: K.queue holds each waiter's lease expiry (short, renewed on each attempt), K.qmeta its
 -- record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes \t declined \t
@@ -78,12 +83,46 @@ local function declined(e, node)
   return string.find('\n' .. e.declined .. '\n', '\n' .. node .. '\n', 1, true) ~= nil
 end
 
+-- Requests in flight, by tenant, across every router: K.inflight holds "tenant \t rid" -> lease expiry, and
+-- K.counts tenant -> how many members K.inflight holds for it. The expired members are pruned (and the
+-- counts with them) before a count is read.
+local function count(tenant, delta)
+  if redis.call('HINCRBY', K.counts, tenant, delta) <= 0 then redis.call('HDEL', K.counts, tenant) end
+end
+
+local function in_flight(tenant, rid, expiry, existing)
+  local member = tenant .. '\t' .. rid
+  if existing then  -- (only renew a lease still there)
+    redis.call('ZADD', K.inflight, 'XX', expiry, member)
+  elseif redis.call('ZADD', K.inflight, expiry, member) == 1 then
+    count(tenant, 1)
+  end
+end
+
+local function not_in_flight(tenant, rid)
+  if redis.call('ZREM', K.inflight, tenant .. '\t' .. rid) == 1 then count(tenant, -1) end
+end
+
+local pruned = false
+local function prune(now)
+  if pruned then return end
+  pruned = true
+  -- at most 1,000 per call (Lua's unpack has a limit): counts read high meanwhile, never low
+  local gone = redis.call('ZRANGEBYSCORE', K.inflight, '-inf', '(' .. now, 'LIMIT', 0, 1000)
+  if #gone == 0 then return end
+  redis.call('ZREM', K.inflight, unpack(gone))
+  for _, member in ipairs(gone) do
+    count(string.sub(member, 1, string.find(member, '\t', 1, true) - 1), -1)
+  end
+end
+
 local loads = {}
 -- requests a tenant has in flight (reserved), across every router
 local function tenant_load(tenant, now)
   local n = loads[tenant]
   if n == nil then
-    n = redis.call('ZCOUNT', tenant_key(tenant), now, '+inf')
+    prune(now)
+    n = tonumber(redis.call('HGET', K.counts, tenant)) or 0
     loads[tenant] = n
   end
   return n
@@ -128,15 +167,14 @@ local function held(rkey, rid)
   return k
 end
 
--- reserve k slots on `node` for `rid` until now + lease. A hand-over's lease is a short one, what is left of
--- the waiter's place in the queue (`short`): it must not cut short the TTL of the keys the node's and the
--- tenant's other reservations live in
+-- reserve k slots on `node` (declared) for `rid` until now + lease. A hand-over's lease is a short one, what
+-- is left of the waiter's place in the queue (`short`): it must not cut short the TTL of the key the node's
+-- other reservations live in
 local function reserve(node, rid, tenant, now, lease, k, short)
-  local rkey, tkey, ttl = resv_key(node), tenant_key(tenant), lease * 2
+  local rkey, ttl = resv_key(node), lease * 2
   redis.call('ZADD', rkey, unpack(scored(rid, k, now + lease)))
   if not short or redis.call('PTTL', rkey) < ttl then redis.call('PEXPIRE', rkey, ttl) end
-  redis.call('ZADD', tkey, now + lease, rid)
-  if not short or redis.call('PTTL', tkey) < ttl then redis.call('PEXPIRE', tkey, ttl) end
+  in_flight(tenant, rid, now + lease)
   loads[tenant] = nil
 end
 
@@ -193,6 +231,7 @@ end
 -- frees could starve it (as they can in llama-server's own deferred queue, which lets them pass).
 local function hand_over(node, now, lease)
   if redis.call('EXISTS', K.queue) == 0 then return 0 end  -- nobody waits: the common case
+  if not node_key(node) then return 0 end  -- (not declared: its slots wait for the waiters' next look)
   local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
   local cap, slots = tonumber(f[1]), tonumber(f[4])
   if not cap or cap <= 0 or f[2] ~= 'ready' or redis.call('SISMEMBER', K.drained, node) == 1 then
@@ -239,7 +278,8 @@ end
 local function pass_on(nodes, now, lease)
   local waiting = nil  -- every waiter not yet handed a slot, in queue order
   for _, node in ipairs(nodes) do
-    local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
+    local f = {}
+    if node_key(node) then f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots') end
     local cap, slots = tonumber(f[1]), tonumber(f[4])
     local free = 0
     if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, node) == 0 then
@@ -270,14 +310,16 @@ local function pass_on(nodes, now, lease)
 end
 
 -- give back the k slots `rid` holds on `node` (nil or 0: however many it holds) and hand them to waiting
--- requests, unless `keep`; the slots nobody was handed are announced, one `freed` message each
+-- requests, unless `keep`; the slots nobody was handed are announced, one `freed` message each. On a node
+-- not declared, only the request's count in flight is given back: its slots lapse with their lease.
 local function release(node, rid, tenant, now, lease, keep, k)
+  not_in_flight(tenant, rid)
+  loads[tenant] = nil
   local rkey = resv_key(node)
+  if not rkey then return 0 end
   if not k or k <= 0 then k = held(rkey, rid) end
   local removed = 0
   if k > 0 then removed = redis.call('ZREM', rkey, unpack(members(rid, k))) end
-  redis.call('ZREM', tenant_key(tenant), rid)
-  loads[tenant] = nil
   if removed > 0 then
     local handed = keep and 0 or hand_over(node, now, lease)
     for _ = 1, removed - handed do
@@ -288,36 +330,38 @@ local function release(node, rid, tenant, now, lease, keep, k)
 end
 
 -- Router liveness. K.routers holds each router's id -> until when it counts as alive (ms): it beats from a
--- thread of its own, so a router that is only slow keeps beating. held_key(router) holds the reservations a
--- router holds: request id -> "node \t tenant \t slots". A router that stops beating has them given back
--- (and handed to waiters) by the next reservation or beat of any router: its crash costs capacity for its
+-- thread of its own, so a router that is only slow keeps beating. K.held holds the reservations each router
+-- holds: request id -> "router \t node \t tenant \t slots". A router that stops beating has them given back
+-- (and handed to waiters) by the next beat of any router (beat.lua): its crash costs capacity for its
 -- liveness period, not for the lease.
 
--- `router` (if named) now holds k slots on `node` for `rid`, kept while its reservations could live
-local function track(router, rid, node, tenant, k, lease)
+-- `router` (if named) now holds k slots on `node` for `rid`
+local function track(router, rid, node, tenant, k)
   if not router or router == '' then return end
-  local hkey = held_key(router)
-  redis.call('HSET', hkey, rid, node .. '\t' .. tenant .. '\t' .. k)
-  if redis.call('PTTL', hkey) < lease * 2 then redis.call('PEXPIRE', hkey, lease * 2) end
+  redis.call('HSET', K.held, rid, router .. '\t' .. node .. '\t' .. tenant .. '\t' .. k)
 end
 
-local function untrack(router, rid)
-  if router and router ~= '' then redis.call('HDEL', held_key(router), rid) end
+local function untrack(rid)
+  redis.call('HDEL', K.held, rid)
 end
 
--- give back what the routers that stopped beating held (a few routers per call); the slots given back
+-- give back what the routers that stopped beating held (a few routers per call); the slots given back.
+-- The caller declares every node of the pool: a reservation on a node not declared is on one gone, and
+-- lapses with its lease.
 local function reclaim(now, lease)
   local dead = redis.call('ZRANGEBYSCORE', K.routers, '-inf', '(' .. now, 'LIMIT', 0, 4)
+  if #dead == 0 then return 0 end
+  local is_dead = {}
+  for _, router in ipairs(dead) do is_dead[router] = true end
   local n = 0
-  for _, router in ipairs(dead) do
-    local hkey = held_key(router)
-    local all = redis.call('HGETALL', hkey)
-    for i = 1, #all, 2 do
-      local f = fields(all[i + 1])
-      n = n + release(f[1], all[i], f[2], now, lease, false, tonumber(f[3]))
+  local all = redis.call('HGETALL', K.held)
+  for i = 1, #all, 2 do
+    local f = fields(all[i + 1])
+    if is_dead[f[1]] then
+      n = n + release(f[2], all[i], f[3], now, lease, false, tonumber(f[4]))
+      redis.call('HDEL', K.held, all[i])
     end
-    redis.call('DEL', hkey)
-    redis.call('ZREM', K.routers, router)
   end
+  redis.call('ZREM', K.routers, unpack(dead))
   return n
 end

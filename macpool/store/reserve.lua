@@ -51,8 +51,8 @@ local function take_handed_over(me)
   for _, id in ipairs(nodes) do
     if id == node then wanted = true end
   end
-  local rkey = resv_key(node)
-  local k = wanted and held(rkey, rid) or 0
+  local rkey = resv_key(node)  -- (nil: a node not declared, which this request does not take)
+  local k = wanted and rkey and held(rkey, rid) or 0
   if k > 0 then
     -- the slots were handed over with the short queue lease (in case this waiter's router is dead): now
     -- that the waiter is alive to take them, they get the full lease
@@ -60,9 +60,8 @@ local function take_handed_over(me)
     redis.call('HDEL', K.qmeta, rid)
     redis.call('ZADD', rkey, 'XX', unpack(scored(rid, k, now + lease)))
     redis.call('PEXPIRE', rkey, lease * 2)  -- (the hand-over may have created the key, with a short TTL)
-    redis.call('ZADD', tenant_key(tenant), 'XX', now + lease, rid)
-    redis.call('PEXPIRE', tenant_key(tenant), lease * 2)
-    track(req.router, rid, node, tenant, k, lease)
+    in_flight(tenant, rid, now + lease, true)
+    track(req.router, rid, node, tenant, k)
     remember(node)
     leave(me)
     local outcome = ''
@@ -72,7 +71,8 @@ local function take_handed_over(me)
     return {'reserved', node, redis.call('ZCOUNT', rkey, now, '+inf'), outcome, k}
   end
   if not wanted then
-    -- declined: the slots go on to the next in line (this request, still marked, is not among them)
+    -- declined: the slots go on to the next in line (this request, still marked, is not among them); on a
+    -- node not declared they lapse with the short queue lease
     release(node, rid, me.tenant, now, queue_lease, false)
     me.declined, turned_down = excluded, true
     if not declined(me, node) then
@@ -88,7 +88,7 @@ end
 -- a new arrival of a tenant at its limit of requests in flight and queued: how many it has (else nil)
 local function over_key_limit(entries)
   if req.key_limit <= 0 then return nil end
-  local n = redis.call('ZCOUNT', tenant_key(tenant), now, '+inf')
+  local n = tenant_load(tenant, now)
   for _, e in ipairs(entries) do
     if e.tenant == tenant and e.mark == '' then n = n + 1 end
   end
@@ -170,6 +170,7 @@ end
 -- whether `node`, not one of the candidates, could run queue entry `e` now (the node it waits on, say, where
 -- this request is not sent: its router tried it, or its circuit is open, or it is too small for this request)
 local function runs_elsewhere(e, node)
+  if not node_key(node) then return true end  -- (not declared: as far as this call can tell, it does)
   local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
   local cap = tonumber(f[1])
   return cap ~= nil and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, node) == 0
@@ -322,7 +323,6 @@ local function join_queue(q, pref)
 end
 
 local function main()
-  reclaim(now, queue_lease)  -- (the slots of routers that stopped beating, first)
   local entries = queue_entries(now)
   local me = nil
   if req.dequeue then
@@ -350,7 +350,7 @@ local function main()
   local outcome, pref = apply_affinity(best, open)
   if best and slots_ahead(best, open, q, waiting_on) + best.k <= free then
     reserve(best.id, rid, tenant, now, lease, best.k)
-    track(req.router, rid, best.id, tenant, best.k, lease)
+    track(req.router, rid, best.id, tenant, best.k)
     if me then dequeue(me) end
     remember(best.id)
     return {'reserved', best.id, best.n + best.k, outcome, best.k}

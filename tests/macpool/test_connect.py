@@ -42,10 +42,10 @@ def test_a_cluster_url_reaches_the_pool_keys_in_one_slot() -> None:
         try:
             client = connection.client
             await client.set(keys.node("a"), "1")
-            await client.set(keys.tenant("t"), "2")
+            await client.set(keys.in_flight, "2")
             # one script over two keys of the pool: refused (CROSSSLOT) unless they share a slot
             script = client.register_script("return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}")
-            return list(await script(keys=[keys.node("a"), keys.tenant("t")]))
+            return list(await script(keys=[keys.node("a"), keys.in_flight]))
         finally:
             await connection.aclose()
 

@@ -15,6 +15,9 @@ import redis
 from macpool.contract import now_ms
 from macpool.store import Candidate, Keys, Lease, Release, Reservation, ReserveRequest
 from tests.blocking_store import BlockingStore
+from tests.strict_keys import strict_keys  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.usefixtures("strict_keys")  # every script touches only its KEYS
 
 KEYS = Keys()
 LEASE = 60_000
@@ -38,6 +41,8 @@ class Store:
     def node(self, node_id: str, cap: int, models: str = "m", slots: int = 0) -> None:
         self.r.hset(KEYS.node(node_id), mapping={"capacity": cap, "state": "ready", "models": models,
                                                  "slots": slots})
+        store = self.api.store
+        store.known_nodes = store.known_nodes | {node_id}  # (as its router's next pool read finds it)
 
     def ask(self, rid: str, nodes: list[str], now: int | None = None, **kw: Any) -> Reservation:
         kw.setdefault("queue_size", 8)
@@ -226,7 +231,7 @@ def test_a_waiter_taking_its_slot_gets_the_full_lease(store: Store) -> None:
     assert store.ask("waiter", ["a"], dequeue=True).status == "reserved"
     expiry = store.r.zscore(KEYS.reservations("a"), "waiter")
     assert expiry is not None and expiry > now_ms() + LEASE - 5_000
-    assert store.r.zscore(KEYS.tenant("anonymous"), "waiter") == expiry
+    assert store.r.zscore(KEYS.in_flight, "anonymous\twaiter") == expiry
 
 
 def test_a_waiter_excluding_a_node_is_neither_handed_its_slots_nor_holds_them_back(store: Store) -> None:
@@ -371,7 +376,7 @@ def test_a_request_holds_one_slot_per_generation_and_gives_them_all_back(store: 
     answer = store.ask("three", ["a"], generations=3)
     assert answer == Reservation("reserved", "a", 3, "", 3)
     assert store.held("a") == ["three", "three#2", "three#3"]
-    assert store.r.zcard(KEYS.tenant("anonymous")) == 1  # per-key limits count requests
+    assert store.r.zcard(KEYS.in_flight) == 1  # per-key limits count requests
     # one slot left: a pair does not fit, a single does
     assert store.ask("pair", ["a"], generations=2, enqueue=False).status == "full"
     one = store.ask("one", ["a"], enqueue=False)
@@ -380,7 +385,7 @@ def test_a_request_holds_one_slot_per_generation_and_gives_them_all_back(store: 
     assert store.release("three", "a", slots=3) == 3
     assert store.events() == ["freed a"] * 3  # one per slot: each may wake a waiter
     assert store.held("a") == ["one"]
-    assert store.r.zcard(KEYS.tenant("anonymous")) == 1
+    assert store.r.zcard(KEYS.in_flight) == 1
 
 
 def test_the_slots_a_request_holds_are_bounded_by_the_nodes_llama_server_slots(store: Store) -> None:
@@ -616,8 +621,9 @@ def test_a_waiter_waits_on_its_node_also_for_a_request_that_does_not_go_there(st
 
 
 def test_a_hand_over_does_not_shorten_the_life_of_the_leases_already_held(store: Store) -> None:
-    # the slot is handed over with the short queue lease; the node's other reservations (and the tenant's
-    # other requests) keep their full lease: their keys must outlive the hand-over, renewed or not
+    # the slot is handed over with the short queue lease; the node's other reservations keep their full
+    # lease: their key must outlive the hand-over, renewed or not (the requests in flight live in a key
+    # without a TTL, pruned by their leases)
     store.node("a", 2)
     store.ask("long", ["a"])
     store.ask("done", ["a"])
@@ -628,7 +634,7 @@ def test_a_hand_over_does_not_shorten_the_life_of_the_leases_already_held(store:
     # the keys live on for the full lease (Redis's own clock ends them: no `now` to pass), not the
     # queue lease the slot was handed over with
     assert store.r.pttl(KEYS.reservations("a")) > LEASE
-    assert store.r.pttl(KEYS.tenant("anonymous")) > LEASE
+    assert store.r.pttl(KEYS.in_flight) == -1 and store.r.zcard(KEYS.in_flight) == 2
 
 
 def test_a_waiter_taking_its_slot_keeps_it_for_the_full_lease(store: Store) -> None:
@@ -637,10 +643,11 @@ def test_a_waiter_taking_its_slot_keeps_it_for_the_full_lease(store: Store) -> N
     store.ask("waiter", ["a"])
     store.release("done", "a", queue_lease_ms=100)
     assert placed(store.ask("waiter", ["a"], dequeue=True)) == ("reserved", "a")
-    # its keys live on for the full lease (Redis's own clock ends them), not the queue lease it was
-    # handed the slot with
+    # its key lives on for the full lease (Redis's own clock ends it), not the queue lease it was handed
+    # the slot with; it counts in flight for the full lease too
     assert store.r.pttl(KEYS.reservations("a")) > LEASE
-    assert store.r.pttl(KEYS.tenant("anonymous")) > LEASE
+    expiry = store.r.zscore(KEYS.reservations("a"), "waiter")
+    assert store.r.zscore(KEYS.in_flight, "anonymous\twaiter") == expiry == store.now + LEASE
 
 
 def test_a_waiter_whose_place_lapsed_keeps_no_slot_handed_to_it(store: Store) -> None:

@@ -15,6 +15,9 @@ from macpool.store import Candidate, Keys, Lease, Release, ReserveRequest
 from router.liveness import Liveness
 from router.settings import Settings
 from tests.blocking_store import BlockingStore
+from tests.strict_keys import strict_keys  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.usefixtures("strict_keys")  # every script touches only its KEYS
 
 KEYS = Keys()
 ALIVE = 4_000
@@ -26,6 +29,7 @@ T0 = 1_000_000_000
 def api(redis_url: str) -> Iterator[BlockingStore]:
     r = redis.Redis.from_url(redis_url)
     r.hset(KEYS.node("n"), mapping={"capacity": 2, "state": "ready", "models": "m", "slots": 2})
+    r.zadd(KEYS.nodes, {"n": T0})  # (in the index, which a beat declares)
     r.close()
     api = BlockingStore(redis_url, KEYS)
     yield api
@@ -55,15 +59,20 @@ def test_a_router_that_stops_beating_has_its_slots_given_back(api: BlockingStore
     assert api.run(api.store.beat("live", ALIVE, now=T0 + ALIVE + 1)) == 2
     assert api.run(api.store.redis.zrange(KEYS.reservations("n"), 0, -1)) == ["live:1"]
     assert api.run(api.store.redis.zscore(KEYS.routers, "crashed")) is None
-    assert api.run(api.store.redis.exists(KEYS.held("crashed"))) == 0
+    assert api.run(api.store.redis.hkeys(KEYS.held)) == []
+    assert api.run(api.store.redis.zrange(KEYS.in_flight, 0, -1)) == ["anonymous\tlive:1"]
+    assert api.run(api.store.redis.hgetall(KEYS.in_flight_count)) == {"anonymous": "1"}
 
 
-def test_a_reservation_gives_back_what_a_dead_router_held(api: BlockingStore) -> None:
+def test_a_dead_routers_slots_on_a_node_gone_from_the_index_lapse_with_their_lease(
+        api: BlockingStore) -> None:
     api.run(api.store.beat("crashed", ALIVE, now=T0))
     assert reserve(api, "crashed:1", "crashed", T0) == "reserved"
-    assert reserve(api, "crashed:2", "crashed", T0) == "reserved"
-    assert reserve(api, "other:1", "other", T0 + ALIVE - 1) == "full"
-    assert reserve(api, "other:1", "other", T0 + ALIVE + 1) == "reserved"
+    api.run(api.store.redis.zrem(KEYS.nodes, "n"))  # not in the index: the beat does not declare it
+    assert api.run(api.store.beat("live", ALIVE, now=T0 + ALIVE + 1)) == 0
+    assert api.run(api.store.redis.hkeys(KEYS.held)) == []  # (the router's record is gone all the same)
+    assert held(api, T0 + ALIVE + 1) == 1
+    assert held(api, T0 + LEASE + 1) == 0
 
 
 def test_a_beating_router_keeps_its_slots_and_its_releases_untrack_them(api: BlockingStore) -> None:
@@ -75,7 +84,7 @@ def test_a_beating_router_keeps_its_slots_and_its_releases_untrack_them(api: Blo
         assert api.run(api.store.beat("other", ALIVE, now=T0 + beat * 1000 + 1)) == 0
     assert held(api, T0 + 10_000) == 2
     api.run(api.store.release(Release("slow:1", "n", router="slow"), T0 + 10_000))
-    assert api.run(api.store.redis.hkeys(KEYS.held("slow"))) == ["slow:2"]
+    assert api.run(api.store.redis.hkeys(KEYS.held)) == ["slow:2"]
 
 
 def test_a_router_counted_dead_that_renews_holds_its_slot_again(api: BlockingStore) -> None:
@@ -85,7 +94,7 @@ def test_a_router_counted_dead_that_renews_holds_its_slot_again(api: BlockingSto
     assert held(api, T0 + ALIVE + 1) == 0
     lease = Lease("cut-off:1", "n", router="cut-off")
     assert api.run(api.store.renew([lease], LEASE, T0 + ALIVE + 2)) == [True]  # counted again
-    assert api.run(api.store.redis.hkeys(KEYS.held("cut-off"))) == ["cut-off:1"]
+    assert api.run(api.store.redis.hgetall(KEYS.held)) == {"cut-off:1": "cut-off\tn\tanonymous\t1"}
 
 
 def test_the_beat_goes_on_while_the_event_loop_is_blocked(redis_url: str) -> None:
