@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import socket
 import subprocess
@@ -154,13 +155,15 @@ class SentinelDeployment:
     """A primary, ``replicas`` replicas and ``sentinels`` sentinels on loopback: ``url`` is its
     ``redis+sentinel://`` URL."""
 
-    def __init__(self, replicas: int = 1, sentinels: int = 3, service: str = "mymaster",
+    def __init__(self, replicas: int = 1, sentinels: int = 3, service: str | None = None,
                  down_after_ms: int = 1000) -> None:
-        self.service = service
+        # a name of its own: sentinels only meet those watching the same name, so a sentinel of another
+        # deployment (on a reused port) cannot join this one
+        self.service = service or f"macpool-{secrets.token_hex(4)}"
         self.primary = RedisServer()
         self.replicas = [RedisServer(extra_args=["--replicaof", "127.0.0.1", str(self.primary.port)])
                          for _ in range(replicas)]
-        self.sentinels = [SentinelServer(self.primary.port, service, sentinels // 2 + 1, down_after_ms)
+        self.sentinels = [SentinelServer(self.primary.port, self.service, sentinels // 2 + 1, down_after_ms)
                           for _ in range(sentinels)]
 
     @property
@@ -186,8 +189,13 @@ class SentinelDeployment:
         self._wait(lambda: all(_info(r.port, "replication").get("master_link_status") == "up"
                                for r in self.replicas), timeout, "the replicas in sync")
         known = str(len(self.sentinels) - 1)
-        self._wait(lambda: all(_sentinel_field(s.port, self.service, "num-other-sentinels") == known
-                               for s in self.sentinels), timeout, "the sentinels to know each other")
+        seen: list[str] = []
+
+        def met() -> bool:
+            seen[:] = [_sentinel_field(s.port, self.service, "num-other-sentinels") for s in self.sentinels]
+            return all(n == known for n in seen)
+
+        self._wait(met, timeout, lambda: f"the sentinels to know each other (each knows {seen} others)")
 
     def primary_port(self) -> int:
         """The port of the primary the sentinels name now."""
@@ -203,7 +211,7 @@ class SentinelDeployment:
         return next(s for s in self.data_servers if s.port == port)
 
     @staticmethod
-    def _wait(ok: Callable[[], bool], timeout: float, what: str) -> None:
+    def _wait(ok: Callable[[], bool], timeout: float, what: str | Callable[[], str]) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -212,7 +220,7 @@ class SentinelDeployment:
             except OSError:
                 pass
             time.sleep(0.1)
-        raise RedisServerError(f"timed out waiting for {what}")
+        raise RedisServerError(f"timed out waiting for {what if isinstance(what, str) else what()}")
 
     def close(self) -> None:
         for server in [*self.sentinels, *self.data_servers]:

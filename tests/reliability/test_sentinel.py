@@ -120,4 +120,4 @@ def test_primary_killed_under_streaming_load(stack: Stack, sentinel: SentinelDep
     for proc in [*routers, *(node.agent for node in nodes)]:
         assert proc.child.log_path is not None
         log = proc.child.log_path.read_text()
-        assert "redis failover: the primary of mymaster moved" in log, log[-2000:]
+        assert f"redis failover: the primary of {sentinel.service} moved" in log, log[-2000:]
