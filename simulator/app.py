@@ -364,14 +364,17 @@ class SimServer:
             "data": [{
                 "id": name, "aliases": [name], "tags": [], "object": "model",
                 "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-                "created": int(time.time()), "owned_by": "llamacpp",
-                "meta": {
-                    "vocab_type": 2, "n_vocab": 151936, "n_ctx": self.resolved.n_ctx_slot,
-                    "n_ctx_train": 32768, "n_embd": 5120, "n_params": 14_000_000_000,
-                    "size": int(self.machine.weights_gb * 2**30), "ftype": "Q4_K - Medium",
-                },
+                "created": int(time.time()), "owned_by": "llamacpp", "meta": self.model_meta(),
             }],
         })
+
+    def model_meta(self) -> dict[str, Any]:
+        """The model's ``meta`` in /v1/models (llama-server reads it from the GGUF)."""
+        return {
+            "vocab_type": 2, "n_vocab": 151936, "n_ctx": self.resolved.n_ctx_slot,
+            "n_ctx_train": 32768, "n_embd": 5120, "n_params": 14_000_000_000,
+            "size": int(self.machine.weights_gb * 2**30), "ftype": "Q4_K - Medium",
+        }
 
     # --- generation ---------------------------------------------------------------------------------------
     @staticmethod

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import uvicorn
 from pydantic import ValidationError
+from starlette.types import ASGIApp
 
-from simulator.machine import MachineError, StartFailure, preset_names
+from simulator.machine import Machine, MachineError, StartFailure, preset_names
 from simulator.settings import DEFAULT_PRESET, SimSettings
 
 # llama-server flags an agent may pass that mean nothing to the simulator: name -> takes a value
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"simulated seconds per wall second (default {_default('speed')})")
     p.add_argument("--load-seconds", type=float,
                    help=f"answer 503 'Loading model' this long (default {_default('load_seconds')})")
+    p.add_argument("--models", help="router mode: serve several models on this Mac, loaded on demand: "
+                   "NAME=PRESET[,NAME=PRESET...] (each model's figures from its preset, on this Mac)")
+    p.add_argument("--models-max", type=int, help="router mode: most models loaded at once "
+                   f"(default {_default('models_max')}; 0: no limit)")
+    p.add_argument("--models-autoload", action=argparse.BooleanOptionalAction, default=None,
+                   help="router mode: load an unloaded model a request names (default: yes)")
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     return p
 
@@ -84,6 +91,7 @@ def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
         "host": args.host, "port": args.port, "preset": args.preset, "machine": args.machine,
         "parallel": args.parallel, "ctx_size": args.ctx_size, "model": args.model, "alias": args.alias,
         "metrics": args.metrics, "speed": args.speed, "load_seconds": args.load_seconds,
+        "models": args.models, "models_max": args.models_max, "models_autoload": args.models_autoload,
     }
     given = {k: v for k, v in values.items() if v is not None}
     if "preset" in given or "machine" in given:  # one choice: the flag's wins over the other's variable
@@ -98,6 +106,16 @@ def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
     return settings, args.log_level
 
 
+def create(settings: SimSettings, machine: Machine | None = None) -> ASGIApp:
+    """The simulator's app: one model, or several loaded on demand (router mode, ``--models``)."""
+    from simulator.app import create_app
+    from simulator.router_mode import create_router_app, parse_models
+
+    if settings.models:
+        return create_router_app(settings, parse_models(settings.models), machine)
+    return create_app(settings, machine)
+
+
 def main(argv: list[str]) -> int:
     try:
         settings, log_level = parse_settings(argv)
@@ -105,13 +123,14 @@ def main(argv: list[str]) -> int:
     except (UsageError, MachineError) as exc:
         print(f"macpool sim: {exc}", file=sys.stderr)
         return 2
-    from simulator.app import create_app
-
     try:
-        app = create_app(settings, machine)
+        app = create(settings, machine)
     except StartFailure as exc:  # as llama-server: its loader's lines on stderr, then exit status 1
         print("\n".join(exc.lines), file=sys.stderr)
         return 1
+    except MachineError as exc:
+        print(f"macpool sim: {exc}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=log_level, server_header=False,
         access_log=False, timeout_graceful_shutdown=3,

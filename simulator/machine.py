@@ -77,6 +77,7 @@ class Machine(BaseModel):
     kv_at_start: bool = Field(
         False, description="allocate every slot's whole KV cache at start, flat under load (llama-server)"
     )
+    load_gb_s: float = Field(5.0, gt=0, description="how fast a model's weights load from disk (router mode)")
     overcommit: Literal["page", "fail"] = Field(
         "page", description="a start past the wired limit: page from the first request, or fail to load"
     )

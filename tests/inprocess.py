@@ -32,7 +32,7 @@ from node_agent.cli import build_settings as agent_settings
 from router.app import create_app as router_app
 from router.app import with_cors
 from router.cli import build_settings as router_settings
-from simulator.app import create_app as sim_app
+from simulator.cli import create as sim_app
 from simulator.cli import parse_settings as sim_settings
 
 T = TypeVar("T")
