@@ -220,16 +220,18 @@ class Router:
     async def models(self, request: Request) -> Response:
         if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
             return error_response(401, "invalid or missing API key", "invalid_api_key")
-        return JSONResponse({"object": "list", "data": [_model(m) for m in self.services.pool.models()]})
+        states = self.services.pool.model_states()
+        return JSONResponse({"object": "list", "data": [_model(m, states.get(m)) for m in states]})
 
     async def model(self, request: Request) -> Response:
         """One model (the OpenAI SDK's ``models.retrieve``): served by a ready node, else 404."""
         if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
             return error_response(401, "invalid or missing API key", "invalid_api_key")
         name: str = request.path_params["model"]
-        if name not in self.services.pool.models():
+        state = self.services.pool.model_states().get(name)
+        if state is None:
             return error_response(404, f"model {name!r} is not served by any node", "model_not_found")
-        return JSONResponse(_model(name))
+        return JSONResponse(_model(name, state))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "router_id": self.settings.router_id})
@@ -359,8 +361,9 @@ class _Cors(CORSMiddleware):
         return error_response(400, bytes(response.body).decode(), "cors_disallowed", headers=headers)
 
 
-def _model(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "macpool"}
+def _model(name: str, state: dict[str, Any] | None) -> dict[str, Any]:
+    """An OpenAI model object; ``macpool`` (which OpenAI clients ignore) says where it is loaded."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "macpool", "macpool": state or {}}
 
 
 def _dashboard_routes(router: Router) -> list[BaseRoute]:

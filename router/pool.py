@@ -296,6 +296,27 @@ class PoolView:
         served = [doc for doc in self.fresh_nodes() if self.is_ready(doc) or doc.elastic]
         return sorted({m for doc in served for m in doc.models})
 
+    def model_states(self) -> dict[str, dict[str, Any]]:
+        """For each model a request can name (``models``): how many ready nodes serve it, how many elastic
+        nodes would once loaded, and the slots of the ready ones, free and in all."""
+        out: dict[str, dict[str, Any]] = {}
+        for doc in self.fresh_nodes():
+            ready = self.is_ready(doc)
+            if not ready and not doc.elastic:
+                continue
+            for model in doc.models:
+                state = out.setdefault(model, {"loaded_on": 0, "loadable_on": 0, "slots": 0, "free_slots": 0})
+                if ready:
+                    held = self.snapshot.reservations.get(doc.node_id, 0)
+                    state["loaded_on"] += 1
+                    state["slots"] += doc.capacity
+                    state["free_slots"] += max(doc.capacity - held, 0)
+                else:
+                    state["loadable_on"] += 1
+        for state in out.values():
+            state["state"] = "loaded" if state["loaded_on"] else "loadable"
+        return dict(sorted(out.items()))
+
     # --- passive health ----------------------------------------------------------------------------
 
     def circuit_state(self, node_id: str) -> CircuitState:

@@ -117,3 +117,18 @@ def test_autoscale_decisions_are_kept_for_the_dashboard_and_change_nothing_else(
     view.apply("autoscale not-json")  # unreadable: ignored with a log line
     assert view.to_json()["autoscale"] == [{"action": "activate", "node": "b", "reason": "demand 9.0 slots"}]
     assert view.version == version  # no waiter is woken by a decision
+
+
+def test_models_say_where_they_are_loaded_and_where_they_could_be() -> None:
+    view = _view()
+    _heartbeat(view, "a", models=["m", "coder"])
+    _heartbeat(view, "b", capacity=2)
+    _heartbeat(view, "c", models=["big"], state="standby", capacity=3, elastic=True)
+    _heartbeat(view, "d", models=["never"], state="starting")  # not elastic, not ready: not servable
+    view.reserved("a", 3)
+    assert view.model_states() == {
+        "big": {"loaded_on": 0, "loadable_on": 1, "slots": 0, "free_slots": 0, "state": "loadable"},
+        "coder": {"loaded_on": 1, "loadable_on": 0, "slots": 4, "free_slots": 1, "state": "loaded"},
+        "m": {"loaded_on": 2, "loadable_on": 0, "slots": 6, "free_slots": 3, "state": "loaded"},
+    }
+    assert list(view.model_states()) == view.models()
