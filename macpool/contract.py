@@ -49,6 +49,18 @@ class CapacityBreakdown(BaseModel):
     pressure_limited: bool = False
 
 
+class ModelState(BaseModel):
+    """What a node says of one model it serves, or would serve once loaded (``NodeDoc.model_states``)."""
+
+    name: str
+    state: Literal["loaded", "loading", "loadable"]
+    capacity: int = 0  # requests it takes at once, when loaded
+    in_flight: int = 0
+    # what it holds loaded, in GB (10**9 bytes): weights and the KV cache of every slot (None: not known)
+    memory_gb: float | None = None
+    load_s: float | None = None  # how long its last load took on this node (None: not seen yet)
+
+
 class NodeDoc(BaseModel):
     """The heartbeat document an agent writes for its Mac every interval."""
 
@@ -79,6 +91,7 @@ class NodeDoc(BaseModel):
     standby_capacity: int = 0  # the capacity it has once loaded (elastic nodes)
     wol_mac: str = ""  # how the autoscaler wakes this Mac from sleep ("": it cannot)
     wol_broadcast: str = ""
+    model_states: list[ModelState] = Field(default_factory=list)  # per model, loaded or loadable
 
     def encode(self) -> str:
         return self.model_dump_json()

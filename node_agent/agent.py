@@ -210,7 +210,7 @@ class Agent:
             settings.llama_args,
             settings.llama_log,
             settings.restart_backoff_max,
-            on_healthy=self.runtime.llama_up,
+            on_healthy=self._llama_healthy,
             on_exit=self.runtime.llama_down,
             on_url=self._set_upstream,
         )
@@ -219,6 +219,9 @@ class Agent:
         run = self.supervisor.run(self.runtime.client())
         self._llama_task = asyncio.create_task(run, name="llama-server")
         self.tasks.append(self._llama_task)
+
+    def _llama_healthy(self) -> None:
+        self.runtime.llama_up(self.supervisor.load_s if self.supervisor else None)
 
     async def _stop_llama_server(self) -> None:
         """Standby: stop the supervised llama-server, giving its memory back to the Mac."""

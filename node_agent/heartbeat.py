@@ -15,7 +15,7 @@ import httpx
 from redis.exceptions import RedisError
 
 from macpool import __version__
-from macpool.contract import MemoryFigures, NodeDoc, NodeState, heartbeat_ttl_ms, now_ms
+from macpool.contract import MemoryFigures, ModelState, NodeDoc, NodeState, heartbeat_ttl_ms, now_ms
 from macpool.loops import every
 from macpool.store import Keys, Store
 from macpool.store.connect import AnyRedis
@@ -30,6 +30,11 @@ from .standby import REASONS, standby_models
 log = logging.getLogger("macpool.agent")
 
 UpstreamCondition = Literal["healthy", "loading", "unreachable"]
+# the model's phase in a node state (any other: loaded)
+MODEL_PHASE: dict[str, Literal["loaded", "loading", "loadable"]] = {
+    "standby": "loadable", "asleep": "loadable", "waking": "loadable",
+    "starting": "loading", "loading": "loading", "unhealthy": "loading",
+}
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -290,7 +295,26 @@ class Heartbeat:
             standby_capacity=runtime.standby_capacity if settings.follows_autoscaler else 0,
             wol_mac=normalize_mac(settings.wol_mac) if settings.wol_mac else "",
             wol_broadcast=settings.wol_broadcast if settings.wol_mac else "",
+            model_states=self._model_states(state, decision.capacity, view, weights, per_request),
         )
+
+    def _model_states(self, state: NodeState, capacity: int, view: UpstreamView, weights_gb: float,
+                      per_request_gb: float | None) -> list[ModelState]:
+        """The one model this agent's llama-server serves (its first id: the others are aliases)."""
+        runtime, settings = self.runtime, self.runtime.settings
+        models = view.models or (standby_models(settings) if settings.follows_autoscaler else [])
+        if not models:
+            return []
+        slots = view.total_slots or runtime.standby_capacity
+        memory = None
+        if weights_gb and per_request_gb is not None and slots:
+            memory = round(weights_gb + per_request_gb * slots, 3)
+        phase = MODEL_PHASE.get(state, "loaded")
+        return [ModelState(
+            name=models[0], state=phase, capacity=capacity if phase == "loaded" else 0,
+            in_flight=runtime.in_flight, memory_gb=memory,
+            load_s=round(runtime.load_s, 2) if runtime.load_s is not None else None,
+        )]
 
     def _count_pressure(self, pressed: bool) -> None:
         # only while llama-server runs: a restart it causes must not count the beats before it again

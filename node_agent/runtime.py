@@ -91,6 +91,7 @@ class Runtime:
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
     sizing: Sizing | None = None  # supervise mode: llama-server's slots and why
+    load_s: float | None = None  # supervise mode: how long llama-server's last start took to answer
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     slot_tokens_per_s: float | None = None  # smoothed decode speed of one answer (note_decode)
     slot_concurrency: float | None = None  # ... and the requests in flight while it was measured
@@ -211,9 +212,12 @@ class Runtime:
         self._set_state("standby")
         self.beat_now.set()
 
-    def llama_up(self) -> None:
-        """The supervised llama-server answers /health: the next heartbeat decides from its figures."""
+    def llama_up(self, load_s: float | None = None) -> None:
+        """The supervised llama-server answers /health, ``load_s`` after it started: the next heartbeat
+        decides from its figures."""
         self._llama = None
+        if load_s is not None:
+            self.load_s = load_s
 
     def llama_down(self) -> None:
         """The supervised llama-server exited (it is restarted): unhealthy until it answers again."""

@@ -90,6 +90,8 @@ class Supervisor:
         self.restarts = 0
         self._stopping = False
         self._resizing = False
+        self._started_at = 0.0
+        self.load_s: float | None = None  # from its last start until it answered /health
 
     @property
     def url(self) -> str:
@@ -134,6 +136,7 @@ class Supervisor:
             while not self._stopping:
                 started = time.monotonic()
                 await self._start()
+                self._started_at = started
                 code = await self._watch(client)
                 if self._stopping:
                     return
@@ -184,7 +187,8 @@ class Supervisor:
             try:
                 response = await client.get(self.url + "/health", timeout=1.0)
                 if response.status_code == 200:
-                    log.info("llama-server is healthy")
+                    self.load_s = time.monotonic() - self._started_at
+                    log.info("llama-server is healthy (loaded in %.1fs)", self.load_s)
                     if self.on_healthy:
                         self.on_healthy()
                     break

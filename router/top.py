@@ -28,7 +28,7 @@ STATE_STYLE = {
     "gone": "bright_black",
 }
 
-COLUMNS = ("node", "state", "slots", "resv", "memory GB", "tok/s", "TTFT", "reason")
+COLUMNS = ("node", "state", "models", "slots", "resv", "memory GB", "tok/s", "TTFT", "reason")
 REASON_MIN_WIDTH = 120  # narrower terminals drop the reason column rather than squash the figures
 
 
@@ -60,6 +60,19 @@ def _reason(doc: dict[str, Any]) -> str:
     if doc.get("drained"):  # the agent does not know: its own reason would hide why the node takes nothing
         return "drained through the admin API" + (f"; {reason}" if reason else "")
     return reason
+
+
+def models_text(doc: dict[str, Any]) -> str:
+    """Each model a node serves or could load, with its phase and the memory it holds: ``m loaded 12.3G``."""
+    states = doc.get("model_states") or []
+    if not states:
+        return ", ".join(doc.get("models") or []) or "-"
+    out = []
+    for model in states:
+        memory = model.get("memory_gb")
+        held = "" if memory is None else f" {memory:.1f}G"
+        out.append(f"{model.get('name')} {model.get('state')}{held}")
+    return ", ".join(out)
 
 
 def _num(value: Any, digits: int = 1) -> str:
@@ -128,6 +141,7 @@ class TopView:
             cells: list[RenderableType] = [
                 str(doc.get("node_id")),
                 Text(state, STATE_STYLE.get(state, "")),
+                models_text(doc),
                 f"{_bar(in_flight, max(capacity, 1), 8)} {in_flight:>2}/{capacity:<2}",
                 str(doc.get("reserved", "-")),
                 f"{_bar(pinned, limit, 8)} {pinned:5.1f}/{limit:.0f}" if limit else "-",

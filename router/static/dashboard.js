@@ -50,6 +50,18 @@ function setState(el, state) {
   el.querySelector(".node-state").textContent = STATE_TEXT[state] || state;
 }
 
+// each model the node serves or could load: its phase, the memory it holds, how long its last load took
+function modelsText(doc) {
+  const states = doc.model_states || [];
+  if (!states.length) return (doc.models || []).join(", ") || "no model";
+  return states.map((m) => {
+    const parts = [m.state];
+    if (m.memory_gb !== null && m.memory_gb !== undefined) parts.push(fmt(m.memory_gb) + " GB");
+    if (m.load_s !== null && m.load_s !== undefined) parts.push("loads in " + fmt(m.load_s) + " s");
+    return `${m.name} (${parts.join(", ")})`;
+  }).join(", ");
+}
+
 function renderNode(card, poolCapacity) {
   const { el, doc } = card;
   const q = (sel) => el.querySelector(sel);
@@ -58,7 +70,7 @@ function renderNode(card, poolCapacity) {
   // the router's reservations lead the agent's heartbeat by up to an interval: show the larger
   const busy = Math.max(doc.in_flight || 0, doc.reserved || 0);
   setState(el, card.goneSince ? "gone" : nodeState(doc));
-  q(".models").textContent = (doc.models || []).join(", ") || "no model";
+  q(".models").textContent = modelsText(doc);
   q(".models").title = doc.url || "";
   q(".circuit").textContent = doc.circuit && doc.circuit !== "closed" ? "circuit " + doc.circuit.replace("_", "-") : "";
   const slotScale = Math.max(cap, doc.total_slots || 0, busy, 1);

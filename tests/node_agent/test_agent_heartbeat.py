@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -81,7 +82,8 @@ def test_supervise_mode_logs_a_llama_server_that_stops_answering(
         os.kill(llama["pid"], signal.SIGCONT)
     wait_until(state_is(redis_url, "ready"), what="ready again")
     # the supervisor's own line says it came up; the heartbeat adds only what the supervisor cannot see
-    assert logged(gateway, "llama-server is healthy") == [("INFO", "llama-server is healthy")]
+    ((level, line),) = logged(gateway, "llama-server is healthy")
+    assert level == "INFO" and re.fullmatch(r"llama-server is healthy \(loaded in \d+\.\ds\)", line), line
     assert logged(gateway, f"llama-server at {llama['url']}") == [
         (
             "WARNING",
@@ -141,6 +143,12 @@ def test_a_cap_above_the_slots_is_held_to_the_slots_with_one_warning(
     assert (doc.capacity, doc.total_slots, doc.capacity_breakdown.configured) == (3, 3, 3)
     assert doc.reason == "capacity 3 set by llama-server's 3 slots (--cap 6 is above them)"
     assert status(gateway.url)["capacity"] == 3
+    # per model: what it holds (the weights, and the KV of its 3 slots at the figure the agent divides its
+    # headroom by); attached to a running llama-server, the agent never saw it load
+    (model,) = doc.model_states
+    assert (model.name, model.state, model.capacity, model.in_flight, model.load_s) == (
+        doc.models[0], "loaded", 3, 0, None)
+    assert model.memory_gb == pytest.approx(doc.memory.weights_gb + 3 * doc.memory.per_request_gb, abs=0.01)
     time.sleep(1.0)  # three more beats: still one line
     assert logged_here(caplog, "--cap 6 is above") == [
         (

@@ -56,6 +56,8 @@ def test_supervised_standby_loads_on_activation_and_unloads_after_draining(
     assert (doc.standby_capacity, doc.wol_mac, doc.wol_broadcast) == (3, "a0:ce:c8:01:02:0f", "192.0.2.255")
     assert doc.models == ["m"] and doc.elastic  # found by its model while none is loaded
     assert doc.reason.startswith("standby: no model loaded")
+    (model,) = doc.model_states
+    assert (model.name, model.state, model.capacity, model.load_s) == ("m", "loadable", 0, None)
     assert status(gateway.url).get("llama_server") is None  # no model loaded, no memory held
     refused = httpx.post(gateway.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_unavailable"
@@ -64,6 +66,11 @@ def test_supervised_standby_loads_on_activation_and_unloads_after_draining(
     wait_until(state_is(redis_url, "ready"), what="ready after activation")
     pid = status(gateway.url)["llama_server"]["pid"]
     assert alive(pid)
+    loaded = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.model_states[0].capacity and d,
+                        what="the model's capacity")
+    (model,) = loaded.model_states
+    assert (model.name, model.state, model.capacity) == ("m", "loaded", 3)
+    assert model.load_s is not None and 0 < model.load_s < 30  # learned from this load
 
     body = {"prompt": "hi", "max_tokens": 2000, "stream": True}
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as running:
@@ -78,6 +85,9 @@ def test_supervised_standby_loads_on_activation_and_unloads_after_draining(
     assert rest[-1] == "data: [DONE]"  # finished, not cut
     wait_until(state_is(redis_url, "standby"), what="standby again")
     wait_until(lambda: not alive(pid), what="llama-server stopped")
+    again = read_node(redis_url, "n1")
+    assert again is not None
+    assert [(m.state, m.load_s) for m in again.model_states] == [("loadable", model.load_s)]  # remembered
 
 
 def test_attached_standby_becomes_ready_once_its_upstream_answers(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -100,6 +101,9 @@ def test_dashboard_shows_every_node_and_a_killed_one_goes(pool: Callable[..., Po
         wait_until(lambda: page.inner_text("#p-capacity") not in ("", "-"), 30, "pool capacity in the header")
         wait_until(lambda: int(page.inner_text("#p-busy")) > 0, 30, "busy slots from the load")
         assert page.inner_text("#p-desired").strip().isdigit()
+        # each node's model, loaded, with the memory it holds
+        models = page.inner_text("#node-mac-1 .models")
+        assert re.fullmatch(r"\S+ \(loaded, \d+\.\d GB\)", models), models
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
 

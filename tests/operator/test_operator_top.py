@@ -76,7 +76,8 @@ def test_top_says_a_node_is_drained_and_does_not_make_up_memory_figures() -> Non
 
     nodes = [{"node_id": "mac-1", "state": "ready", "capacity": 8, "drained": True,
               "reason": "capacity 8 set by llama-server's 8 slots",
-              "memory": {"pinned_gb": 20.0, "wired_limit_gb": 36.0}},
+              "memory": {"pinned_gb": 20.0, "wired_limit_gb": 36.0},
+              "model_states": [{"name": "qwen-14b", "state": "loaded", "memory_gb": 19.25}]},
              {"node_id": "mac-2", "state": "unhealthy", "capacity": 4,
               "reason": "llama-server is not reachable", "memory": {"pinned_gb": 0.0, "wired_limit_gb": 0.0}}]
     console = Console(width=200, record=True)
@@ -85,4 +86,5 @@ def test_top_says_a_node_is_drained_and_does_not_make_up_memory_figures() -> Non
              or line.startswith("mac")}
     assert "drained through the admin API; capacity 8" in lines["mac-1"]
     assert "20.0/36" in lines["mac-1"]
+    assert "qwen-14b loaded 19.2G" in lines["mac-1"]  # each model, and the memory it holds
     assert "0.0/0" not in lines["mac-2"]
