@@ -108,6 +108,11 @@ def _run_parser() -> argparse.ArgumentParser:
         "--standby", action="store_true", default=None,
         help="start in standby (implies --elastic): registered, model not loaded, admitting nothing",
     )
+    elastic.add_argument(
+        "--idle-unload", dest="idle_unload", type=float,
+        help="seconds without a request after which the node unloads its model and goes back to standby "
+             "by itself (default 0: only when the autoscaler says so)",
+    )
     elastic.add_argument("--wol-mac", dest="wol_mac", help="this Mac's MAC address, to be woken from sleep")
     elastic.add_argument(
         "--wol-broadcast", dest="wol_broadcast",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -108,6 +109,7 @@ class Runtime:
     # "draining-to-standby" hold; "loading" holds until the node is ready (None: an ordinary active node)
     _elastic: NodeState | None = field(default=None, init=False)
     _standby_capacity: int = field(default=0, init=False)
+    last_busy: float = field(default_factory=time.monotonic, init=False)  # a request began or ended
 
     def __post_init__(self) -> None:
         self._llama = "starting" if self.settings.supervise else None
@@ -176,6 +178,7 @@ class Runtime:
                 state = "loading"
             else:
                 self._elastic = None
+                self.last_busy = time.monotonic()  # (idle from now: the load is not idleness)
         if self._elastic is not None:
             self._admitting = False
             return self._state
@@ -189,6 +192,7 @@ class Runtime:
         if self.draining or not self.standing_by:
             return
         self._elastic = "loading"
+        self.last_busy = time.monotonic()
         self._set_state("loading")
         self.beat_now.set()
 
@@ -246,6 +250,7 @@ class Runtime:
     def hold(self, slots: int) -> None:
         """Count ``slots`` more against the cap (the gateway has checked that they fit)."""
         self._in_flight += slots
+        self.last_busy = time.monotonic()
         self.metrics.in_flight.set(self._in_flight)
 
     def release(self, slots: int) -> None:

@@ -72,6 +72,8 @@ class AgentSettings(BaseSettings):
     # the elastic pool (node_agent/standby.py): follow the autoscaler's active/standby word; start in standby
     elastic: bool = False
     standby: bool = False
+    # ... and go back to standby after this long without a request (0: only when the autoscaler says so)
+    idle_unload: float = Field(default=0.0, ge=0)
     wol_mac: str | None = None  # this Mac's MAC address, so the autoscaler can wake it from sleep
     wol_broadcast: str = "255.255.255.255"
 

@@ -9,6 +9,7 @@ drains it - nothing new admitted, in-flight requests finish - then stops llama-s
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -23,8 +24,9 @@ log = logging.getLogger("macpool.agent")
 
 # the node document's reason in each elastic state, for operators (the dashboard shows it)
 REASONS = {
-    "standby": "standby: no model loaded, admitting nothing; loads when the autoscaler asks",
-    "loading": "loading the model for the autoscaler; admitting nothing until llama-server is healthy",
+    "standby": "standby: no model loaded, admitting nothing; loads when the autoscaler or a router asks",
+    "loading": "loading the model (asked by the autoscaler or a router); admitting nothing until "
+               "llama-server is healthy",
     "draining-to-standby": "going to standby: finishing in-flight requests, admitting nothing new",
 }
 
@@ -56,10 +58,26 @@ class Standby:
         elif desired == "standby" and not runtime.standing_by:
             log.info("sent to standby by the autoscaler: draining %d in flight", runtime.in_flight)
             runtime.begin_standby_drain()
+        elif self.idle():
+            idle = runtime.settings.idle_unload
+            try:  # (said in Redis, or the word that activated it would load it again at the next beat)
+                await self.store.set_desired(runtime.settings.node_id, "standby")
+            except (RedisError, OSError):
+                return
+            log.info("no request for %.0fs: unloading the model, back to standby", idle)
+            runtime.begin_standby_drain()
         if runtime.state == "draining-to-standby" and runtime.in_flight == 0:
             await self.unload()
             runtime.enter_standby()
             log.info("in standby: model unloaded, admitting nothing")
+
+
+    def idle(self) -> bool:
+        """Serving, and no request for ``--idle-unload`` seconds."""
+        runtime = self.runtime
+        idle = runtime.settings.idle_unload
+        return (idle > 0 and runtime.state == "ready" and not runtime.standing_by and runtime.in_flight == 0
+                and time.monotonic() - runtime.last_busy >= idle)
 
 
 def standby_models(settings: AgentSettings) -> list[str]:

@@ -92,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
     # both ways, so a flag can undo what the file or the environment set
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
                    help="log every request (default off)")
+    p.add_argument("--load-on-demand", action=argparse.BooleanOptionalAction, default=None,
+                   help="a request for a model no ready node serves asks a standby node of it to load it, "
+                        "once for every router (--no-load-on-demand: only the autoscaler loads; default on)")
     p.add_argument("--affinity", action=argparse.BooleanOptionalAction, default=None,
                    help="prefer the node holding the prompt's prefix; --no-affinity routes by load only "
                         "(default on)")

@@ -1,9 +1,13 @@
-"""Scale to zero: a request for a model whose every node is in standby waits while one loads.
+"""Scale to zero, and models loaded on demand: a request for a model no ready node serves waits while a
+node loads it.
 
 The request takes a place in the pool's queue (no candidates: it only counts as demand, which the
-autoscaler reads and answers by activating a standby node) and waits up to ``--cold-start-timeout`` for
-a node of its model to be ready; then it goes through admission as any other request. Past the timeout it
-is a 503 with reason ``cold_start`` and a Retry-After.
+autoscaler reads) and waits up to ``--cold-start-timeout`` for a node of its model to be ready; then it goes
+through admission as any other request. With ``--load-on-demand`` (the default) it also asks the standby node
+of its model that would load it soonest to load it (its last load time, then the most capacity), once for
+every router: the first waiting request sets ``{p}loading:{model}`` for the timeout, and the others see it.
+Past the timeout it is a 503 with a Retry-After: ``model_loading`` when a load was asked for (it is on its
+way), ``cold_start`` when only the autoscaler could act (Macs asleep, or load on demand off).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import uuid
 
 from macpool.contract import NodeDoc
 from macpool.store import ReserveRequest
+from macpool.store.elastic import ElasticStore
 from router.admission import Admission, Rejected, Ticket
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
@@ -33,6 +38,7 @@ class ColdStart:
         self.settings = settings
         self.pool = pool
         self.admission = admission
+        self.elastic = ElasticStore(admission.store.redis, admission.store.keys)
 
     def ready(self, model: str) -> bool:
         try:
@@ -58,21 +64,61 @@ class ColdStart:
         renew_at = started
         log.info("no ready node serves %r: waiting up to %.0fs for one to load", ticket.model,
                  self.settings.cold_start_timeout)
+        asked = False  # a load of the model was asked for (by this request or another)
         try:
             while not self.ready(ticket.model):
                 now = time.monotonic()
                 if now >= deadline:
+                    if asked:
+                        return self.admission.reject(
+                            "model_loading", f"model {ticket.model!r} is loading; it was not ready within "
+                            f"the cold-start timeout ({self.settings.cold_start_timeout:.0f}s)")
                     return self.admission.reject(
                         "cold_start", f"no node of {ticket.model or 'the pool'!r} was ready within the "
                         f"cold-start timeout ({self.settings.cold_start_timeout:.0f}s); one is loading")
                 if now >= renew_at:
                     await self._queue(rid, ticket, again=renew_at > started)
+                    asked = await self._load(ticket.model) or asked
                     renew_at = now + RENEW_S
                 await asyncio.sleep(min(POLL_S, deadline - now))
             return None
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.admission.store.leave_queue(rid))
+
+    def loader(self, model: str) -> NodeDoc | None:
+        """The standby node of ``model`` that would serve it soonest: the shortest last load (one never
+        seen loading after those seen), then the most capacity, then the lowest id; None when none is in
+        standby (a Mac asleep is the autoscaler's to wake)."""
+        standby = [doc for doc in self.pool.fresh_nodes()
+                   if doc.elastic and doc.state == "standby" and model in doc.models
+                   and doc.node_id not in self.pool.snapshot.drained]
+
+        def cost(doc: NodeDoc) -> tuple[bool, float, int, str]:
+            load_s = next((m.load_s for m in doc.model_states if m.name == model and m.load_s is not None),
+                          None)
+            return load_s is None, load_s or 0.0, -doc.standby_capacity, doc.node_id
+
+        return min(standby, key=cost, default=None)
+
+    async def _load(self, model: str) -> bool:
+        """Ask a standby node to load ``model`` unless one was asked already; whether a load is asked for."""
+        if not self.settings.load_on_demand or not model:
+            return False
+        try:
+            if await self.elastic.loading(model) is not None:
+                return True
+            node = self.loader(model)
+            if node is None:
+                return False
+            hold_ms = int(self.settings.cold_start_timeout * 1000)
+            if await self.elastic.load_once(model, node.node_id, hold_ms):
+                log.info("asked %s to load %r for the requests waiting for it", node.node_id, model,
+                         extra={"node": node.node_id})
+            return True
+        except Exception as exc:  # the wait goes on: the autoscaler may still load it
+            log.warning("load on demand of %r failed: %s: %s", model, type(exc).__name__, exc)
+            return False
 
     async def _queue(self, rid: str, ticket: Ticket, again: bool) -> None:
         """Take (or keep) a place in the queue: the demand the autoscaler sees."""

@@ -12,7 +12,7 @@ from router.pool import PoolView
 from router.settings import Settings
 
 RejectReason = Literal[
-    "pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed", "cold_start"
+    "pool_full", "queue_timeout", "no_nodes", "pool_unavailable", "batch_shed", "cold_start", "model_loading"
 ]
 MAX_S = 30
 
@@ -32,7 +32,7 @@ class RetryAfter:
         """Whole seconds until a slot is likely free, from the observed rate of releases (1..30)."""
         if reason in ("no_nodes", "pool_unavailable"):
             seconds = max(self.settings.stale_after, 1.0)
-        elif reason == "cold_start":  # a node is still loading: try again in a while, not at once
+        elif reason in ("cold_start", "model_loading"):  # a node is still loading: in a while, not at once
             seconds = max(self.settings.cold_start_timeout / 2, 1.0)
         else:
             rate = self.release_rate()

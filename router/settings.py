@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     queue_timeout: float = Field(default=2.0, ge=0)
     # scale to zero (router/cold_start.py): how long a request waits for a standby node to load (0: 503 now)
     cold_start_timeout: float = Field(default=60.0, ge=0)
+    # ... and asks the standby node of the model that loads it soonest to load it (once for every router)
+    load_on_demand: bool = True
     lease_seconds: float = Field(default=30.0, gt=0)
     # a router that has not beaten for this long counts as dead: what it held is given back
     liveness_seconds: float = Field(default=4.0, gt=0)

@@ -34,6 +34,7 @@ class ElasticStore:
         self.keys = keys or Keys()
         self._leader = redis.register_script(source("leader"))
         self._resign = redis.register_script(source("resign"))
+        self._load = redis.register_script(source("load"))
 
     # --- what a node should be ---------------------------------------------------------------------
 
@@ -47,6 +48,17 @@ class ElasticStore:
         if mode not in MODES:
             raise ValueError(f"desired mode {mode!r}: expected one of {', '.join(MODES)}")
         await self.redis.set(self.keys.desired(node_id), mode)
+
+    async def load_once(self, model: str, node_id: str, hold_ms: int) -> bool:
+        """Ask ``node_id`` to load ``model`` unless a load of it was asked for in the last ``hold_ms``; True
+        when this call asked."""
+        keys = [self.keys.loading(model), self.keys.desired(node_id)]
+        return bool(await self._load(keys=keys, args=[node_id, hold_ms]))
+
+    async def loading(self, model: str) -> str | None:
+        """The node asked to load ``model``, while the ask holds."""
+        raw = await self.redis.get(self.keys.loading(model))
+        return _text(raw) if raw is not None else None
 
     # --- the one controller that acts --------------------------------------------------------------
 

@@ -24,6 +24,8 @@ cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or b
 ``{p}affinity:lru``   ZSET prefix hash -> last use (ms), which bounds it to the newest N entries.
 ``{p}desired:{id}``   STRING ``active`` or ``standby``: what the autoscaler wants of a standby-capable agent,
                       which reads it on each heartbeat (absent: the mode it was started in).
+``{p}loading:{model}`` STRING, TTL = the cold-start timeout: the node a router asked to load the model, so
+                      that the requests waiting for it, on every router, trigger one load.
 ``{p}autoscale:leader`` STRING, TTL = the lease: the id of the one ``macpool autoscale`` that acts.
 ``{p}autoscale:known``  HASH node id -> how to wake it (JSON: MAC, broadcast, models, standby capacity), kept
                       by the autoscaler from heartbeats, so a Mac asleep (its key expired) can be woken.
@@ -66,6 +68,9 @@ class Keys:
 
     def desired(self, node_id: str) -> str:
         return f"{self.prefix}desired:{node_id}"
+
+    def loading(self, model: str) -> str:
+        return f"{self.prefix}loading:{model}"
 
     def pool_wide(self) -> list[str]:
         """The pool-wide KEYS of the admission scripts, in the order lib.lua reads them."""

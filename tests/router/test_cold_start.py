@@ -1,24 +1,28 @@
-"""Scale to zero: with every node of a model in standby, a request waits while the autoscaler has one load
-it, bounded by --cold-start-timeout; past it, 503 cold_start with Retry-After."""
+"""Scale to zero, and models loaded on demand: with every node of a model in standby, a request waits while
+one loads it (asked by the router itself, or by the autoscaler), bounded by --cold-start-timeout; past it,
+503 model_loading (a load was asked for) or cold_start (none could be), with Retry-After."""
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
 from macpool.stack import Stack
-from tests.node_agent.helpers import read_node
+from macpool.store import Keys
+from tests.blocking_store import sync_redis
+from tests.node_agent.helpers import SIM_COMMAND, read_node
 from tests.router.conftest import AGENT_TOKEN, PRESET, Server, wait_until
 
 
-def standby_node(stack: Stack, redis_url: str, node_id: str = "n1") -> str:
+def standby_node(stack: Stack, redis_url: str, node_id: str = "n1", *args: str) -> str:
     """A simulated Mac whose agent starts in standby; returns the model it serves."""
     sim = stack.sim(f"sim-{node_id}", "--preset", PRESET, "--parallel", "2", "--speed", "50")
     stack.agent(f"agent-{node_id}", sim.url, redis_url, node_id, "--standby", "--token", AGENT_TOKEN,
-                "--heartbeat-interval", "0.3")
+                "--heartbeat-interval", "0.3", *args)
     doc = wait_until(lambda: (d := read_node(redis_url, node_id)) and d.state == "standby" and d.models and d,
                      what="standby with its model")
     model: str = doc.models[0]
@@ -29,14 +33,14 @@ def state_is(redis_url: str, state: str) -> Callable[[], bool]:
     return lambda: (doc := read_node(redis_url, "n1")) is not None and doc.state == state
 
 
-def router(stack: Stack, redis_url: str, cold_start_timeout: str) -> Server:
+def router(stack: Stack, redis_url: str, cold_start_timeout: str, *args: str) -> Server:
     return stack.router("router", redis_url, "--agent-token", AGENT_TOKEN, "--cold-start-timeout",
-                        cold_start_timeout, "--refresh-interval", "0.2")
+                        cold_start_timeout, "--refresh-interval", "0.2", *args)
 
 
 def test_from_zero_up_on_a_request_and_back_to_standby_after_it(stack: Stack, redis_url: str) -> None:
     model = standby_node(stack, redis_url)
-    front = router(stack, redis_url, "30")
+    front = router(stack, redis_url, "30", "--no-load-on-demand")  # the autoscaler loads it
     stack.autoscale("autoscale", redis_url, "--interval", "0.2", "--lease", "1", "--up-delay", "0",
                     "--down-delay", "1", "--cooldown", "0", "--min-nodes", "0")
     answer = httpx.post(front.url + "/v1/chat/completions", timeout=60, json={
@@ -48,7 +52,7 @@ def test_from_zero_up_on_a_request_and_back_to_standby_after_it(stack: Stack, re
 
 def test_past_the_cold_start_timeout_it_is_a_503_cold_start(stack: Stack, redis_url: str) -> None:
     model = standby_node(stack, redis_url)
-    front = router(stack, redis_url, "0.5")  # and no autoscaler: nothing loads it
+    front = router(stack, redis_url, "0.5", "--no-load-on-demand")  # and no autoscaler: nothing loads it
     listed = wait_until(lambda: httpx.get(front.url + "/v1/models").json()["data"], what="the model listed")
     assert [m["id"] for m in listed] == [model]  # a client may name it: a request for it waits for a node
     answer = httpx.post(front.url + "/v1/chat/completions", timeout=30, json={
@@ -85,3 +89,52 @@ def test_a_request_wakes_a_sleeping_mac_and_is_served_once_it_is_back(stack: Sta
         assert answer.status_code == 200, answer.text
     finally:
         listener.close()
+
+
+def supervised_standby(stack: Stack, redis_url: str, node_id: str, gguf: Path, load_s: float,
+                       *args: str) -> None:
+    """A Mac in standby whose agent starts its llama-server (a simulator answering 503 Loading for
+    ``load_s``) when asked to load; it serves the model named after ``gguf``."""
+    stack.macpool(f"agent-{node_id}", "agent", "run", "--redis-url", redis_url, "--node-id", node_id,
+                  "--standby", "--token", AGENT_TOKEN, "--heartbeat-interval", "0.3", "--model", str(gguf),
+                  "--parallel", "2", "--llama-server", f"{SIM_COMMAND} --load-seconds {load_s}", *args)
+    wait_until(lambda: (d := read_node(redis_url, node_id)) is not None and d.state == "standby",
+               what=f"{node_id} in standby")
+
+
+def test_requests_for_a_cold_model_load_it_on_one_node_and_it_unloads_when_idle(
+        stack: Stack, redis_url: str, tmp_path: Path) -> None:
+    gguf = tmp_path / "cold.gguf"
+    gguf.write_bytes(b"x")
+    # a load takes 2 s, while the waiting requests look again every second: a node already loading is not
+    # one in standby, so only the marker in Redis keeps them from asking the other node too
+    for node_id in ("n1", "n2"):
+        supervised_standby(stack, redis_url, node_id, gguf, 2, "--idle-unload", "2")
+    front = router(stack, redis_url, "30")  # no autoscaler: the requests ask for the load themselves
+    body = {"model": "cold", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: httpx.post(front.url + "/v1/chat/completions", json=body,
+                                                     timeout=60), range(6)))
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    states = {n: doc.state for n in ("n1", "n2") if (doc := read_node(redis_url, n)) is not None}
+    assert sorted(states.values()) == ["ready", "standby"], states  # one load for the burst, not one each
+    loaded = next(n for n, state in states.items() if state == "ready")
+    # idle for --idle-unload: it unloads by itself and says so in Redis, so nothing loads it again
+    wait_until(lambda: (d := read_node(redis_url, loaded)) is not None and d.state == "standby", 20,
+               what="back in standby once idle")
+    with sync_redis(redis_url) as store:
+        assert store.get(Keys().desired(loaded)) == "standby"
+
+
+def test_a_model_still_loading_past_the_timeout_is_a_503_model_loading(
+        stack: Stack, redis_url: str, tmp_path: Path) -> None:
+    gguf = tmp_path / "slow.gguf"
+    gguf.write_bytes(b"x")
+    supervised_standby(stack, redis_url, "n1", gguf, 60)
+    front = router(stack, redis_url, "1")
+    answer = httpx.post(front.url + "/v1/chat/completions", timeout=30, json={
+        "model": "slow", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "model_loading"
+    assert answer.headers["X-Macpool-Reason"] == "model_loading" and int(answer.headers["Retry-After"]) >= 1
+    wait_until(state_is(redis_url, "loading"), what="the node loading the model it was asked for")

@@ -1,0 +1,10 @@
+-- A router loads a model on one standby node, once for every router (ElasticStore.load_once).
+-- KEYS: the model's loading marker, the node's desired mode. ARGV: the node id, how long the marker holds
+-- (ms): while it does, no other request triggers a load of the model (a load that failed is tried again
+-- once it lapses).
+-- 1: this call asked the node to load the model; 0: a load of it was already asked for.
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  redis.call('SET', KEYS[2], 'active')
+  return 1
+end
+return 0
