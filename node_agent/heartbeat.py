@@ -269,10 +269,11 @@ class Heartbeat:
         reason = REASONS.get(state, reason)
         runtime.details["memory_probe"] = self.probe.name
         runtime.details["upstream"] = {"healthy": view.healthy, "reachable": view.reachable}
+        models = view.models or (standby_models(settings) if settings.follows_autoscaler else [])
         return NodeDoc(
             node_id=settings.node_id,
             url=settings.public_url,
-            models=view.models or (standby_models(settings) if settings.follows_autoscaler else []),
+            models=models,
             capacity=decision.capacity,
             in_flight=runtime.in_flight,
             total_slots=view.total_slots,
@@ -295,14 +296,13 @@ class Heartbeat:
             standby_capacity=runtime.standby_capacity if settings.follows_autoscaler else 0,
             wol_mac=normalize_mac(settings.wol_mac) if settings.wol_mac else "",
             wol_broadcast=settings.wol_broadcast if settings.wol_mac else "",
-            model_states=self._model_states(state, decision.capacity, view, weights, per_request),
+            model_states=self._model_states(models, state, decision.capacity, view, weights, per_request),
         )
 
-    def _model_states(self, state: NodeState, capacity: int, view: UpstreamView, weights_gb: float,
-                      per_request_gb: float | None) -> list[ModelState]:
+    def _model_states(self, models: list[str], state: NodeState, capacity: int, view: UpstreamView,
+                      weights_gb: float, per_request_gb: float | None) -> list[ModelState]:
         """The one model this agent's llama-server serves (its first id: the others are aliases)."""
-        runtime, settings = self.runtime, self.runtime.settings
-        models = view.models or (standby_models(settings) if settings.follows_autoscaler else [])
+        runtime = self.runtime
         if not models:
             return []
         slots = view.total_slots or runtime.standby_capacity

@@ -293,8 +293,7 @@ class PoolView:
     def models(self) -> list[str]:
         """The models a request can name: those of ready nodes, and of elastic nodes in standby (a request
         for one waits while a node loads it: router/cold_start.py)."""
-        served = [doc for doc in self.fresh_nodes() if self.is_ready(doc) or doc.elastic]
-        return sorted({m for doc in served for m in doc.models})
+        return list(self.model_states())
 
     def model_states(self) -> dict[str, dict[str, Any]]:
         """For each model a request can name (``models``): how many ready nodes serve it, how many elastic

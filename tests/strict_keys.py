@@ -1,5 +1,5 @@
-"""Scripts that refuse to touch a key they were not given in KEYS (issue: every key a script touches is
-declared, as Redis Cluster and the Redis docs require; Redis itself only checks that the declared keys share
+"""Scripts that refuse to touch a key they were not given in KEYS: every key a script touches must be
+declared, as Redis Cluster and the Redis docs require (Redis itself only checks that the declared keys share
 a slot).
 
 ``strict_keys`` (a fixture) loads the store's scripts with each ``redis.call(`` routed through a check: a
