@@ -7,7 +7,7 @@ model whose decode takes a realistic time on one CPU thread (about 5 ms a token)
 keeps a slot busy for seconds. No model binary is committed; the files are generated from a seed.
 
 ``kv_bytes_per_token(path)`` derives the KV-cache bytes per token from a GGUF's metadata (independent
-of the agent's own reader in ``node_agent/gguf_info.py``): layers x KV heads x head dim x 2 (K and V)
+of the agent's own reader in ``macpool/gguf_info.py``): layers x KV heads x head dim x 2 (K and V)
 x bytes per cache element (2 for llama-server's default f16 cache).
 """
 

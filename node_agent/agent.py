@@ -19,6 +19,7 @@ import httpx
 import uvicorn
 
 from macpool import upstream
+from macpool.gguf_info import GGUFError, ModelShape, cache_types, read_shape
 from macpool.loops import every
 from macpool.serving import server_config
 from macpool.settings import ConfigError
@@ -28,7 +29,6 @@ from macpool.store.elastic import ElasticStore
 
 from . import sizing
 from .gateway import create_app
-from .gguf_info import GGUFError, ModelShape, cache_types, read_shape
 from .heartbeat import Heartbeat
 from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, make_probe
 from .runtime import Runtime

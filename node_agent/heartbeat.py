@@ -16,13 +16,13 @@ from redis.exceptions import RedisError
 
 from macpool import __version__
 from macpool.contract import MemoryFigures, ModelState, NodeDoc, NodeState, heartbeat_ttl_ms, now_ms
+from macpool.gguf_info import ModelShape
 from macpool.loops import every
 from macpool.store import Keys, Store
 from macpool.store.connect import AnyRedis
 from macpool.wol import normalize_mac
 
 from . import capacity
-from .gguf_info import ModelShape
 from .memory import GB, MemoryProbe, MemorySample, ProbeError, UpstreamUnreachable
 from .runtime import Runtime
 from .standby import REASONS, standby_models

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from node_agent.gguf_info import GGUFError, cache_types, read_shape
+from macpool.gguf_info import GGUFError, cache_types, read_shape
 from tests.node_agent.helpers import write_gguf
 
 
