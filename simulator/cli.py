@@ -60,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"simulated seconds per wall second (default {_default('speed')})")
     p.add_argument("--load-seconds", type=float,
                    help=f"answer 503 'Loading model' this long (default {_default('load_seconds')})")
-    p.add_argument("--models", help="router mode: serve several models on this Mac, loaded on demand: "
-                   "NAME=PRESET[,NAME=PRESET...] (each model's figures from its preset, on this Mac)")
+    models = p.add_mutually_exclusive_group()
+    models.add_argument("--models", help="router mode: serve several models on this Mac, loaded on demand: "
+                        "NAME=PRESET[,NAME=PRESET...] (each model's figures from its preset, on this Mac)")
+    models.add_argument("--models-preset", type=Path, metavar="FILE.ini",
+                        help="router mode: the models of a llama-server model-preset INI file (a section "
+                        "per model: model = FILE.gguf, a machine FILE.json or a preset; parallel; ctx-size)")
     p.add_argument("--models-max", type=int, help="router mode: most models loaded at once "
                    f"(default {_default('models_max')}; 0: no limit)")
     p.add_argument("--models-autoload", action=argparse.BooleanOptionalAction, default=None,
@@ -91,11 +95,14 @@ def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
         "host": args.host, "port": args.port, "preset": args.preset, "machine": args.machine,
         "parallel": args.parallel, "ctx_size": args.ctx_size, "model": args.model, "alias": args.alias,
         "metrics": args.metrics, "speed": args.speed, "load_seconds": args.load_seconds,
-        "models": args.models, "models_max": args.models_max, "models_autoload": args.models_autoload,
+        "models": args.models, "models_preset": args.models_preset, "models_max": args.models_max,
+        "models_autoload": args.models_autoload,
     }
     given = {k: v for k, v in values.items() if v is not None}
     if "preset" in given or "machine" in given:  # one choice: the flag's wins over the other's variable
         given = {"preset": None, "machine": None, **given}
+    if "models" in given or "models_preset" in given:
+        given = {"models": None, "models_preset": None, **given}
     try:
         settings = SimSettings(**given)
     except ValidationError as exc:
@@ -103,16 +110,23 @@ def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
         name = str(first["loc"][0])
         source = f"--{name.replace('_', '-')}" if name in given else f"MACPOOL_SIM_{name.upper()}"
         raise UsageError(f"{source}={first['input']!r}: {first['msg']}") from exc
+    if ("models_max" in given or "models_autoload" in given) and not router_mode(settings):
+        raise UsageError("--models-max and --models-autoload need --models or --models-preset")
     return settings, args.log_level
 
 
-def create(settings: SimSettings, machine: Machine | None = None) -> ASGIApp:
-    """The simulator's app: one model, or several loaded on demand (router mode, ``--models``)."""
-    from simulator.app import create_app
-    from simulator.router_mode import create_router_app, parse_models
+def router_mode(settings: SimSettings) -> bool:
+    return bool(settings.models) or settings.models_preset is not None
 
-    if settings.models:
-        return create_router_app(settings, parse_models(settings.models), machine)
+
+def create(settings: SimSettings, machine: Machine | None = None) -> ASGIApp:
+    """The simulator's app: one model, or several loaded on demand (router mode, ``--models`` or
+    ``--models-preset``)."""
+    from simulator.app import create_app
+    from simulator.router_mode import create_router_app
+
+    if router_mode(settings):
+        return create_router_app(settings, machine)
     return create_app(settings, machine)
 
 

@@ -7,10 +7,11 @@ its ``?model=`` query) names; ``--models-max`` bounds how many run at once, evic
 idle one. Shapes and error texts are those of tools/server/server-models.cpp, and tests/contract checks them
 against the real server.
 
-Here each child is a :class:`~simulator.app.SimServer` in this process, with the model's own preset
-(weights, KV per token, speed) on this Mac's memory (the ``--preset``/``--machine`` of the router): the
-memory every loaded model holds is counted against the one wired limit (each child sees the others as
-external memory), so a Mac that loads too much pages, or fails the load (``overcommit: fail``). Loading takes
+Here each child is a :class:`~simulator.app.SimServer` in this process, with the model's own figures
+(weights, KV per token, speed: :mod:`simulator.router_models`) on this Mac's memory (the
+``--preset``/``--machine`` of the router), and its own slots and context: the memory every loaded model
+holds is counted against the one wired limit (each child sees the others as external memory), so a Mac
+that loads too much pages, or fails the load (``overcommit: fail``). Loading takes
 ``0.5 s + weights / load_gb_s`` of simulated time. Unloading a model with requests in flight cuts them, as
 the child's exit does.
 """
@@ -21,7 +22,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,35 +35,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from simulator import shapes
 from simulator.app import LlamaHeaders, SimServer, http_error, json_response, parse_error, server_error
-from simulator.machine import Machine, MachineError, load_preset
+from simulator.machine import Machine, MachineError
+from simulator.router_models import SimModel, router_models
 from simulator.settings import SimSettings, build_info
 
-# the figures of a Mac, not of a model: a model's preset is put on the router's Mac with these
-MAC_FIELDS = ("total_gb", "wired_limit_gb", "near_ceiling_fraction", "paging_scale_gb", "paging_exponent",
-              "collapse_overflow_gb", "overcommit", "load_gb_s")
 LOAD_FIXED_S = 0.5  # process start and context creation, on top of reading the weights
 Handler = Callable[[Request], Awaitable[Response]]
 MEMORY_SYNC_S = 0.1  # how often each child's view of the other models' memory is brought up to date
-
-
-def parse_models(spec: str) -> dict[str, str]:
-    """``NAME=PRESET[,NAME=PRESET...]`` -> {name: preset}."""
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, preset = part.partition("=")
-        if not sep or not name or not preset:
-            raise MachineError(f"--models takes NAME=PRESET[,NAME=PRESET...], not {part!r}")
-        if name in out:
-            raise MachineError(f"--models names {name!r} twice")
-        out[name] = preset
-    if not out:
-        raise MachineError("--models names no model")
-    return out
-
-
-def on_mac(model: Machine, mac: Machine) -> Machine:
-    """``model``'s figures (weights, KV, speed) on ``mac``'s memory."""
-    return model.model_copy(update={name: getattr(mac, name) for name in MAC_FIELDS})
 
 
 def error(code: int, message: str, kind: str = "invalid_request_error") -> Response:
@@ -77,8 +56,7 @@ class ModelUnloaded(RuntimeError):
 class Hosted:
     """One model this Mac can serve, and its child while it runs."""
 
-    name: str
-    machine: Machine
+    spec: SimModel
     status: str = "unloaded"  # unloaded, loading, loaded
     exit_code: int = 0
     server: SimServer | None = None
@@ -88,6 +66,14 @@ class Hosted:
     last_used: float = 0.0
     loads: int = 0  # loads begun (the simulator's own count, for tests and benches)
     active: set[asyncio.Task[None]] = field(default_factory=set)  # requests being served by the child
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def machine(self) -> Machine:
+        return self.spec.machine
 
     def pinned_gb(self) -> float:
         """What the child holds now (its own share: the other models are not counted)."""
@@ -100,11 +86,12 @@ class Hosted:
 class SimRouter:
     """The router-mode simulator: the models, their children, and the HTTP surface."""
 
-    def __init__(self, settings: SimSettings, mac: Machine, models: dict[str, str]) -> None:
+    def __init__(self, settings: SimSettings, mac: Machine, models: Sequence[SimModel]) -> None:
         self.settings = settings
         self.mac = mac
-        self.hosted = {name: Hosted(name, on_mac(load_preset(preset), mac))
-                       for name, preset in models.items()}
+        self.hosted = {spec.name: Hosted(spec) for spec in models}
+        if len(self.hosted) < len(models):
+            raise MachineError("the router's models must have different names")
         self.external_gb = 0.0  # other software's memory (/sim/pressure)
         self.created = int(time.time())
 
@@ -153,8 +140,11 @@ class SimRouter:
 
     async def _load(self, hosted: Hosted) -> None:
         await asyncio.sleep(self.load_seconds(hosted) / self.settings.speed)
-        settings = self.settings.model_copy(
-            update={"model": hosted.name, "alias": hosted.name, "load_seconds": 0, "models": None})
+        spec = hosted.spec
+        settings = self.settings.model_copy(update={
+            "model": spec.model or spec.name, "alias": spec.name, "parallel": spec.parallel,
+            "ctx_size": spec.ctx_size, "load_seconds": 0, "models": None, "models_preset": None,
+        })
         try:
             server = SimServer(settings, hosted.machine)
         except MachineError:
@@ -251,13 +241,13 @@ class SimRouter:
         return out
 
     def child_args(self, hosted: Hosted) -> list[str]:
-        s = self.settings
-        args = ["llama-server", "--host", "127.0.0.1", "--port", "0", "--alias", hosted.name]
-        if s.ctx_size:
-            args += ["--ctx-size", str(s.ctx_size)]
-        args += ["--model", hosted.name]
-        if s.parallel:
-            args += ["--parallel", str(s.parallel)]
+        spec = hosted.spec
+        args = ["llama-server", "--host", "127.0.0.1", "--port", "0", "--alias", spec.name]
+        if spec.ctx_size:
+            args += ["--ctx-size", str(spec.ctx_size)]
+        args += ["--model", spec.model or spec.name]
+        if spec.parallel:
+            args += ["--parallel", str(spec.parallel)]
         return args
 
     async def _named(self, request: Request) -> Hosted | Response:
@@ -432,9 +422,13 @@ def server_app(server: SimServer) -> ASGIApp:
     return Starlette(routes=server.routes(), exception_handlers=handlers)
 
 
-def create_router_app(settings: SimSettings, models: dict[str, str], mac: Machine | None = None) -> ASGIApp:
-    """The router-mode simulator for ``settings`` serving ``models`` (name -> preset) on one Mac."""
-    router = SimRouter(settings, mac or settings.load_machine(), models)
+def create_router_app(
+    settings: SimSettings, mac: Machine | None = None, models: Sequence[SimModel] | None = None
+) -> ASGIApp:
+    """The router-mode simulator for ``settings`` on one Mac (``mac``, else the settings'), serving
+    ``models``, else those of ``--models`` or ``--models-preset``."""
+    mac = mac or settings.load_machine()
+    router = SimRouter(settings, mac, router_models(settings, mac) if models is None else models)
     app = Starlette(routes=router.routes(), lifespan=router.lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     return LlamaHeaders(app)

@@ -27,8 +27,11 @@ class SimSettings(BaseSettings):
     metrics: bool = False
     speed: float = Field(1.0, gt=0)
     load_seconds: float = Field(0.0, ge=0)
-    # router mode (simulator/router_mode.py): NAME=PRESET,... served on this Mac, loaded on demand
+    # router mode (simulator/router_mode.py): several models served on this Mac, loaded on demand
     models: str | None = Field(None, description="--models: router mode, NAME=PRESET[,NAME=PRESET...]")
+    models_preset: Path | None = Field(
+        None, description="--models-preset: router mode, the models of a llama-server model-preset INI file"
+    )
     models_max: int = Field(4, ge=0, description="--models-max: most models loaded at once (0: no limit)")
     models_autoload: bool = Field(True, description="load an unloaded model a request names")
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from simulator.machine import MachineError
-from simulator.router_mode import parse_models
+from simulator.router_models import parse_models
 from tests.conftest import wait_until
 from tests.inprocess import LocalStack
 
