@@ -49,6 +49,10 @@ class CapacityBreakdown(BaseModel):
     pressure_limited: bool = False
 
 
+LoadCost = Literal["free", "evict", "full"]
+LOAD_COST_ORDER: dict[str, int] = {"free": 0, "evict": 1, "full": 2}
+
+
 class ModelState(BaseModel):
     """What a node says of one model it serves, or would serve once loaded (``NodeDoc.model_states``)."""
 
@@ -92,6 +96,9 @@ class NodeDoc(BaseModel):
     wol_mac: str = ""  # how the autoscaler wakes this Mac from sleep ("": it cannot)
     wol_broadcast: str = ""
     model_states: list[ModelState] = Field(default_factory=list)  # per model, loaded or loadable
+    # what loading its model would cost the Mac now (a standby node): "free" memory, "evict" idle models of
+    # the same Mac first, or "full" (the memory is held by models with requests in flight: no load now)
+    load_cost: LoadCost = "free"
 
     def encode(self) -> str:
         return self.model_dump_json()

@@ -13,10 +13,13 @@ import logging
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Callable, Generator
+from pathlib import Path
 
 import httpx
 import uvicorn
+from starlette.types import ASGIApp
 
 from macpool import upstream
 from macpool.gguf_info import GGUFError, ModelShape, cache_types, read_shape
@@ -27,8 +30,8 @@ from macpool.store import Keys
 from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.elastic import ElasticStore
 
-from . import sizing
-from .gateway import create_app
+from . import models, sizing
+from .gateway import create_app, create_models_app
 from .heartbeat import Heartbeat
 from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, make_probe
 from .runtime import Runtime
@@ -103,13 +106,15 @@ class Agent:
         self.stop_requested = asyncio.Event()
         self.force = asyncio.Event()
         self.supervisor: Supervisor | None = None
-        self.heartbeat: Heartbeat | None = None
         self.redis: AnyRedis | None = None
         self.connection: Connection | None = None
         self.server: _Server | None = None
         self.server_task: asyncio.Task[None] | None = None
         self.tasks: list[asyncio.Task[None]] = []
         self._llama_task: asyncio.Task[None] | None = None
+        self.heartbeats: list[Heartbeat] = []  # one, or one per model (--models)
+        self.models: models.ModelHost | None = None
+        self.preset_dir: tempfile.TemporaryDirectory[str] | None = None
 
     async def run(self) -> int:
         """startup -> main loop -> shutdown; returns the exit code."""
@@ -143,6 +148,35 @@ class Agent:
         self.connection = connect(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
                                   health_check_interval=10)
         self.redis = self.connection.client
+        app = await self._start_models() if settings.models else await self._start_one()
+        if self.connection.sentinel is not None:  # a failover, logged when the sentinels name a new primary
+            watch = functools.partial(self.connection.check_primary, log)
+            self.tasks.append(asyncio.create_task(every(1.0, watch, "redis primary", log, first_now=True),
+                                                     name="redis primary"))
+        config = server_config(
+            app,
+            # longer than the routers keep an idle connection (30 s, router/forward.py), so a router never
+            # reuses one the agent is closing
+            keep_alive=KEEP_ALIVE_S,
+            graceful_shutdown=1,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,  # its clients are routers: X-Forwarded-* says nothing it uses
+        )
+        self.server = server = _Server(config)
+        self.server_task = asyncio.create_task(server.serve(sockets=[self.sock]))
+        log.info(
+            "agent %s serving on %s (upstream %s)",
+            settings.node_id,
+            settings.public_url,
+            self.runtime.upstream_url,
+        )
+
+    async def _start_one(self) -> ASGIApp:
+        """One model: this node's heartbeat and standby follower, and the gateway over its runtime."""
+        settings, redis = self.settings, self.redis
+        assert redis is not None
         shape, kv_per_token = load_model_shape(settings)
         self.runtime.details["model"] = {
             "path": str(settings.model) if settings.model else None,
@@ -165,54 +199,65 @@ class Agent:
             assert settings.upstream is not None
             self.runtime.upstream_url = settings.upstream.rstrip("/")
         probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
-        self.heartbeat = Heartbeat(self.runtime, self.redis, probe, shape, kv_per_token,
-                                   on_persistent_pressure=self._shrink if settings.supervise else None)
+        heartbeat = Heartbeat(self.runtime, redis, probe, shape, kv_per_token,
+                              on_persistent_pressure=self._shrink if settings.supervise else None)
         if settings.follows_autoscaler:
-            store = ElasticStore(self.redis, Keys(settings.key_prefix))
+            store = ElasticStore(redis, Keys(settings.key_prefix))
             standby = Standby(self.runtime, store, self._start_llama_server, self._stop_llama_server)
-            self.heartbeat.before_beat = standby.follow
-        self.tasks.append(asyncio.create_task(self.heartbeat.run(), name="heartbeat"))
-        if self.connection.sentinel is not None:  # a failover, logged when the sentinels name a new primary
-            watch = functools.partial(self.connection.check_primary, log)
-            self.tasks.append(asyncio.create_task(every(1.0, watch, "redis primary", log, first_now=True),
-                                                     name="redis primary"))
-        config = server_config(
-            create_app(self.runtime),
-            # longer than the routers keep an idle connection (30 s, router/forward.py), so a router never
-            # reuses one the agent is closing
-            keep_alive=KEEP_ALIVE_S,
-            graceful_shutdown=1,
-            lifespan="off",
-            log_level="warning",
-            access_log=False,
-            proxy_headers=False,  # its clients are routers: X-Forwarded-* says nothing it uses
-        )
-        self.server = server = _Server(config)
-        self.server_task = asyncio.create_task(server.serve(sockets=[self.sock]))
-        log.info(
-            "agent %s serving on %s (upstream %s)",
-            settings.node_id,
-            settings.public_url,
-            self.runtime.upstream_url,
-        )
+            heartbeat.before_beat = standby.follow
+        self._beat(heartbeat)
+        return create_app(self.runtime)
 
-    def _start_llama_server(self) -> None:
-        """Supervise a new llama-server (at startup, or when a standby node is activated)."""
+    async def _start_models(self) -> ASGIApp:
+        """Several models (node_agent/models.py): llama-server's router mode, and a node per model."""
+        settings, redis = self.settings, self.redis
+        assert redis is not None
+        wired_limit = settings.wired_limit_gb or await probed_wired_limit(settings)
+        specs = models.plan_models(settings, wired_limit)
+        budget = models.Budget(None if wired_limit is None else wired_limit - settings.headroom_gb)
+        if budget.limit_gb is None:
+            log.warning("no wired limit known (--wired-limit-gb): models are loaded with no memory budget")
+        self.preset_dir = tempfile.TemporaryDirectory(prefix="macpool-models-")
+        preset = Path(self.preset_dir.name) / "models.ini"
+        models.write_preset(preset, specs)
+        store = ElasticStore(redis, Keys(settings.key_prefix))
+        host = self.models = models.ModelHost(settings, self.runtime, store, budget)
+        self._start_llama_server(preset)
+        client = self.runtime.client()
+        for spec in specs:
+            unit = host.add(spec, models.unit_settings(settings, spec))
+            probe = make_probe(settings.memory_probe, client, lambda: host.runtime.upstream_url)
+            heartbeat = Heartbeat(unit.runtime, redis, probe, None, None, model=spec.name,
+                                  model_memory_gb=spec.memory_gb,
+                                  load_cost=functools.partial(host.load_cost, unit))
+            heartbeat.before_beat = host.standby_for(unit).follow
+            self._beat(heartbeat)
+        return create_models_app({name: unit.runtime for name, unit in host.units.items()}, self.runtime)
+
+    def _beat(self, heartbeat: Heartbeat) -> None:
+        self.heartbeats.append(heartbeat)
+        name = f"heartbeat {heartbeat.runtime.settings.node_id}"
+        self.tasks.append(asyncio.create_task(heartbeat.run(), name=name))
+
+    def _start_llama_server(self, preset: Path | None = None) -> None:
+        """Supervise a new llama-server (at startup, or when a standby node is activated); in router mode
+        over ``preset`` with several models."""
         settings = self.settings
         if not settings.supervise:
             return
-        assert settings.model is not None and self.runtime.sizing is not None
+        host = self.models
         self.supervisor = Supervisor(
             settings.llama_command,
             settings.model,
-            self.runtime.sizing.parallel,
+            self.runtime.sizing.parallel if self.runtime.sizing else 1,
             settings.ctx_per_slot,
             settings.llama_args,
             settings.llama_log,
             settings.restart_backoff_max,
             on_healthy=self._llama_healthy,
-            on_exit=self.runtime.llama_down,
-            on_url=self._set_upstream,
+            on_exit=host.llama_server_exited if host is not None else self.runtime.llama_down,
+            on_url=host.set_upstream if host is not None else self._set_upstream,
+            preset=preset,
         )
         self.runtime.upstream_url = self.supervisor.url
         self.runtime.details["llama_server"] = self.supervisor.describe
@@ -298,9 +343,11 @@ class Agent:
                 _, running = await asyncio.wait(self.tasks, timeout=5)
                 for task in running:  # a bug: shutdown goes on, and says which loop would not end
                     log.error("task %s did not end within 5 s of its cancellation", task.get_name())
-            if self.heartbeat is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.heartbeat.remove(), 3)
+            if self.heartbeats:
+                removals = [asyncio.wait_for(heartbeat.remove(), 3) for heartbeat in self.heartbeats]
+                await asyncio.gather(*removals, return_exceptions=True)
+            if self.models is not None:
+                await self.models.close()
             if self.supervisor is not None:
                 if self.force.is_set():
                     self.supervisor.kill_now()
@@ -309,20 +356,29 @@ class Agent:
                 await self.runtime.http.aclose()
             if self.connection is not None:
                 await self.connection.aclose()
+            if self.preset_dir is not None:
+                self.preset_dir.cleanup()
             log.info("agent %s stopped", self.settings.node_id)
 
     async def _drain(self) -> None:
-        heartbeat = self.heartbeat
-        if heartbeat is None:
+        """Every node of this agent (one, or one per model) admits nothing new and says so; then wait for
+        what they hold, up to --drain-timeout."""
+        if not self.heartbeats:
             return
-        self.runtime.begin_drain()
-        log.info("draining: %d in flight, up to %.0fs", self.runtime.in_flight, self.settings.drain_timeout)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(heartbeat.beat(), 2)
+        runtimes = [heartbeat.runtime for heartbeat in self.heartbeats]
+        for runtime in runtimes:
+            runtime.begin_drain()
+
+        def in_flight() -> int:
+            return sum(runtime.in_flight for runtime in runtimes)
+
+        log.info("draining: %d in flight, up to %.0fs", in_flight(), self.settings.drain_timeout)
+        beats = [asyncio.wait_for(heartbeat.beat(), 2) for heartbeat in self.heartbeats]
+        await asyncio.gather(*beats, return_exceptions=True)
         deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout
-        while self.runtime.in_flight > 0 and not self.force.is_set():
+        while in_flight() > 0 and not self.force.is_set():
             if asyncio.get_running_loop().time() >= deadline:
-                log.warning("drain timeout: %d requests still in flight", self.runtime.in_flight)
+                log.warning("drain timeout: %d requests still in flight", in_flight())
                 break
             await asyncio.sleep(0.05)
 

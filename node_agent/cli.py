@@ -36,6 +36,12 @@ def _run_parser() -> argparse.ArgumentParser:
         "-m", "--model", type=Path, help="the GGUF file (required to supervise; sizes the KV cache)"
     )
     mode.add_argument(
+        "--models",
+        help="several models on this Mac instead of --model: NAME=FILE.gguf[,NAME=FILE.gguf...], served by "
+        "llama-server's router mode, loaded on demand under one memory budget (each is a pool node "
+        "<node-id>/<NAME>)",
+    )
+    mode.add_argument(
         "--parallel", type=int,
         help="llama-server slots (supervise; default: the slots whose KV cache fits the memory budget at "
         "--ctx-per-slot, bounded by the calibrated cap; fewer after persistent memory pressure)",

@@ -11,17 +11,19 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import httpx
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from macpool import upstream as http
 from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash, end_stream
@@ -364,17 +366,7 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def status(self, request: Request) -> Response:
-        runtime = self.runtime
-        return JSONResponse(
-            {
-                "node": runtime.doc.model_dump(mode="json") if runtime.doc else None,
-                "state": runtime.state,
-                "capacity": runtime.capacity,
-                "in_flight": runtime.in_flight,
-                "admitting": runtime.admitting,
-                **{key: value() if callable(value) else value for key, value in runtime.details.items()},
-            }
-        )
+        return JSONResponse(status_of(self.runtime))
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -394,4 +386,74 @@ def create_app(runtime: Runtime) -> Starlette:
     app = Starlette(routes=routes, middleware=[Middleware(TrailingSlash)],
                     exception_handlers=exception_handlers("agent", log))
     app.router.redirect_slashes = False  # TrailingSlash's rule instead: no redirect to the client's Host
+    return app
+
+
+def status_of(runtime: Runtime) -> dict[str, object]:
+    """A node's ``/status``: its last heartbeat document, its live figures and the agent's details."""
+    return {
+        "node": runtime.doc.model_dump(mode="json") if runtime.doc else None,
+        "state": runtime.state,
+        "capacity": runtime.capacity,
+        "in_flight": runtime.in_flight,
+        "admitting": runtime.admitting,
+        **{key: value() if callable(value) else value for key, value in runtime.details.items()},
+    }
+
+
+class _ByModel(Collector):
+    """Every model's own registry as one, each sample labelled with its model."""
+
+    def __init__(self, runtimes: dict[str, Runtime]) -> None:
+        self.runtimes = runtimes
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for name, runtime in self.runtimes.items():
+            for metric in runtime.metrics.registry.collect():
+                family = families.get(metric.name)
+                if family is None:
+                    family = families[metric.name] = Metric(metric.name, metric.documentation, metric.type,
+                                                            metric.unit)
+                family.samples += [s._replace(labels={**s.labels, "model": name}) for s in metric.samples]
+        yield from families.values()
+
+
+def create_models_app(runtimes: dict[str, Runtime], agent: Runtime) -> ASGIApp:
+    """Several models on one Mac (node_agent/models.py): each model's gateway under ``/m/<name>`` (its
+    node's URL), and the agent's own ``/health``, ``/status`` (every model's) and ``/metrics`` (every
+    model's, labelled ``model``)."""
+    apps = {name: create_app(runtime) for name, runtime in runtimes.items()}
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_ByModel(runtimes))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def status(request: Request) -> Response:
+        details = {key: value() if callable(value) else value for key, value in agent.details.items()}
+        return JSONResponse({"models": {name: status_of(runtime) for name, runtime in runtimes.items()},
+                             **details})
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    routes = [Route("/health", health, methods=["GET"]), Route("/status", status, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    root = Starlette(routes=routes, exception_handlers=exception_handlers("agent", log))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith("/m/"):
+            name, slash, rest = path[len("/m/"):].partition("/")
+            model_app = apps.get(name)
+            if model_app is None:
+                response = error_response(404, f"no model {name!r} on this agent", "model_not_found")
+                await response(scope, receive, send)
+                return
+            inner = slash + rest or "/"
+            await model_app({**scope, "path": inner, "raw_path": inner.encode()}, receive, send)
+            return
+        await root(scope, receive, send)
+
     return app

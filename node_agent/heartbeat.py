@@ -10,12 +10,21 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import quote
 
 import httpx
 from redis.exceptions import RedisError
 
 from macpool import __version__
-from macpool.contract import MemoryFigures, ModelState, NodeDoc, NodeState, heartbeat_ttl_ms, now_ms
+from macpool.contract import (
+    LoadCost,
+    MemoryFigures,
+    ModelState,
+    NodeDoc,
+    NodeState,
+    heartbeat_ttl_ms,
+    now_ms,
+)
 from macpool.gguf_info import ModelShape
 from macpool.loops import every
 from macpool.store import Keys, Store
@@ -70,25 +79,35 @@ class UpstreamView:
         return "healthy" if self.healthy else "loading" if self.reachable else "unreachable"
 
 
-async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView) -> None:
-    """Refresh ``view`` in place; a failure marks the upstream unhealthy and keeps the last figures."""
+async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView, model: str | None = None
+                        ) -> None:
+    """Refresh ``view`` in place; a failure marks the upstream unhealthy and keeps the last figures.
+
+    With ``model``, the upstream is llama-server's router mode and the view is of that one model: healthy
+    when ``/models`` calls it loaded, its figures from ``?model=`` (relayed to the model's own process).
+    """
     try:
-        health = await client.get(base + "/health", timeout=2.0)
+        if model is None:
+            health = await client.get(base + "/health", timeout=2.0)
+            healthy, problem = health.status_code == 200, f"answering /health with HTTP {health.status_code}"
+        else:
+            healthy, problem = await _model_loaded(client, base, model)
     except httpx.HTTPError as exc:
         view.healthy = view.reachable = False
         view.problem = f"not answering /health ({type(exc).__name__})"
         return
     view.reachable = True
-    view.healthy = health.status_code == 200
+    view.healthy = healthy
     if not view.healthy:
-        view.problem = f"answering /health with HTTP {health.status_code}"
+        view.problem = problem
         return
     view.problem = ""
+    query = "" if model is None else "?model=" + quote(model, safe="")
     props, models, metrics, slots = await asyncio.gather(
-        client.get(base + "/props", timeout=2.0),
-        client.get(base + "/v1/models", timeout=2.0),
-        client.get(base + "/metrics", timeout=2.0),
-        client.get(base + "/slots", timeout=2.0),
+        client.get(base + "/props" + query, timeout=2.0),
+        client.get(base + "/v1/models", timeout=2.0) if model is None else _listing(model),
+        client.get(base + "/metrics" + query, timeout=2.0),
+        client.get(base + "/slots" + query, timeout=2.0),
         return_exceptions=True,
     )
     if isinstance(props, httpx.Response) and props.status_code == 200:
@@ -109,6 +128,31 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
             with contextlib.suppress(ValueError):
                 total += decoded_so_far(slots.json())
         _update_rate(view, total)
+
+
+async def _model_loaded(client: httpx.AsyncClient, base: str, model: str) -> tuple[bool, str]:
+    """Whether llama-server's router mode has ``model`` loaded, and if not what it says of it."""
+    response = await client.get(base + "/models", timeout=2.0)
+    if response.status_code != 200:
+        return False, f"answering /models with HTTP {response.status_code}"
+    status = model_status(response.json(), model)
+    return status == "loaded", f"model {model!r} is {status or 'not listed'}"
+
+
+def model_status(listing: object, model: str) -> str | None:
+    """``model``'s status in a router-mode ``GET /models`` answer (loaded, loading, unloaded), or None."""
+    entries = listing.get("data") if isinstance(listing, dict) else None
+    for entry in entries if isinstance(entries, list) else ():
+        if isinstance(entry, dict) and entry.get("id") == model:
+            status = entry.get("status")
+            value = status.get("value") if isinstance(status, dict) else None
+            return value if isinstance(value, str) else None
+    return None
+
+
+async def _listing(model: str) -> httpx.Response:
+    """The one model a router-mode view serves, as its /v1/models would list it."""
+    return httpx.Response(200, json={"data": [{"id": model}]})
 
 
 def decoded_so_far(slots: object) -> int:
@@ -143,8 +187,8 @@ def _update_rate(view: UpstreamView, total: float | None) -> None:
     view.tokens_total, view.tokens_at = total, now
 
 
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 2)
+def _rounded(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 @dataclass
@@ -171,6 +215,12 @@ class Heartbeat:
     cap_warned_slots: int | None = None  # the slot count --cap was last found above
     redis_ok: bool = True
     before_beat: Callable[[], Awaitable[None]] | None = None  # the standby follower (node_agent/standby.py)
+    # one model of several on this Mac (node_agent/models.py): its name in llama-server's router mode; the
+    # memory its load is sized for (the Mac's budget holds it, so no memory term of its own); what loading
+    # it would cost the Mac now
+    model: str | None = None
+    model_memory_gb: float | None = None
+    load_cost: Callable[[], LoadCost] | None = None
     _redis_retry_at: float = 0.0
     _redis_backoff: float = 0.0
 
@@ -194,7 +244,7 @@ class Heartbeat:
     async def observe(self) -> NodeDoc:
         runtime = self.runtime
         sample: MemorySample | None
-        poll = poll_upstream(runtime.client(), runtime.upstream_url, self.upstream)
+        poll = poll_upstream(runtime.client(), runtime.upstream_url, self.upstream, self.model)
         sampled = await asyncio.gather(poll, self.probe.sample(), return_exceptions=True)
         if isinstance(sampled[0], BaseException):
             raise sampled[0]
@@ -250,7 +300,7 @@ class Heartbeat:
                 pressure=sample.pressure,
                 state=capacity.memory_state(sample),
             )
-            if per_request:
+            if per_request and self.model is None:
                 budget = sample.wired_limit_gb - sample.external_gb
                 memory_cap = capacity.memory_cap(budget, weights, settings.headroom_gb, per_request)
             if self.pressure.update(sample):
@@ -269,7 +319,10 @@ class Heartbeat:
         reason = REASONS.get(state, reason)
         runtime.details["memory_probe"] = self.probe.name
         runtime.details["upstream"] = {"healthy": view.healthy, "reachable": view.reachable}
-        models = view.models or (standby_models(settings) if settings.follows_autoscaler else [])
+        if self.model is not None:
+            models = [self.model]
+        else:
+            models = view.models or (standby_models(settings) if settings.follows_autoscaler else [])
         return NodeDoc(
             node_id=settings.node_id,
             url=settings.public_url,
@@ -297,6 +350,7 @@ class Heartbeat:
             wol_mac=normalize_mac(settings.wol_mac) if settings.wol_mac else "",
             wol_broadcast=settings.wol_broadcast if settings.wol_mac else "",
             model_states=self._model_states(models, state, decision.capacity, view, weights, per_request),
+            load_cost=self.load_cost() if self.load_cost is not None else "free",
         )
 
     def _model_states(self, models: list[str], state: NodeState, capacity: int, view: UpstreamView,
@@ -307,7 +361,9 @@ class Heartbeat:
             return []
         slots = view.total_slots or runtime.standby_capacity
         memory = None
-        if weights_gb and per_request_gb is not None and slots:
+        if self.model is not None:
+            memory = _rounded(self.model_memory_gb, 4)
+        elif weights_gb and per_request_gb is not None and slots:
             memory = round(weights_gb + per_request_gb * slots, 3)
         phase = MODEL_PHASE.get(state, "loaded")
         return [ModelState(

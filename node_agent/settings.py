@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, AliasChoices, Field, ValidationError
+from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     SettingsConfigDict,
 )
 
@@ -23,6 +25,26 @@ from macpool.store import DEFAULT_PREFIX
 from macpool.wol import BadMac, normalize_mac
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
+# a model's name on a Mac of several (--models): its llama-server model id, and part of its node id and URL
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][\w.:-]*$")
+
+
+def _model_files(value: object) -> object:
+    """``NAME=FILE[,NAME=FILE...]`` (a flag, or MACPOOL_MODELS) -> {name: file}; a mapping passes as it is."""
+    if not isinstance(value, str):
+        return value
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        name, sep, path = part.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"expected NAME=FILE.gguf[,NAME=FILE.gguf...], not {part!r}")
+        if name.strip() in out:
+            raise ValueError(f"names {name.strip()!r} twice")
+        out[name.strip()] = path.strip()
+    return out
+
+
+ModelFiles = Annotated[dict[str, UserPath], NoDecode, BeforeValidator(_model_files)]
 
 
 class AgentSettings(BaseSettings):
@@ -34,6 +56,9 @@ class AgentSettings(BaseSettings):
     upstream: str | None = None
     llama_server: Annotated[str, AfterValidator(os.path.expanduser)] | None = None  # a path, or on PATH
     model: UserPath | None = None
+    # several models on one Mac (node_agent/models.py): name -> GGUF file, served by llama-server's router
+    # mode; given as NAME=FILE[,NAME=FILE...] on the command line or in the environment, a table in TOML
+    models: ModelFiles = Field(default_factory=dict)
     parallel: int | None = Field(default=None, ge=1)  # None: the slots that fit (node_agent/sizing.py)
     ctx_per_slot: int = Field(default=4096, ge=16)
     llama_args: list[str] = Field(default_factory=list)
@@ -115,8 +140,11 @@ class AgentSettings(BaseSettings):
                 raise ConfigError("--llama-server is empty")
             if shutil.which(argv[0]) is None:
                 raise ConfigError(f"--llama-server {argv[0]!r}: no such executable")
-            if self.model is None:
-                raise ConfigError("--model FILE.gguf is required with --llama-server")
+            if self.model is None and not self.models:
+                raise ConfigError("--model FILE.gguf (or --models NAME=FILE,...) is required with "
+                                  "--llama-server")
+            if self.model is not None and self.models:
+                raise ConfigError("give --model FILE.gguf or --models NAME=FILE,..., not both")
             for arg in self.llama_args:
                 # llama-server takes the last --host/--port it is given, and these come after the agent's:
                 # one would open it to the network past the cap and token, the other hide it from the agent
@@ -129,6 +157,14 @@ class AgentSettings(BaseSettings):
                 normalize_mac(self.wol_mac)
             except BadMac as exc:
                 raise ConfigError(f"--wol-mac: {exc}") from None
+        if self.models and not self.supervise:
+            raise ConfigError("--models needs --llama-server: the agent runs llama-server's router mode")
+        for name, path in self.models.items():
+            if not MODEL_NAME.match(name):
+                raise ConfigError(f"--models: {name!r} is not a model name (letters, digits, '.', '_', ':', "
+                                  "'-'; a letter or digit first)")
+            if not path.is_file():
+                raise ConfigError(f"--models {name}={str(path)!r}: no such file")
         if self.model is not None and not self.model.is_file():
             raise ConfigError(f"--model {str(self.model)!r}: no such file")
         if self.calibration is not None and not self.calibration.is_file():

@@ -59,12 +59,16 @@ def _die_with_parent() -> None:
 
 
 class Supervisor:
-    """One supervised llama-server: ``on_healthy`` once it answers /health 200, ``on_exit`` when it exits."""
+    """One supervised llama-server: ``on_healthy`` once it answers /health 200, ``on_exit`` when it exits.
+
+    With ``model`` it serves that one GGUF; with ``preset`` (several models, node_agent/models.py) it runs
+    in router mode over the models of that preset file, loading none until the agent asks.
+    """
 
     def __init__(
         self,
         command: list[str],
-        model: Path,
+        model: Path | None,
         parallel: int,
         ctx_per_slot: int,
         extra_args: list[str],
@@ -73,8 +77,10 @@ class Supervisor:
         on_healthy: Callable[[], None] | None = None,
         on_exit: Callable[[], None] | None = None,
         on_url: Callable[[str], None] | None = None,
+        preset: Path | None = None,
     ) -> None:
         self.command = command
+        self.preset = preset
         self.model = model
         self.parallel = parallel
         self.ctx_per_slot = ctx_per_slot
@@ -102,12 +108,13 @@ class Supervisor:
         return {"pid": pid, "url": self.url, "restarts": self.restarts, "argv": redacted(self.argv())}
 
     def argv(self) -> list[str]:
+        where = [*self.command, "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.preset is not None:
+            # the agent alone decides what is loaded: no autoload, and no LRU of llama-server's own
+            return [*where, "--models-preset", str(self.preset), "--no-models-autoload", "--models-max", "0",
+                    "--metrics", *self.extra_args]
         return [
-            *self.command,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
+            *where,
             "--parallel",
             str(self.parallel),
             "--ctx-size",
@@ -124,7 +131,7 @@ class Supervisor:
 
         llama-server's default model id is the path as given, which clients should not have to know.
         """
-        if {"-a", "--alias"} & set(self.extra_args):
+        if {"-a", "--alias"} & set(self.extra_args) or self.model is None:
             return []
         name = Path(str(self.model)).name
         return ["--alias", name.removesuffix(".gguf")]

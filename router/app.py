@@ -296,8 +296,8 @@ class Router:
             Route("/ready", self.ready, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/api/pool", self.api_pool, methods=["GET"]),
-            Route("/admin/nodes/{node_id}/drain", self.drain, methods=["POST"]),
-            Route("/admin/nodes/{node_id}/undrain", self.undrain, methods=["POST"]),
+            Route("/admin/nodes/{node_id:path}/drain", self.drain, methods=["POST"]),
+            Route("/admin/nodes/{node_id:path}/undrain", self.undrain, methods=["POST"]),
         ]
         return routes + _dashboard_routes(self)
 

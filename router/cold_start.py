@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 
-from macpool.contract import NodeDoc
+from macpool.contract import LOAD_COST_ORDER, NodeDoc
 from macpool.store import ReserveRequest
 from macpool.store.elastic import ElasticStore
 from router.admission import Admission, Rejected, Ticket
@@ -87,17 +87,19 @@ class ColdStart:
                 await asyncio.shield(self.admission.store.leave_queue(rid))
 
     def loader(self, model: str) -> NodeDoc | None:
-        """The standby node of ``model`` that would serve it soonest: the shortest last load (one never
-        seen loading after those seen), then the most capacity, then the lowest id; None when none is in
-        standby (a Mac asleep is the autoscaler's to wake)."""
+        """The standby node of ``model`` that would serve it soonest: one whose Mac has the memory free,
+        then one that must evict idle models first; among those the shortest last load (one never seen
+        loading after those seen), then the most capacity, then the lowest id. None when none is in standby
+        (a Mac asleep is the autoscaler's to wake) or every one's memory is held by busy models."""
         standby = [doc for doc in self.pool.fresh_nodes()
                    if doc.elastic and doc.state == "standby" and model in doc.models
-                   and doc.node_id not in self.pool.snapshot.drained]
+                   and doc.load_cost != "full" and doc.node_id not in self.pool.snapshot.drained]
 
-        def cost(doc: NodeDoc) -> tuple[bool, float, int, str]:
+        def cost(doc: NodeDoc) -> tuple[int, bool, float, int, str]:
             load_s = next((m.load_s for m in doc.model_states if m.name == model and m.load_s is not None),
                           None)
-            return load_s is None, load_s or 0.0, -doc.standby_capacity, doc.node_id
+            return (LOAD_COST_ORDER[doc.load_cost], load_s is None, load_s or 0.0, -doc.standby_capacity,
+                    doc.node_id)
 
         return min(standby, key=cost, default=None)
 
