@@ -215,10 +215,15 @@ class SimProbe:
             swap_used_gb=float(data.get("swap_used_gb", 0.0)),
             pressure=pressure if pressure in ("normal", "warning", "critical") else "warning",
             external_gb=float(data.get("external_gb", 0.0)),
-            weights_gb=float(data["weights_gb"]),
-            per_request_gb=float(data["per_request_gb"]),
+            # (a simulated Mac of several models says neither: each model's weights are its own)
+            weights_gb=_figure(data.get("weights_gb")),
+            per_request_gb=_figure(data.get("per_request_gb")),
             state=data.get("state"),
         )
+
+
+def _figure(value: object) -> float | None:
+    return None if value is None else float(value)  # type: ignore[arg-type]
 
 
 class AutoProbe:
