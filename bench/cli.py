@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "elastic": ("bench.elastic", "0.3x -> 3x -> 0.3x on 4 Macs, 2 in standby under autoscale, vs static"),
     "fairness": ("bench.fairness", "flooding vs light tenant: the light one's queue wait, fair vs FIFO"),
     "placement": ("bench.placement", "a mixed pool of Macs at 0.5x-4x load: macpool vs LiteLLM vs nginx"),
+    "models": ("bench.models", "model A -> B -> A on Macs holding one at a time: cold starts, memory"),
 }
 
 

@@ -227,8 +227,8 @@ class Agent:
         for spec in specs:
             unit = host.add(spec, models.unit_settings(settings, spec))
             probe = make_probe(settings.memory_probe, client, lambda: host.runtime.upstream_url)
-            heartbeat = Heartbeat(unit.runtime, redis, probe, None, None, model=spec.name,
-                                  model_memory_gb=spec.memory_gb,
+            heartbeat = Heartbeat(unit.runtime, redis, probe, None, None, host.relieve_pressure,
+                                  model=spec.name, model_memory_gb=spec.memory_gb,
                                   load_cost=functools.partial(host.load_cost, unit))
             heartbeat.before_beat = host.standby_for(unit).follow
             self._beat(heartbeat)

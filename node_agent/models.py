@@ -8,7 +8,9 @@ When a router's load on demand (or the autoscaler) writes ``active`` to its desi
 if its memory (weights and every slot's KV cache, from the GGUF) fits the budget - the wired limit minus
 the headroom - beside the models already loaded. To make room it first unloads idle models, least recently
 used first, never one with a request in flight; when even that is not enough the load is refused and the
-model stays in standby. ``--idle-unload`` unloads a model after that long without a request.
+model stays in standby. ``--idle-unload`` unloads a model after that long without a request, and memory
+pressure that lasts ``--shrink-after-beats`` heartbeats (another app took the memory) unloads the least
+recently used idle one.
 
 Router mode rather than one supervised llama-server per model: llama-server itself starts, stops and relays
 to each model's own process, so one crashing model does not take the others down, and the agent speaks one
@@ -161,6 +163,7 @@ class ModelHost:
     units: dict[str, Unit] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load decision at a time
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    relieved_at: float = float("-inf")  # when memory pressure last unloaded a model
 
     def add(self, spec: ModelSpec, node_settings: AgentSettings) -> Unit:
         runtime = Runtime(node_settings)
@@ -203,9 +206,7 @@ class ModelHost:
             for victim in victims:
                 log.info("unloading idle model %s to make room for %s (%.2f GB)", victim.name, unit.name,
                          unit.memory_gb)
-                await self._set_desired(victim, "standby")
-                await self.unload(victim)
-                victim.runtime.enter_standby()
+                await self._evict(victim)
         started = time.monotonic()
         problem = await self._ask_load(unit)
         if problem:
@@ -218,6 +219,33 @@ class ModelHost:
         log.info("model %s loaded in %.1fs", unit.name, load_s)
         unit.runtime.llama_up(load_s)
         unit.runtime.beat_now.set()
+
+    async def _evict(self, victim: Unit) -> None:
+        """Unload an idle model already admitting nothing (``begin_standby_drain``), and say in Redis that
+        it is in standby, so that no router's earlier word loads it again."""
+        await self._set_desired(victim, "standby")
+        await self.unload(victim)
+        victim.runtime.enter_standby()
+
+    def relieve_pressure(self, beats: int) -> None:
+        """Memory pressure for ``beats`` heartbeats on a loaded model's node (every loaded model sees the
+        Mac's): unload the least recently used idle model, at most one per ``beats`` heartbeats."""
+        now = time.monotonic()
+        if now < self.relieved_at + beats * self.settings.heartbeat_interval:
+            return
+        self.relieved_at = now
+        idle = sorted((u for u in self.units.values() if u.evictable), key=lambda u: u.runtime.last_busy)
+        if not idle:
+            log.warning("memory pressure for %d heartbeats and every loaded model is busy: nothing idle to "
+                        "unload", beats)
+            return
+        victim = idle[0]
+        log.warning("memory pressure for %d heartbeats: unloading the idle model %s (%.2f GB)", beats,
+                    victim.name, victim.memory_gb)
+        victim.runtime.begin_standby_drain()
+        task = asyncio.create_task(self._evict(victim), name=f"unload {victim.name}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def _refuse(self, unit: Unit) -> None:
         held = ", ".join(f"{u.name} ({u.memory_gb:.2f} GB, {u.runtime.in_flight} in flight)"

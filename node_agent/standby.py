@@ -51,12 +51,13 @@ class Standby:
         except (RedisError, OSError):
             desired = None  # the heartbeat's own write says Redis is down
         if desired == "active" and runtime.standing_by:
-            log.info("activated by the autoscaler: loading the model")
+            log.info("%s asked to load (by a router or the autoscaler): loading", runtime.settings.node_id)
             if runtime.state == "standby":
                 self.load()
             runtime.activate()
         elif desired == "standby" and not runtime.standing_by:
-            log.info("sent to standby by the autoscaler: draining %d in flight", runtime.in_flight)
+            log.info("%s sent to standby by the autoscaler: draining %d in flight", runtime.settings.node_id,
+                     runtime.in_flight)
             runtime.begin_standby_drain()
         elif self.idle():
             idle = runtime.settings.idle_unload
@@ -64,12 +65,13 @@ class Standby:
                 await self.store.set_desired(runtime.settings.node_id, "standby")
             except (RedisError, OSError):
                 return
-            log.info("no request for %.0fs: unloading the model, back to standby", idle)
+            log.info("%s: no request for %.0fs: unloading the model, back to standby",
+                     runtime.settings.node_id, idle)
             runtime.begin_standby_drain()
         if runtime.state == "draining-to-standby" and runtime.in_flight == 0:
             await self.unload()
             runtime.enter_standby()
-            log.info("in standby: model unloaded, admitting nothing")
+            log.info("%s in standby: model unloaded, admitting nothing", runtime.settings.node_id)
 
 
     def idle(self) -> bool:

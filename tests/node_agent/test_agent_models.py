@@ -209,3 +209,17 @@ def test_load_on_demand_picks_the_mac_with_free_memory_over_one_that_must_unload
     assert read_node(redis_url, "mac-2/b").load_cost == "free"
     assert ask(router, "b").status_code == 200
     assert mac2.state("b") == "ready" and mac1.state("b") == "standby" and mac1.state("a") == "ready"
+
+
+def test_memory_pressure_that_lasts_unloads_the_least_recently_used_idle_model(
+        stack: Stack, redis_url: str, tmp_path: Path) -> None:
+    mac = start_mac(stack, redis_url, "mac", model_files(tmp_path, "ab"), "--shrink-after-beats", "3")
+    router = start_router(stack, redis_url)
+    assert ask(router, "a").status_code == 200
+    assert ask(router, "b").status_code == 200  # 16.6 GB of models pinned: 21.1 with 4.5 more
+    sim = mac.status()["llama_server"]["url"]
+    httpx.post(sim + "/sim/pressure", json={"external_gb": 4.5}, timeout=5)  # another app: near the limit
+    wait_until(lambda: mac.state("a") == "standby", 15, what="a, the least recently used, unloaded")
+    time.sleep(1.5)  # pressure is gone with a: b stays
+    assert mac.state("b") == "ready"
+    assert mac.memory()["models"]["a"]["status"] == "unloaded"
