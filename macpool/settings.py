@@ -87,12 +87,19 @@ def layered(cls: type[S], flags: dict[str, Any], file_values: dict[str, Any]) ->
 def _anchored(cls: type[BaseSettings], values: dict[str, Any], config_file: Path) -> dict[str, Any]:
     """A config file's relative paths are relative to the file, as its reader expects (not to wherever the
     process was started: launchd starts it in /)."""
+    def resolved(value: str) -> str:
+        path = Path(value).expanduser()
+        return str(path if path.is_absolute() else config_file.parent / path)
+
     out = dict(values)
     for key, value in values.items():
         field = cls.model_fields.get(key)
-        if field is not None and isinstance(value, str) and value and _is_path(field.annotation):
-            path = Path(value).expanduser()
-            out[key] = str(path if path.is_absolute() else config_file.parent / path)
+        if field is None or not _is_path(field.annotation):
+            continue
+        if isinstance(value, str) and value:
+            out[key] = resolved(value)
+        elif isinstance(value, dict):  # a table of paths (the agent's models)
+            out[key] = {name: resolved(v) if isinstance(v, str) and v else v for name, v in value.items()}
     return out
 
 

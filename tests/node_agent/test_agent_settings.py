@@ -151,3 +151,36 @@ def test_a_misspelled_file_key_fails_but_other_programs_environment_does_not(
     monkeypatch.setenv("MACPOOL_QUEUE_SIZE", "3")  # the router's, in a shared environment
     config.write_text('[agent]\nupstream = "http://127.0.0.1:1"\nheartbeat-interval = 2\n')
     assert load_settings({}, config).heartbeat_interval == 2.0
+
+
+def test_several_models_from_a_flag_the_environment_or_a_table_relative_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.gguf").write_bytes(b"GGUF")
+    config = tmp_path / "agent.toml"
+    config.write_text('llama_server = "true"\n[models]\nchat = "a.gguf"\ncoder = "b.gguf"\n')
+    monkeypatch.chdir("/")
+    assert load_settings({}, config).models == {"chat": tmp_path / "a.gguf", "coder": tmp_path / "b.gguf"}
+    flag = f"chat={tmp_path / 'a.gguf'}, coder={tmp_path / 'b.gguf'}"
+    assert list(load_settings({"llama_server": "true", "models": flag}).models) == ["chat", "coder"]
+    monkeypatch.setenv("MACPOOL_MODELS", f"only={tmp_path / 'a.gguf'}")
+    assert list(load_settings({"llama_server": "true"}).models) == ["only"]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"models": "chat"}, "NAME=FILE"),
+    ({"models": "a=x.gguf,a=y.gguf"}, "twice"),
+    ({"models": "bad/name=a.gguf"}, "not a model name"),
+    ({"models": "chat=missing.gguf"}, "no such file"),
+    ({"models": "chat=a.gguf", "model": "a.gguf"}, "not both"),
+    ({"models": "chat=a.gguf", "upstream": "http://127.0.0.1:1", "llama_server": None},
+     "needs --llama-server"),
+])
+def test_bad_model_lists_fail_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: dict[str, str], message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match=message):
+        load_settings({"llama_server": "true", **flags})
