@@ -223,3 +223,15 @@ def test_memory_pressure_that_lasts_unloads_the_least_recently_used_idle_model(
     time.sleep(1.5)  # pressure is gone with a: b stays
     assert mac.state("b") == "ready"
     assert mac.memory()["models"]["a"]["status"] == "unloaded"
+
+
+def test_a_burst_for_a_cold_model_loads_it_once_across_macs(
+        stack: Stack, redis_url: str, tmp_path: Path) -> None:
+    files = model_files(tmp_path, "ab")
+    macs = [start_mac(stack, redis_url, f"mac-{i}", files) for i in (1, 2)]
+    router = start_router(stack, redis_url)
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: ask(router, "b"), range(6)))
+    assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+    loads = [mac.memory()["models"]["b"]["loads"] for mac in macs]
+    assert sorted(loads) == [0, 1], loads
