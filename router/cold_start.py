@@ -6,6 +6,9 @@ autoscaler reads) and waits up to ``--cold-start-timeout`` for a node of its mod
 through admission as any other request. With ``--load-on-demand`` (the default) it also asks the standby node
 of its model that would load it soonest to load it (its last load time, then the most capacity), once for
 every router: the first waiting request sets ``{p}loading:{model}`` for the timeout, and the others see it.
+An ask is over once its node, seen loading or serving since, is back in standby (it unloaded the model when
+idle, or refused the load), or has stayed in standby for a few seconds: then the model is asked for again
+rather than waited for until the marker lapses.
 Past the timeout it is a 503 with a Retry-After: ``model_loading`` when a load was asked for (it is on its
 way), ``cold_start`` when only the autoscaler could act (Macs asleep, or load on demand off).
 """
@@ -17,6 +20,7 @@ import contextlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 from macpool.contract import LOAD_COST_ORDER, NodeDoc
 from macpool.store import ReserveRequest
@@ -31,6 +35,19 @@ log = logging.getLogger("macpool.router")
 WARMING_STATES = ("standby", "asleep", "waking", "loading", "draining-to-standby", "starting")
 POLL_S = 0.05  # the pool view is in memory: looking costs nothing
 RENEW_S = 1.0  # the queue place's lease is 3 s (macpool/store QUEUE_LEASE_MS)
+# how long an asked node may stay in standby before the ask counts as over (its heartbeats say it is
+# loading within one or two intervals of the ask)
+ASK_GRACE_S = 5.0
+
+
+@dataclass
+class _Ask:
+    """A load ask this router found in the loading marker: its node, when first seen, and whether that
+    node has been seen out of standby since (loading it, or serving it)."""
+
+    holder: str
+    first_seen: float
+    seen_busy: bool = False
 
 
 class ColdStart:
@@ -39,6 +56,7 @@ class ColdStart:
         self.pool = pool
         self.admission = admission
         self.elastic = ElasticStore(admission.store.redis, admission.store.keys)
+        self._asks: dict[str, _Ask] = {}  # model -> the last ask seen in its loading marker
 
     def ready(self, model: str) -> bool:
         try:
@@ -103,18 +121,33 @@ class ColdStart:
 
         return min(standby, key=cost, default=None)
 
+    def _over(self, model: str, holder: str) -> bool:
+        """Whether the ask the loading marker names is over: its node was seen loading (or serving) since
+        and is back in standby - it loaded the model and unloaded it, or refused the load - or it has
+        stayed in standby, or gone, for ``ASK_GRACE_S`` since this router first saw the ask."""
+        now = time.monotonic()
+        ask = self._asks.get(model)
+        if ask is None or ask.holder != holder:
+            ask = self._asks[model] = _Ask(holder, now)
+        doc = next((d for d in self.pool.fresh_nodes() if d.node_id == holder), None)
+        if doc is not None and doc.state != "standby":
+            ask.seen_busy = True
+            return False
+        return ask.seen_busy or now - ask.first_seen > ASK_GRACE_S
+
     async def _load(self, model: str) -> bool:
         """Ask a standby node to load ``model`` unless one was asked already; whether a load is asked for."""
         if not self.settings.load_on_demand or not model:
             return False
         try:
-            if await self.elastic.loading(model) is not None:
+            holder = await self.elastic.loading(model)
+            if holder is not None and not self._over(model, holder):
                 return True
             node = self.loader(model)
             if node is None:
                 return False
             hold_ms = int(self.settings.cold_start_timeout * 1000)
-            if await self.elastic.load_once(model, node.node_id, hold_ms):
+            if await self.elastic.load_once(model, node.node_id, hold_ms, stale=holder):
                 log.info("asked %s to load %r for the requests waiting for it", node.node_id, model,
                          extra={"node": node.node_id})
             return True

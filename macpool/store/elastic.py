@@ -49,11 +49,11 @@ class ElasticStore:
             raise ValueError(f"desired mode {mode!r}: expected one of {', '.join(MODES)}")
         await self.redis.set(self.keys.desired(node_id), mode)
 
-    async def load_once(self, model: str, node_id: str, hold_ms: int) -> bool:
-        """Ask ``node_id`` to load ``model`` unless a load of it was asked for in the last ``hold_ms``; True
-        when this call asked."""
+    async def load_once(self, model: str, node_id: str, hold_ms: int, stale: str | None = None) -> bool:
+        """Ask ``node_id`` to load ``model`` unless a load of it was asked for in the last ``hold_ms`` (an
+        ask of the node ``stale`` names, over, does not count); True when this call asked."""
         keys = [self.keys.loading(model), self.keys.desired(node_id)]
-        return bool(await self._load(keys=keys, args=[node_id, hold_ms]))
+        return bool(await self._load(keys=keys, args=[node_id, hold_ms, stale or ""]))
 
     async def loading(self, model: str) -> str | None:
         """The node asked to load ``model``, while the ask holds."""

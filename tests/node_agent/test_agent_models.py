@@ -235,3 +235,16 @@ def test_a_burst_for_a_cold_model_loads_it_once_across_macs(
     assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
     loads = [mac.memory()["models"]["b"]["loads"] for mac in macs]
     assert sorted(loads) == [0, 1], loads
+
+
+def test_a_model_unloaded_when_idle_is_loaded_again_when_asked_before_the_first_ask_lapses(
+        stack: Stack, redis_url: str, tmp_path: Path) -> None:
+    mac = start_mac(stack, redis_url, "mac", model_files(tmp_path, "ab"), "--idle-unload", "1")
+    router = start_router(stack, redis_url, timeout="60")  # the first ask's marker holds for 60 s
+    assert ask(router, "a").status_code == 200
+    wait_until(lambda: mac.state("a") == "standby", 15, what="a unloaded when idle")
+    # the ask is over (a loaded, then unloaded): a new one is made, rather than a wait for the marker to lapse
+    again = httpx.post(router + "/v1/chat/completions", timeout=20, json={
+        "model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert again.status_code == 200, again.text
+    assert mac.memory()["models"]["a"]["loads"] == 2
