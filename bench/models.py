@@ -164,11 +164,11 @@ def start_pool(stack: Stack, opts: ModelsOptions, say: Callable[[str], None]) ->
             "--redis-url", redis_url, "--node-id", f"mac-{i}", "--token", AGENT_TOKEN,
             "--wired-limit-gb", str(wired_limit), "--headroom-gb", str(opts.headroom_gb),
             "--parallel", str(opts.parallel), "--ctx-per-slot", str(opts.ctx_per_slot),
-            "--idle-unload", str(opts.idle_unload), "--heartbeat-interval", "0.25", "--log-level", "warning",
+            "--idle-unload", str(opts.idle_unload), "--heartbeat-interval", "0.25", "--log-level", "info",
         ))
     router = procs.router(
         "router", redis_url, "--agent-token", AGENT_TOKEN, "--refresh-interval", "0.25",
-        "--cold-start-timeout", str(opts.cold_start_timeout), "--log-level", "warning",
+        "--cold-start-timeout", str(opts.cold_start_timeout), "--log-level", "info",
     )
     wait_standby(stack, router.url, opts.macs * len(opts.models))
     macs = [Mac(f"mac-{i}", agent.url, sim_url(agent.url), wired_limit) for i, agent in enumerate(agents)]

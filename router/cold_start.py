@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from macpool.contract import LOAD_COST_ORDER, NodeDoc
 from macpool.store import ReserveRequest
-from macpool.store.elastic import ElasticStore
+from macpool.store.elastic import ElasticStore, LoadAsk
 from router.admission import Admission, Rejected, Ticket
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
@@ -41,13 +41,13 @@ ASK_GRACE_S = 5.0
 
 
 @dataclass
-class _Ask:
-    """A load ask this router found in the loading marker: its node, when first seen, and whether that
-    node has been seen out of standby since (loading it, or serving it)."""
+class _Seen:
+    """A load ask this router found in the loading marker: when first seen, and whether its node has been
+    seen out of standby since (loading the model, or serving it)."""
 
-    holder: str
+    ask: LoadAsk
     first_seen: float
-    seen_busy: bool = False
+    busy: bool = False
 
 
 class ColdStart:
@@ -56,7 +56,7 @@ class ColdStart:
         self.pool = pool
         self.admission = admission
         self.elastic = ElasticStore(admission.store.redis, admission.store.keys)
-        self._asks: dict[str, _Ask] = {}  # model -> the last ask seen in its loading marker
+        self._asks: dict[str, _Seen] = {}  # model -> the last ask seen in its loading marker
 
     def ready(self, model: str) -> bool:
         try:
@@ -98,6 +98,10 @@ class ColdStart:
                     await self._queue(rid, ticket, again=renew_at > started)
                     asked = await self._load(ticket.model) or asked
                     renew_at = now + RENEW_S
+                elif not asked and self.loader(ticket.model) is not None:
+                    # a node that could load it appeared (a Mac's busy models went idle): ask now, not at
+                    # the next renewal (the check is the pool view in memory; Redis only when it holds)
+                    asked = await self._load(ticket.model)
                 await asyncio.sleep(min(POLL_S, deadline - now))
             return None
         finally:
@@ -121,33 +125,33 @@ class ColdStart:
 
         return min(standby, key=cost, default=None)
 
-    def _over(self, model: str, holder: str) -> bool:
-        """Whether the ask the loading marker names is over: its node was seen loading (or serving) since
-        and is back in standby - it loaded the model and unloaded it, or refused the load - or it has
-        stayed in standby, or gone, for ``ASK_GRACE_S`` since this router first saw the ask."""
+    def _over(self, model: str, ask: LoadAsk) -> bool:
+        """Whether the ask in the loading marker is over: its node was seen loading (or serving) since and
+        is back in standby - it loaded the model and unloaded it, or refused the load - or it has stayed
+        in standby, or gone, for ``ASK_GRACE_S`` since this router first saw the ask."""
         now = time.monotonic()
-        ask = self._asks.get(model)
-        if ask is None or ask.holder != holder:
-            ask = self._asks[model] = _Ask(holder, now)
-        doc = next((d for d in self.pool.fresh_nodes() if d.node_id == holder), None)
+        seen = self._asks.get(model)
+        if seen is None or seen.ask != ask:
+            seen = self._asks[model] = _Seen(ask, now)
+        doc = next((d for d in self.pool.fresh_nodes() if d.node_id == ask.node_id), None)
         if doc is not None and doc.state != "standby":
-            ask.seen_busy = True
+            seen.busy = True
             return False
-        return ask.seen_busy or now - ask.first_seen > ASK_GRACE_S
+        return seen.busy or now - seen.first_seen > ASK_GRACE_S
 
     async def _load(self, model: str) -> bool:
         """Ask a standby node to load ``model`` unless one was asked already; whether a load is asked for."""
         if not self.settings.load_on_demand or not model:
             return False
         try:
-            holder = await self.elastic.loading(model)
-            if holder is not None and not self._over(model, holder):
+            ask = await self.elastic.loading(model)
+            if ask is not None and not self._over(model, ask):
                 return True
             node = self.loader(model)
             if node is None:
                 return False
             hold_ms = int(self.settings.cold_start_timeout * 1000)
-            if await self.elastic.load_once(model, node.node_id, hold_ms, stale=holder):
+            if await self.elastic.load_once(model, node.node_id, hold_ms, over=ask):
                 log.info("asked %s to load %r for the requests waiting for it", node.node_id, model,
                          extra={"node": node.node_id})
             return True

@@ -3,6 +3,8 @@ it knows how to wake, and its decisions on the events channel. Key names are :mo
 
 from __future__ import annotations
 
+import secrets
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
@@ -24,6 +26,15 @@ class WakeTarget(BaseModel):
     wol_broadcast: str = ""
     models: list[str] = []
     standby_capacity: int = 0
+
+
+@dataclass(frozen=True)
+class LoadAsk:
+    """One router's ask that a node load a model (``{p}loading:{model}``): the node, and the marker's value,
+    unique to the ask."""
+
+    node_id: str
+    marker: str
 
 
 class ElasticStore:
@@ -49,16 +60,20 @@ class ElasticStore:
             raise ValueError(f"desired mode {mode!r}: expected one of {', '.join(MODES)}")
         await self.redis.set(self.keys.desired(node_id), mode)
 
-    async def load_once(self, model: str, node_id: str, hold_ms: int, stale: str | None = None) -> bool:
-        """Ask ``node_id`` to load ``model`` unless a load of it was asked for in the last ``hold_ms`` (an
-        ask of the node ``stale`` names, over, does not count); True when this call asked."""
+    async def load_once(self, model: str, node_id: str, hold_ms: int, over: LoadAsk | None = None) -> bool:
+        """Ask ``node_id`` to load ``model`` unless a load of it was asked for in the last ``hold_ms`` (the
+        ask ``over``, found over, does not count); True when this call asked."""
         keys = [self.keys.loading(model), self.keys.desired(node_id)]
-        return bool(await self._load(keys=keys, args=[node_id, hold_ms, stale or ""]))
+        ask = f"{node_id}\t{secrets.token_hex(8)}"
+        return bool(await self._load(keys=keys, args=[ask, hold_ms, over.marker if over else ""]))
 
-    async def loading(self, model: str) -> str | None:
-        """The node asked to load ``model``, while the ask holds."""
+    async def loading(self, model: str) -> LoadAsk | None:
+        """The ask to load ``model`` that holds, if one does."""
         raw = await self.redis.get(self.keys.loading(model))
-        return _text(raw) if raw is not None else None
+        if raw is None:
+            return None
+        marker = _text(raw)
+        return LoadAsk(marker.partition("\t")[0], marker)
 
     # --- the one controller that acts --------------------------------------------------------------
 
