@@ -33,7 +33,7 @@ from macpool.store.elastic import ElasticStore
 from . import models, sizing
 from .gateway import create_app, create_models_app
 from .heartbeat import Heartbeat
-from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, make_probe
+from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, SharedProbe, make_probe
 from .runtime import Runtime
 from .settings import AgentSettings
 from .standby import Standby
@@ -223,10 +223,11 @@ class Agent:
         store = ElasticStore(redis, Keys(settings.key_prefix))
         host = self.models = models.ModelHost(settings, self.runtime, store, budget)
         self._start_llama_server(preset)
-        client = self.runtime.client()
+        # one memory sample per heartbeat interval for the whole Mac, read by every model's heartbeat
+        probe = SharedProbe(make_probe(settings.memory_probe, self.runtime.client(),
+                                       lambda: host.runtime.upstream_url), settings.heartbeat_interval / 2)
         for spec in specs:
             unit = host.add(spec, models.unit_settings(settings, spec))
-            probe = make_probe(settings.memory_probe, client, lambda: host.runtime.upstream_url)
             heartbeat = Heartbeat(unit.runtime, redis, probe, None, None, host.relieve_pressure,
                                   model=spec.name, model_memory_gb=spec.memory_gb,
                                   load_cost=functools.partial(host.load_cost, unit))

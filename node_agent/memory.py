@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -265,3 +266,26 @@ def make_probe(kind: str, client: httpx.AsyncClient, base_url: Callable[[], str]
         "sim": lambda: SimProbe(client, base_url),
     }
     return probes[kind]()
+
+
+class SharedProbe:
+    """One probe read by several heartbeats (one per model of a Mac): a sample younger than ``max_age``
+    seconds is shared rather than taken again, and concurrent reads wait for the one sample under way."""
+
+    def __init__(self, probe: MemoryProbe, max_age: float) -> None:
+        self._probe = probe
+        self._max_age = max_age
+        self._lock = asyncio.Lock()
+        self._last: MemorySample | None = None
+        self._taken = 0.0
+        self.name = probe.name
+
+    async def sample(self) -> MemorySample:
+        async with self._lock:
+            if self._last is None or time.monotonic() - self._taken > self._max_age:
+                try:  # (an error is raised to this reader, not kept)
+                    self._last = await self._probe.sample()
+                finally:
+                    self.name = self._probe.name  # "auto" names the probe it chose
+                self._taken = time.monotonic()
+            return self._last

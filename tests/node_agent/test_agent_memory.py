@@ -11,7 +11,9 @@ import pytest
 
 from node_agent.memory import (
     GB,
+    MemorySample,
     ProbeError,
+    SharedProbe,
     _run,
     default_wired_limit_bytes,
     macos_sample,
@@ -101,3 +103,29 @@ def test_parsers_ignore_unknown_oid_lines_and_reject_garbage() -> None:
         parse_vm_stat("not vm_stat")
     with pytest.raises(ProbeError):
         macos_sample("kern.memorystatus_vm_pressure_level: 1", fixture("vm_stat-m5max-idle.txt"))
+
+
+class CountingProbe:
+    """Recorded figures, counting how often they are read."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def sample(self) -> MemorySample:
+        self.reads += 1
+        await asyncio.sleep(0.01)
+        return MemorySample(total_gb=64, wired_limit_gb=48, pinned_gb=float(self.reads))
+
+
+def test_a_shared_probe_takes_one_sample_for_every_heartbeat_of_a_mac() -> None:
+    async def run() -> tuple[list[MemorySample], MemorySample, int]:
+        probe = CountingProbe()
+        shared = SharedProbe(probe, max_age=0.2)
+        together = await asyncio.gather(*(shared.sample() for _ in range(4)))  # four models' heartbeats
+        await asyncio.sleep(0.25)
+        return together, await shared.sample(), probe.reads
+
+    together, later, reads = asyncio.run(run())
+    assert {s.pinned_gb for s in together} == {1.0} and later.pinned_gb == 2.0 and reads == 2
