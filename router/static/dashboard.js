@@ -39,7 +39,9 @@ function makeCard(id) {
   el.querySelector(".node-id").textContent = id;
   el.querySelector(".drain").addEventListener("click", () => admin(id, "drain"));
   el.querySelector(".undrain").addEventListener("click", () => admin(id, "undrain"));
-  $("nodes").appendChild(el);
+  // in node id order: the models of one Mac (<mac>/<model>) sit side by side
+  const next = [...$("nodes").children].find((c) => c.dataset.nodeId && c.dataset.nodeId > id);
+  $("nodes").insertBefore(el, next || null);
   return el;
 }
 
