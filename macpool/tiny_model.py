@@ -4,7 +4,9 @@
 ``/work/shared/reference/llama-server/`` were made with: SPM vocabulary of ``<unk>``, ``<s>``, ``</s>``
 and the 256 byte tokens, n_embd 64, 4 heads, 2 KV heads, F32. ``ensure("small")`` is a larger F16
 model whose decode takes a realistic time on one CPU thread (about 5 ms a token), so a long request
-keeps a slot busy for seconds. No model binary is committed; the files are generated from a seed.
+keeps a slot busy for seconds. ``ensure("calibrate")`` is a Q4_0 model (~87 MB) whose decode throughput on
+one thread grows with the batch up to a few sequences, then stays flat: a real saturation point for
+``macpool agent calibrate`` to find. No model binary is committed; the files are generated from a seed.
 
 ``kv_bytes_per_token(path)`` derives the KV-cache bytes per token from a GGUF's metadata (independent
 of the agent's own reader in ``macpool/gguf_info.py``): layers x KV heads x head dim x 2 (K and V)
@@ -53,6 +55,7 @@ class ModelSpec:
     n_ff: int
     n_ctx_train: int = 4096
     f16: bool = False
+    quant: str | None = None  # a gguf quantization type ("Q4_0") for the 2-D weights but token_embd
     seed: int = 1234
     rms_eps: float = 1e-5
     rope_freq_base: float = 10000.0
@@ -71,6 +74,11 @@ VARIANTS: dict[str, ModelSpec] = {
     # ~19 M parameters in F16 (~38 MB): a generation takes seconds on one CPU thread (`-t 1`), so a test
     # can act while it runs, and the model still loads at once.
     "small": ModelSpec("small", n_layer=6, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, f16=True),
+    # ~150 M parameters in Q4_0 (~87 MB, written in a few seconds): on one CPU thread decode throughput
+    # rises up to 4 sequences per batch, then stays flat (docs/agent.md, "macpool agent calibrate").
+    "calibrate": ModelSpec(
+        "calibrate", n_layer=4, n_embd=2048, n_head=32, n_head_kv=16, n_ff=4096, quant="Q4_0"
+    ),
 }
 
 
@@ -155,6 +163,13 @@ def _tensors(spec: ModelSpec, n_vocab: int) -> list[tuple[str, np.ndarray[Any, A
     return out
 
 
+def _file_type(spec: ModelSpec) -> int:
+    """``general.file_type``: LLAMA_FTYPE_ALL_F32 (0), MOSTLY_F16 (1) or MOSTLY_Q4_0 (2)."""
+    if spec.quant:
+        return {"Q4_0": 2}[spec.quant]
+    return 1 if spec.f16 else 0
+
+
 def write(spec: ModelSpec, path: Path) -> None:
     """Write ``spec`` as a GGUF to ``path`` (not atomically: see ``ensure``)."""
     import gguf
@@ -173,7 +188,7 @@ def write(spec: ModelSpec, path: Path) -> None:
         writer.add_rope_dimension_count(spec.head_dim)
         writer.add_rope_freq_base(spec.rope_freq_base)
         writer.add_vocab_size(len(tokens))
-        writer.add_file_type(1 if spec.f16 else 0)  # LLAMA_FTYPE_MOSTLY_F16 / ALL_F32
+        writer.add_file_type(_file_type(spec))
         writer.add_tokenizer_model("llama")
         writer.add_token_list(tokens)
         writer.add_token_scores(scores)
@@ -185,7 +200,11 @@ def write(spec: ModelSpec, path: Path) -> None:
         writer.add_add_eos_token(False)
         writer.add_chat_template(CHAT_TEMPLATE)
         for name, tensor in _tensors(spec, len(tokens)):
-            writer.add_tensor(name, tensor)
+            if spec.quant and tensor.ndim == 2 and name != "token_embd.weight":
+                qtype = gguf.GGMLQuantizationType[spec.quant]
+                writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+            else:
+                writer.add_tensor(name, tensor)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

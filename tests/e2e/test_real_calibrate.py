@@ -1,0 +1,87 @@
+"""``macpool agent calibrate`` against the real llama-server finds where its throughput saturates.
+
+The ``calibrate`` model (Q4_0, decoded on one thread) gains throughput with every sequence added to a batch
+up to about four, then none: a saturation point these CPUs can show. The test measures it independently -
+a plain concurrency sweep with the load generator, the smallest level reaching 95% of the best throughput -
+then runs the CLI against the same server: its recommended cap must lie within one level of that point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from macpool import tiny_model
+from macpool.procs import macpool_argv
+from macpool.stack import Stack, free_port
+from node_agent.loadgen import Clock, Level, LevelResult
+from tests.e2e.conftest import require_llama_server
+
+pytestmark = [pytest.mark.llama_server, pytest.mark.slow]
+
+LEVELS = (1, 2, 3, 4, 5, 6, 8)
+PROMPT_TOKENS = 1  # a few prompt bytes: decode, not prefill, is what saturates
+MAX_TOKENS = 64
+SATURATED = 0.95
+
+
+async def _idle(client: httpx.AsyncClient, url: str) -> None:
+    """Wait until the previous level's cancelled streams have left llama-server."""
+    for _ in range(200):
+        if "llamacpp:requests_processing 0" in (await client.get(url + "/metrics")).text:
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _sweep(url: str) -> list[LevelResult]:
+    rows = []
+    # idle connections are dropped before llama-server closes them, as calibrate does
+    limits = httpx.Limits(keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=5), limits=limits) as client:
+        clock = Clock(client, url)
+        for concurrency in LEVELS:
+            await _idle(client, url)
+            # a longer window than calibrate's (6 rounds): this is the reference it is held to
+            level = Level(client, url, clock, concurrency, PROMPT_TOKENS, MAX_TOKENS, None, 8 * concurrency)
+            rows.append(await level.run())
+    return rows
+
+
+def saturation_point(rows: list[LevelResult]) -> int:
+    best = max(r.throughput_tok_s for r in rows)
+    return next(r.concurrency for r in rows if r.throughput_tok_s >= SATURATED * best)
+
+
+def _llama_server(stack: Stack) -> str:
+    argv = [
+        str(require_llama_server()), "-m", str(tiny_model.ensure("calibrate")), "--host", "127.0.0.1",
+        "--parallel", str(max(LEVELS)), "--ctx-size", str(128 * max(LEVELS)), "--metrics", "--slots",
+        "-t", "1",
+    ]
+    port = free_port()
+    return stack.spawn("llama-server", [*argv, "--port", str(port)], port, timeout=60).url
+
+
+def test_recommended_cap_is_the_measured_saturation_point(stack: Stack, tmp_path: Path) -> None:
+    url = _llama_server(stack)
+    measured = asyncio.run(_sweep(url))
+    point = saturation_point(measured)
+    out = tmp_path / "calibration.json"
+    argv = macpool_argv(
+        "agent", "calibrate", "--upstream", url, "--levels", ",".join(map(str, LEVELS)),
+        "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", str(MAX_TOKENS), "--json", str(out),
+    )
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    table = " ".join(f"{r.concurrency}:{r.throughput_tok_s:.0f}" for r in measured)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert all(r["completed"] > 0 and r["errors"] == 0 for r in rows), rows
+    assert result["limited_by"] == "throughput", result["reason"]
+    assert abs(result["recommended_cap"] - point) <= 1, f"measured {table} -> {point}; {result['reason']}"
+    assert 1 < point < max(LEVELS), f"no saturation inside the sweep: {table}"
