@@ -397,8 +397,13 @@ def status_of(runtime: Runtime) -> dict[str, object]:
         "capacity": runtime.capacity,
         "in_flight": runtime.in_flight,
         "admitting": runtime.admitting,
-        **{key: value() if callable(value) else value for key, value in runtime.details.items()},
+        **details(runtime),
     }
+
+
+def details(runtime: Runtime) -> dict[str, object]:
+    """The agent's extra ``/status`` figures, the callable ones read now."""
+    return {key: value() if callable(value) else value for key, value in runtime.details.items()}
 
 
 class _ByModel(Collector):
@@ -431,9 +436,8 @@ def create_models_app(runtimes: dict[str, Runtime], agent: Runtime) -> ASGIApp:
         return JSONResponse({"status": "ok"})
 
     async def status(request: Request) -> Response:
-        details = {key: value() if callable(value) else value for key, value in agent.details.items()}
         return JSONResponse({"models": {name: status_of(runtime) for name, runtime in runtimes.items()},
-                             **details})
+                             **details(agent)})
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -103,13 +103,11 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
         return
     view.problem = ""
     query = "" if model is None else "?model=" + quote(model, safe="")
-    props, models, metrics, slots = await asyncio.gather(
-        client.get(base + "/props" + query, timeout=2.0),
-        client.get(base + "/v1/models", timeout=2.0) if model is None else _listing(model),
-        client.get(base + "/metrics" + query, timeout=2.0),
-        client.get(base + "/slots" + query, timeout=2.0),
-        return_exceptions=True,
-    )
+    polls = [client.get(base + path + query, timeout=2.0) for path in ("/props", "/metrics", "/slots")]
+    if model is None:  # (a model of several is the one it is: the router-mode server lists them all)
+        polls.append(client.get(base + "/v1/models", timeout=2.0))
+    props, metrics, slots, *listed = await asyncio.gather(*polls, return_exceptions=True)
+    models = listed[0] if listed else None
     if isinstance(props, httpx.Response) and props.status_code == 200:
         data = props.json()
         view.total_slots = int(data.get("total_slots", 0))
@@ -148,11 +146,6 @@ def model_status(listing: object, model: str) -> str | None:
             value = status.get("value") if isinstance(status, dict) else None
             return value if isinstance(value, str) else None
     return None
-
-
-async def _listing(model: str) -> httpx.Response:
-    """The one model a router-mode view serves, as its /v1/models would list it."""
-    return httpx.Response(200, json={"data": [{"id": model}]})
 
 
 def decoded_so_far(slots: object) -> int:

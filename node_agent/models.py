@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -190,9 +190,14 @@ class ModelHost:
     def start_load(self, unit: Unit) -> None:
         if unit.loading is not None and not unit.loading.done():
             return
-        unit.loading = asyncio.create_task(self._load(unit), name=f"load {unit.name}")
-        self.tasks.add(unit.loading)
-        unit.loading.add_done_callback(self.tasks.discard)
+        unit.loading = self._spawn(self._load(unit), f"load {unit.name}")
+
+    def _spawn(self, work: Coroutine[object, object, None], name: str) -> asyncio.Task[None]:
+        """A load or an unload in the background, kept until it ends (``close`` cancels what is left)."""
+        task = asyncio.create_task(work, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     async def _load(self, unit: Unit) -> None:
         async with self.lock:
@@ -213,7 +218,7 @@ class ModelHost:
             log.warning("model %s did not load: %s; back to standby", unit.name, problem)
             unit.held = False
             unit.runtime.enter_standby()
-            await self._set_desired(unit, "standby")
+            await self._say_standby(unit)
             return
         load_s = time.monotonic() - started
         log.info("model %s loaded in %.1fs", unit.name, load_s)
@@ -223,7 +228,7 @@ class ModelHost:
     async def _evict(self, victim: Unit) -> None:
         """Unload an idle model already admitting nothing (``begin_standby_drain``), and say in Redis that
         it is in standby, so that no router's earlier word loads it again."""
-        await self._set_desired(victim, "standby")
+        await self._say_standby(victim)
         await self.unload(victim)
         victim.runtime.enter_standby()
 
@@ -243,9 +248,7 @@ class ModelHost:
         log.warning("memory pressure for %d heartbeats: unloading the idle model %s (%.2f GB)", beats,
                     victim.name, victim.memory_gb)
         victim.runtime.begin_standby_drain()
-        task = asyncio.create_task(self._evict(victim), name=f"unload {victim.name}")
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._spawn(self._evict(victim), f"unload {victim.name}")
 
     async def _refuse(self, unit: Unit) -> None:
         held = ", ".join(f"{u.name} ({u.memory_gb:.2f} GB, {u.runtime.in_flight} in flight)"
@@ -253,7 +256,7 @@ class ModelHost:
         log.warning("model %s (%.2f GB) does not fit the memory budget (%.2f GB) beside the busy models %s: "
                     "not loading it now", unit.name, unit.memory_gb, self.budget.limit_gb or 0.0, held)
         unit.runtime.enter_standby()
-        await self._set_desired(unit, "standby")
+        await self._say_standby(unit)
 
     async def _ask_load(self, unit: Unit) -> str:
         """POST /models/load, then wait for /models to call it loaded; "" when it is, else what went wrong."""
@@ -297,11 +300,12 @@ class ModelHost:
             unit.runtime.metrics.restarts.inc()
             unit.runtime.enter_standby()
 
-    async def _set_desired(self, unit: Unit, mode: str) -> None:
+    async def _say_standby(self, unit: Unit) -> None:
+        """Write ``standby`` to the model's desired key, so that no earlier word loads it again."""
         try:
-            await self.store.set_desired(unit.settings.node_id, "standby" if mode == "standby" else "active")
+            await self.store.set_desired(unit.settings.node_id, "standby")
         except (RedisError, OSError) as exc:
-            log.warning("could not tell the pool that %s is in %s: %s", unit.settings.node_id, mode, exc)
+            log.warning("could not tell the pool that %s is in standby: %s", unit.settings.node_id, exc)
 
     async def close(self) -> None:
         for task in list(self.tasks):
