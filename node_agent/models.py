@@ -21,7 +21,6 @@ a process group and a restart loop per model.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Iterable
@@ -47,6 +46,9 @@ log = logging.getLogger("macpool.agent")
 
 LOAD_TIMEOUT_S = 600.0  # the longest a model's load may take before it counts as failed
 LOAD_POLL_S = 0.2
+# llama-server force-kills a model's process 10 s (its DEFAULT_STOP_TIMEOUT) after asking it to exit; past
+# this the agent stops waiting and counts the memory free
+UNLOAD_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -285,10 +287,25 @@ class ModelHost:
         return f"not loaded within {LOAD_TIMEOUT_S:.0f}s"
 
     async def unload(self, unit: Unit) -> None:
-        """Unload ``unit``'s model (nothing when llama-server runs it no more); its memory is free after."""
-        with contextlib.suppress(httpx.HTTPError):
-            await self.runtime.client().post(self.runtime.upstream_url + "/models/unload",
-                                             json={"model": unit.name}, timeout=30.0)
+        """Unload ``unit``'s model and wait until its process has exited (nothing when llama-server runs it
+        no more). llama-server answers ``/models/unload`` at once and lists the model as loaded until the
+        process is gone: counting its memory free before then would overcommit, and loading it again then
+        would find the old process (``already running``) about to exit under the next request."""
+        client = self.runtime.client()
+        deadline = time.monotonic() + UNLOAD_TIMEOUT_S
+        try:
+            await client.post(self.runtime.upstream_url + "/models/unload", json={"model": unit.name},
+                              timeout=30.0)
+            while time.monotonic() < deadline:
+                listing = await client.get(self.runtime.upstream_url + "/models", timeout=5.0)
+                if model_status(listing.json(), unit.name) in ("unloaded", None):
+                    break
+                await asyncio.sleep(LOAD_POLL_S)
+            else:
+                log.warning("model %s still listed as running %.0fs after its unload", unit.name,
+                            UNLOAD_TIMEOUT_S)
+        except (httpx.HTTPError, ValueError):
+            pass  # llama-server is not answering: it is restarting, and the model with it is gone
         unit.held = False
         log.info("model %s unloaded", unit.name)
 

@@ -12,8 +12,10 @@ Here each child is a :class:`~simulator.app.SimServer` in this process, with the
 ``--preset``/``--machine`` of the router), and its own slots and context: the memory every loaded model
 holds is counted against the one wired limit (each child sees the others as external memory), so a Mac
 that loads too much pages, or fails the load (``overcommit: fail``). Loading takes
-``0.5 s + weights / load_gb_s`` of simulated time. Unloading a model with requests in flight cuts them, as
-the child's exit does.
+``0.5 s + weights / load_gb_s`` of simulated time. ``POST /models/unload`` answers at once and the model
+stays listed as loaded until its child has exited (``CHILD_EXIT_S`` later), as a real child's graceful exit
+does; a model still loading is stopped at once (the real router kills it). Unloading a model with requests
+in flight cuts them, as the child's exit does.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from simulator.router_models import SimModel, router_models
 from simulator.settings import SimSettings, build_info
 
 LOAD_FIXED_S = 0.5  # process start and context creation, on top of reading the weights
+CHILD_EXIT_S = 0.3  # from the router's exit command to the child's exit, its memory given back
 Handler = Callable[[Request], Awaitable[Response]]
 MEMORY_SYNC_S = 0.1  # how often each child's view of the other models' memory is brought up to date
 
@@ -63,6 +66,7 @@ class Hosted:
     app: ASGIApp | None = None
     runner: asyncio.Task[None] | None = None
     loading: asyncio.Task[None] | None = None
+    exiting: asyncio.Task[None] | None = None  # the child's exit under way, after an unload
     last_used: float = 0.0
     loads: int = 0  # loads begun (the simulator's own count, for tests and benches)
     active: set[asyncio.Task[None]] = field(default_factory=set)  # requests being served by the child
@@ -104,6 +108,10 @@ class SimRouter:
         finally:
             sync.cancel()
             for hosted in self.hosted.values():
+                if hosted.exiting is not None:
+                    hosted.exiting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await hosted.exiting
                 await self._stop(hosted)
             with contextlib.suppress(asyncio.CancelledError):
                 await sync
@@ -279,8 +287,19 @@ class SimRouter:
             return hosted
         if hosted.status == "unloaded":
             return error(400, "model is not running")
-        await self._stop(hosted)
+        if hosted.status == "loading":
+            await self._stop(hosted)
+        elif hosted.exiting is None:
+            hosted.exiting = asyncio.create_task(self._exit(hosted), name=f"sim-exit-{hosted.name}")
         return json_response({"success": True})
+
+    async def _exit(self, hosted: Hosted) -> None:
+        """The child's graceful exit: listed as loaded until it is gone."""
+        try:
+            await asyncio.sleep(CHILD_EXIT_S)
+            await self._stop(hosted)
+        finally:
+            hosted.exiting = None
 
     async def props(self, request: Request) -> Response:
         s = self.settings

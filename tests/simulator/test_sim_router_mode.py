@@ -51,6 +51,7 @@ def test_models_share_the_macs_memory_and_a_load_past_it_fails(local_stack: Loca
     assert memory(url)["pinned_gb"] == pytest.approx(held_a)
     # room made: it loads
     assert httpx.post(url + "/models/unload", json={"model": "a"}, timeout=10).status_code == 200
+    wait_status(url, "a", "unloaded")  # the answer comes at once; the child's exit a moment later
     load(url, "b")
     wait_status(url, "b", "loaded")
     assert memory(url)["pinned_gb"] == pytest.approx(19.0)
