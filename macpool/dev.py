@@ -14,6 +14,7 @@ from pathlib import Path
 from macpool import llama_build, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
+WORKERS = 3  # pytest-xdist workers for the whole suite (2 cores: its tests are mostly waiting)
 
 
 def _run(step: str, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -124,7 +125,9 @@ def _ensure_haproxy() -> None:
 
 
 def run_tests(pytest_args: list[str]) -> int:
-    """ruff, mypy, then the whole pytest suite (building llama-server first, cached)."""
+    """ruff, mypy, then the whole pytest suite (building llama-server first, cached). With no pytest
+    arguments the suite runs on ``WORKERS`` workers, then the tests marked ``alone`` one by one; with
+    arguments it is one plain pytest run of those."""
     py = sys.executable
     for step, argv in (
         ("ruff", [py, "-m", "ruff", "check", "."]),
@@ -139,7 +142,15 @@ def run_tests(pytest_args: list[str]) -> int:
     env = dict(os.environ)
     if binary is not None:
         env["MACPOOL_LLAMA_SERVER_BIN"] = str(binary)
-    return _run("pytest", [py, "-m", "pytest", *pytest_args], env=env)
+    pytest = [py, "-m", "pytest"]
+    if pytest_args:
+        return _run("pytest", [*pytest, *pytest_args], env=env)
+    # the suite mostly waits (leases, heartbeats, drains, simulated Macs): three workers, a file each at a
+    # time, then alone what measures the machine's own speed
+    if _run("pytest, in parallel", [*pytest, "-n", str(WORKERS), "--dist", "loadfile", "-m", "not alone"],
+            env=env) != 0:
+        return 1
+    return _run("pytest, alone", [*pytest, "-m", "alone"], env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
