@@ -126,8 +126,8 @@ def _ensure_haproxy() -> None:
 
 def run_tests(pytest_args: list[str]) -> int:
     """ruff, mypy, then the whole pytest suite (building llama-server first, cached). With no pytest
-    arguments the suite runs on ``WORKERS`` workers, then the tests marked ``alone`` one by one; with
-    arguments it is one plain pytest run of those."""
+    arguments the suite runs on ``WORKERS`` workers, each with its own Redis, then the tests marked ``alone``
+    one by one; with arguments, or an external Redis, it is one plain pytest run."""
     py = sys.executable
     for step, argv in (
         ("ruff", [py, "-m", "ruff", "check", "."]),
@@ -143,7 +143,8 @@ def run_tests(pytest_args: list[str]) -> int:
     if binary is not None:
         env["MACPOOL_LLAMA_SERVER_BIN"] = str(binary)
     pytest = [py, "-m", "pytest"]
-    if pytest_args:
+    if pytest_args or env.get("MACPOOL_TEST_REDIS_URL"):
+        # (workers on one external Redis would empty each other's database between tests)
         return _run("pytest", [*pytest, *pytest_args], env=env)
     # the suite mostly waits (leases, heartbeats, drains, simulated Macs): three workers, a file each at a
     # time, then alone what measures the machine's own speed
