@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import secrets
 import shutil
 import socket
@@ -18,11 +19,26 @@ class RedisServerError(RuntimeError):
     """No Redis-protocol server binary could be found or started."""
 
 
+# Below the kernels' ephemeral ranges (Linux 32768-60999, macOS 49152-65535): a port handed out for a server
+# to bind a moment later is not taken meanwhile as the source port of some outgoing connection, as one from
+# bind(("", 0)) - drawn from that range - can be on a busy machine.
+SERVER_PORTS = range(20000, 32768)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at ``host`` now, for a server started next."""
+    for _ in range(50):
+        port = random.choice(SERVER_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
 
 
 def find_server_binary() -> Path:
