@@ -217,7 +217,7 @@ class Agent:
         budget = models.Budget(None if wired_limit is None else wired_limit - settings.headroom_gb)
         if budget.limit_gb is None:
             log.warning("no wired limit known (--wired-limit-gb): models are loaded with no memory budget")
-        self.preset_dir = tempfile.TemporaryDirectory(prefix="macpool-models-")
+        self.preset_dir = models.preset_dir()
         preset = Path(self.preset_dir.name) / "models.ini"
         models.write_preset(preset, specs)
         store = ElasticStore(redis, Keys(settings.key_prefix))

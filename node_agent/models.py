@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
+import psutil
 from redis.exceptions import RedisError
 
 from macpool.contract import LoadCost
@@ -91,6 +95,19 @@ def plan_models(settings: AgentSettings, wired_limit_gb: float | None) -> list[M
         log.info("model %s: %s; holds %s GB loaded", name, chosen.reason,
                  "?" if memory is None else f"{memory:.2f}")
     return specs
+
+
+PRESET_DIR_PREFIX = "macpool-models-"
+
+
+def preset_dir() -> tempfile.TemporaryDirectory[str]:
+    """A temporary folder for this agent's preset file, named after its process. An agent killed with -9
+    cannot remove its own: the folders of agents no longer running are removed here first."""
+    for old in Path(tempfile.gettempdir()).glob(PRESET_DIR_PREFIX + "*-*"):
+        pid = old.name.removeprefix(PRESET_DIR_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"{PRESET_DIR_PREFIX}{os.getpid()}-")
 
 
 def write_preset(path: Path, specs: Iterable[ModelSpec]) -> None:

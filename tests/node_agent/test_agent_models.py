@@ -5,7 +5,11 @@ memory never over its wired limit, and load on demand picking the Mac where load
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +23,7 @@ import pytest
 
 from macpool.stack import Proc, Stack
 from macpool.store import Keys
-from node_agent.models import Budget, ModelSpec, Unit
+from node_agent.models import PRESET_DIR_PREFIX, Budget, ModelSpec, Unit, preset_dir
 from node_agent.runtime import Runtime
 from node_agent.settings import AgentSettings
 from node_agent.sizing import Sizing
@@ -67,6 +71,22 @@ def test_a_model_that_fits_only_by_unloading_a_busy_one_is_refused() -> None:
     assert Budget(19.3).cost(want, [busy_a, busy_b, want]) == "full"
     assert Budget(5).plan(unit("huge", 6), []) is None  # larger than the whole budget
     assert Budget(None).plan(unit("x", 1e6), []) == []  # no wired limit known: no bound
+
+
+def test_the_preset_folders_of_agents_killed_with_9_are_removed_by_the_next_one() -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process id no agent runs under any more
+    left = Path(tempfile.gettempdir()) / f"{PRESET_DIR_PREFIX}{gone.pid}-x1"
+    left.mkdir()
+    (left / "models.ini").write_text("version = 1\n")
+    folder = preset_dir()
+    try:
+        assert not left.exists()
+        assert Path(folder.name).name.startswith(f"{PRESET_DIR_PREFIX}{os.getpid()}-")
+        assert preset_dir().cleanup() is None and Path(folder.name).is_dir()  # a running agent's stays
+    finally:
+        folder.cleanup()
+        shutil.rmtree(left, ignore_errors=True)
 
 
 # --- one agent, a simulated Mac ----------------------------------------------------------------------------
