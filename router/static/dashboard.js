@@ -39,10 +39,47 @@ function makeCard(id) {
   el.querySelector(".node-id").textContent = id;
   el.querySelector(".drain").addEventListener("click", () => admin(id, "drain"));
   el.querySelector(".undrain").addEventListener("click", () => admin(id, "undrain"));
-  // in node id order: the models of one Mac (<mac>/<model>) sit side by side
-  const next = [...$("nodes").children].find((c) => c.dataset.nodeId && c.dataset.nodeId > id);
-  $("nodes").insertBefore(el, next || null);
+  const slash = id.indexOf("/");
+  insertSorted(slash > 0 ? macGroup(id.slice(0, slash)).querySelector(".mac-nodes") : $("nodes"), el);
   return el;
+}
+
+// in node id order
+function insertSorted(parent, el) {
+  const next = [...parent.children].find((c) => c.dataset.nodeId && c.dataset.nodeId > el.dataset.nodeId);
+  parent.insertBefore(el, next || null);
+}
+
+// a Mac serving several models (macpool agent run --models) is a node per model, "<mac>/<model>": its
+// cards sit in one group, headed by the Mac and the memory its loaded models hold together
+function macGroup(mac) {
+  const found = [...$("nodes").children].find((c) => c.dataset.macId === mac);
+  if (found) return found;
+  const group = document.createElement("section");
+  group.className = "mac-group";
+  group.id = "mac-" + mac;
+  group.dataset.macId = mac;
+  group.dataset.nodeId = mac + "/";
+  const head = document.createElement("h2");
+  head.className = "mac-head";
+  const nodes = document.createElement("div");
+  nodes.className = "mac-nodes";
+  group.append(head, nodes);
+  insertSorted($("nodes"), group);
+  return group;
+}
+
+function renderGroups() {
+  for (const group of [...$("nodes").querySelectorAll(".mac-group")]) {
+    const docs = [...group.querySelectorAll(".node")].map((el) => cards.get(el.dataset.nodeId))
+      .filter((card) => card && !card.goneSince).map((card) => card.doc);
+    if (!group.querySelector(".node")) { group.remove(); continue; }
+    const loaded = docs.filter((doc) => ((doc.model_states || [])[0] || {}).state === "loaded");
+    const held = loaded.reduce((gb, doc) => gb + (doc.model_states[0].memory_gb || 0), 0);
+    const limit = docs.map((doc) => (doc.memory || {}).wired_limit_gb).find((gb) => gb);
+    group.querySelector(".mac-head").textContent = `${group.dataset.macId}: ${docs.length} models, ` +
+      `${loaded.length} loaded, ${fmt(held)}` + (limit ? ` of ${fmt(limit)} GB wired limit` : " GB");
+  }
 }
 
 function setState(el, state) {
@@ -155,6 +192,7 @@ function onPool(msg) {
     if (now - card.goneSince > GONE_KEEP_MS) { card.el.remove(); cards.delete(id); }
   }
   for (const card of cards.values()) renderNode(card, pool.capacity || 0);
+  renderGroups();
   $("empty").style.display = cards.size ? "none" : "";
 
   if (msg.point && (!history.length || msg.point.ts_ms > history[history.length - 1].ts_ms)) history.push(msg.point);

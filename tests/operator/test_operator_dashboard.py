@@ -14,7 +14,9 @@ import httpx
 import pytest
 
 from macpool import dev
+from macpool.stack import Stack
 from tests.inprocess import LocalStack
+from tests.node_agent.test_agent_models import ask, model_files, start_mac, start_router
 from tests.operator.helpers import ADMIN_KEY, HEARTBEAT_S, Pool, wait_until
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -204,3 +206,25 @@ def test_a_node_out_of_the_pools_capacity_takes_no_share_of_it(
     assert cards["mac-2"]["reason"].startswith("drained through the admin API"), cards["mac-2"]
     assert cards["mac-3"]["mem"] == "- GB", cards["mac-3"]  # its memory figures went with its llama-server
     assert not errors, errors
+
+
+@pytest.mark.slow
+def test_the_models_of_one_mac_sit_in_one_group(
+        stack: Stack, redis_url: str, tmp_path: Path, page: Any) -> None:
+    start_mac(stack, redis_url, "mac", model_files(tmp_path))
+    router = start_router(stack, redis_url)
+    assert ask(router, "a").status_code == 200  # loaded on demand
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(f"{router}/dashboard")
+    wait_until(lambda: page.inner_text("#conn") == "live", 30, "the SSE stream to be live")
+    grouped = lambda: page.evaluate(  # noqa: E731
+        "() => [...document.querySelectorAll('#mac-mac .mac-nodes > .node')].map(e => e.dataset.nodeId)")
+    wait_until(lambda: grouped() == ["mac/a", "mac/b", "mac/c"], 30, "the Mac's three models in its group")
+    # a's weights and the KV of its 2 slots, 8.57 GB, of the Mac's 21.3 GB wired limit
+    head = "mac: 3 models, 1 loaded, 8.6 of 21.3 GB wired limit"
+    wait_until(lambda: page.inner_text("#mac-mac .mac-head") == head, 30, "the group's head")
+    assert page.evaluate("() => document.querySelectorAll('.mac-group').length") == 1
+    assert not errors, errors
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-models.png"), full_page=True)
