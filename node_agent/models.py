@@ -21,6 +21,7 @@ a process group and a restart loop per model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -292,8 +293,7 @@ class ModelHost:
                         return f"llama-server answered the load with HTTP {response.status_code}: " \
                                f"{response.text[:200]}"
                 else:
-                    listing = await client.get(self.runtime.upstream_url + "/models", timeout=5.0)
-                    status = model_status(listing.json(), unit.name)
+                    status = await self._listed(unit)
                     if status == "loaded":
                         return ""
                     if status in ("unloaded", None):
@@ -308,23 +308,30 @@ class ModelHost:
         no more). llama-server answers ``/models/unload`` at once and lists the model as loaded until the
         process is gone: counting its memory free before then would overcommit, and loading it again then
         would find the old process (``already running``) about to exit under the next request."""
-        client = self.runtime.client()
         deadline = time.monotonic() + UNLOAD_TIMEOUT_S
-        try:
-            await client.post(self.runtime.upstream_url + "/models/unload", json={"model": unit.name},
-                              timeout=30.0)
-            while time.monotonic() < deadline:
-                listing = await client.get(self.runtime.upstream_url + "/models", timeout=5.0)
-                if model_status(listing.json(), unit.name) in ("unloaded", None):
+        with contextlib.suppress(httpx.HTTPError):  # (whether it went through, /models says below)
+            await self.runtime.client().post(self.runtime.upstream_url + "/models/unload",
+                                             json={"model": unit.name}, timeout=30.0)
+        while time.monotonic() < deadline:
+            try:
+                if await self._listed(unit) in ("unloaded", None):
                     break
-                await asyncio.sleep(LOAD_POLL_S)
-            else:
-                log.warning("model %s still listed as running %.0fs after its unload", unit.name,
-                            UNLOAD_TIMEOUT_S)
-        except (httpx.HTTPError, ValueError):
-            pass  # llama-server is not answering: it is restarting, and the model with it is gone
+            except httpx.ConnectError:
+                break  # llama-server is down (being restarted): the model's process went with it
+            except (httpx.HTTPError, ValueError):
+                pass  # slow to answer: ask again, within the deadline
+            await asyncio.sleep(LOAD_POLL_S)
+        else:
+            log.warning("model %s still listed as running %.0fs after its unload", unit.name,
+                        UNLOAD_TIMEOUT_S)
         unit.held = False
         log.info("model %s unloaded", unit.name)
+
+    async def _listed(self, unit: Unit) -> str | None:
+        """``unit``'s status in llama-server's ``GET /models`` (httpx's errors, or ValueError, when it does
+        not answer it)."""
+        listing = await self.runtime.client().get(self.runtime.upstream_url + "/models", timeout=5.0)
+        return model_status(listing.json(), unit.name)
 
     def llama_server_exited(self) -> None:
         """The router-mode llama-server exited (it is restarted): every model is unloaded with it. Those the

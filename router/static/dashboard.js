@@ -71,9 +71,9 @@ function macGroup(mac) {
 
 function renderGroups() {
   for (const group of [...$("nodes").querySelectorAll(".mac-group")]) {
+    if (!group.querySelector(".node")) { group.remove(); continue; }
     const docs = [...group.querySelectorAll(".node")].map((el) => cards.get(el.dataset.nodeId))
       .filter((card) => card && !card.goneSince).map((card) => card.doc);
-    if (!group.querySelector(".node")) { group.remove(); continue; }
     const loaded = docs.filter((doc) => ((doc.model_states || [])[0] || {}).state === "loaded");
     const held = loaded.reduce((gb, doc) => gb + (doc.model_states[0].memory_gb || 0), 0);
     const limit = docs.map((doc) => (doc.memory || {}).wired_limit_gb).find((gb) => gb);

@@ -56,8 +56,8 @@ async def _sweep(url: str) -> list[LevelResult]:
 
 def saturation_point(rows: list[LevelResult]) -> int:
     """The smallest level reaching 95% of the best throughput, the best being the median of the three
-    highest levels: one lucky window at a level past the plateau (301 tok/s where its neighbours made
-    270-284) would otherwise move the point by several levels."""
+    highest levels: one lucky window at a level past the plateau would otherwise move the point by several
+    levels."""
     best = statistics.median(sorted(r.throughput_tok_s for r in rows)[-3:])
     return next(r.concurrency for r in rows if r.throughput_tok_s >= SATURATED * best)
 
