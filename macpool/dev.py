@@ -147,9 +147,10 @@ def run_tests(pytest_args: list[str]) -> int:
         # (workers on one external Redis would empty each other's database between tests)
         return _run("pytest", [*pytest, *pytest_args], env=env)
     # the suite mostly waits (leases, heartbeats, drains, simulated Macs): three workers, a file each at a
-    # time, then alone what measures the machine's own speed
-    if _run("pytest, in parallel", [*pytest, "-n", str(WORKERS), "--dist", "loadfile", "-m", "not alone"],
-            env=env) != 0:
+    # time in the order collected (tests/conftest.py puts the longest first), then alone what measures the
+    # machine's own speed
+    parallel = ["-n", str(WORKERS), "--dist", "loadfile", "--no-loadscope-reorder", "-m", "not alone"]
+    if _run("pytest, in parallel", [*pytest, *parallel], env=env) != 0:
         return 1
     return _run("pytest, alone", [*pytest, "-m", "alone"], env=env)
 
