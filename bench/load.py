@@ -8,8 +8,10 @@ reads a simulator's clock (``/sim/stats``) so callers can report in simulated ti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -42,15 +44,23 @@ class RequestRecord:
         return self.status == 200 and self.error is None
 
 
-def chat_body(prompt_tokens: int, max_tokens: int, model: str | None = None) -> BodyFactory:
-    """Streaming chat requests of ``prompt_tokens`` tokens (simulator's rule), each unique (no cache hits)."""
+def chat_body(
+    prompt_tokens: int, max_tokens: int, model: str | None = None, spread: float = 0.0
+) -> BodyFactory:
+    """Streaming chat requests of ``prompt_tokens`` tokens (simulator's rule), each unique (no cache hits).
+
+    With ``spread``, each request asks for a length drawn uniformly within ``max_tokens`` x (1 +/- spread),
+    as answers vary in use: closed-loop clients whose answers all have one length stay in step, prefill
+    together and queue behind each other's prompts, which no placement causes or cures."""
     run = secrets.token_hex(4)  # unique across runs too: a repeated prompt would hit the slot cache
     serial = itertools.count()
+    lengths = random.Random(run)
+    low, high = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
 
     def make(client: int) -> dict[str, Any]:
         body: dict[str, Any] = {
             "messages": tokens.chat_messages(prompt_tokens, salt=f"{run}-c{client}-r{next(serial)}"),
-            "max_tokens": max_tokens,
+            "max_tokens": lengths.randint(low, high) if spread else max_tokens,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -125,6 +135,9 @@ class ClosedLoop:
     duration_s: float | None = None  # wall seconds after which clients send no new request
     reject_pause_s: float = 0.05  # a rejected client waits this long (or Retry-After, if shorter)
     pause_statuses: tuple[int, ...] = (429, 503)  # the answers that mean "rejected"
+    # a request answered after refusals is timed from its first try, as its user waits: a router that
+    # refuses at once and one that queues are then compared on the same clock
+    from_first_try: bool = False
     headers: dict[str, str] = field(default_factory=dict)
     on_record: Callable[[RequestRecord], None] | None = None
 
@@ -140,12 +153,15 @@ class ClosedLoop:
 
             async def one_client(client_id: int) -> None:
                 sent = 0
+                first_try: float | None = None
                 while True:
                     if self.requests_per_client is not None and sent >= self.requests_per_client:
                         return
                     if deadline is not None and time.monotonic() >= deadline:
                         return
                     record = await stream_request(client, self.path, self.make_body(client_id), client_id)
+                    if self.from_first_try:
+                        record, first_try = retimed(record, first_try, self.pause_statuses)
                     sent += 1
                     records.append(record)
                     if self.on_record is not None:
@@ -162,6 +178,20 @@ class ClosedLoop:
         except ValueError:
             hinted = self.reject_pause_s
         return min(hinted, self.reject_pause_s)
+
+
+def retimed(
+    record: RequestRecord, first_try: float | None, pause_statuses: tuple[int, ...]
+) -> tuple[RequestRecord, float | None]:
+    """The record timed from the first of the refused tries before it, and the first try still open."""
+    if record.status in pause_statuses:
+        return record, record.started if first_try is None else first_try
+    if first_try is None:
+        return record, None
+    waited = record.started - first_try
+    ttft = None if record.ttft_s is None else record.ttft_s + waited
+    timed = dataclasses.replace(record, started=first_try, ttft_s=ttft, latency_s=record.latency_s + waited)
+    return timed, None
 
 
 class SimClock:

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,8 @@ class Conditions:
     direct: bool = True  # also each level straight at the Macs
     prompt_tokens: int = 4096
     max_tokens: int = 256
+    spread: float = 0.0  # answer lengths vary within max_tokens x (1 +/- spread) (bench.load.chat_body)
+    from_first_try: bool = False  # an answer after refusals is timed from its first try (bench.load)
     duration_s: float = 90.0  # simulated seconds of load per run
     speed: float = 1.0  # faster needs spare cores: the Python relay chain must keep up with the sims
     parallel: int = 16
@@ -94,6 +96,9 @@ class Run:
     reject_p99_ms: float | None
     reasons: dict[str, dict[str, float | None]]  # per X-Macpool-Reason: count, p50_ms, p99_ms
     worst_state: str | None
+    # clients none of whose requests was answered: a router that refuses at once can serve the same clients
+    # over and over (the one that just finished takes the slot it freed) while the others only retry
+    unserved_clients: int = 0
 
 
 def start_sim(processes: Stack, c: Conditions, name: str) -> str:
@@ -140,8 +145,7 @@ async def drive(
         with ProcessPoolExecutor(len(jobs), mp_context=context, initializer=_keep_barrier,
                                  initargs=(ready,)) as pool:
             running = asyncio.gather(*(
-                loop.run_in_executor(pool, _load, url, k, c.prompt_tokens, c.max_tokens, duration, model,
-                                     pause_statuses)
+                loop.run_in_executor(pool, _load, url, k, c, duration, model, pause_statuses)
                 for url, k in jobs
             ))
             await loop.run_in_executor(None, ready.wait)
@@ -153,11 +157,14 @@ async def drive(
             results = await running
         final = [await clock.stats() for clock in clocks]
     records = [record for batch in results for record in batch]
+    served = [len({r.client for r in batch if r.ok}) for batch in results]  # client ids are per process
+    unserved = sum(k for _, k in jobs) - sum(served)
     pairs = list(zip(first, last, strict=True))
     tokens = sum(int(b["tokens_predicted_total"]) - int(a["tokens_predicted_total"]) for a, b in pairs)
     sim_s = sum(float(b["sim_time_s"]) - float(a["sim_time_s"]) for a, b in pairs) / len(pairs)
     scale = sim_s / (duration * (1 - WARMUP))  # simulated seconds per wall second, as measured
-    return summarise(name, clients, records, tokens / sim_s if sim_s > 0 else 0.0, scale, final)
+    run = summarise(name, clients, records, tokens / sim_s if sim_s > 0 else 0.0, scale, final)
+    return replace(run, unserved_clients=unserved)
 
 
 _ready: list[Barrier] = []  # in a load process: where it waits for the others (``drive``)
@@ -169,13 +176,13 @@ def _keep_barrier(ready: Barrier) -> None:
 
 
 def _load(
-    url: str, clients: int, prompt_tokens: int, max_tokens: int, duration_s: float,
+    url: str, clients: int, c: Conditions, duration_s: float,
     model: str | None = None, pause_statuses: tuple[int, ...] = (429, 503),
 ) -> list[RequestRecord]:
     """Some of the clients, in a process of their own, once every load process is ready."""
-    body = chat_body(prompt_tokens, max_tokens, model)
+    body = chat_body(c.prompt_tokens, c.max_tokens, model, c.spread)
     loop = ClosedLoop(url, clients, body, requests_per_client=None, duration_s=duration_s,
-                      pause_statuses=pause_statuses)
+                      pause_statuses=pause_statuses, from_first_try=c.from_first_try)
     _ready[0].wait()
     return asyncio.run(loop.run())
 

@@ -233,7 +233,7 @@ def table(result: dict[str, Any]) -> Table:
     t = Table(title=f"mixed pool, sum of knees {result['knee_sum_tok_s']} tok/s (simulated seconds)")
     names = "/".join(mac.name for mac in MACS)
     for column in ("load", "router", "goodput tok/s", "/ knees", "TTFT p50 / p99 s", "latency p50 / p99 s",
-                   f"completed ({names})", "503", "other errors"):
+                   f"completed ({names})", "clients unanswered", "503", "other errors"):
         t.add_column(column)
     for level in result["levels"]:
         for name, r in level["runs"].items():
@@ -242,7 +242,7 @@ def table(result: dict[str, Any]) -> Table:
                 f"{r['goodput_ratio']:.3f}", _pair(r["ttft_p50_s"], r["ttft_p99_s"]),
                 _pair(r["latency_p50_s"], r["latency_p99_s"]),
                 f"{r['completed']} ({'/'.join(str(n) for n in r['completed_by_mac'].values())})",
-                str(r["rejected_503"]),
+                str(r["unserved_clients"]), str(r["rejected_503"]),
                 str(r["errors_non_503"]),
             )
     return t
@@ -258,13 +258,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--duration", type=float, default=40.0, help="simulated seconds of load per run")
     p.add_argument("--speed", type=float, default=2.0, help="simulator speed-up")
     p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="mean answer length")
+    p.add_argument("--spread", type=float, default=0.5,
+                   help="answer lengths vary uniformly within max-tokens x (1 +/- spread); 0: all alike")
     p.add_argument("--skip-install", action="store_true", help="fail instead of installing a missing peer")
     p.add_argument("--json", type=Path, help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
     levels = sorted(float(x) for x in args.levels.split(","))
-    c = Conditions(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, duration_s=args.duration,
-                   speed=args.speed)
+    if not 0 <= args.spread < 1:
+        p.error("--spread must be at least 0 and below 1")
+    c = Conditions(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, spread=args.spread,
+                   from_first_try=True, duration_s=args.duration, speed=args.speed)
     console = Console(stderr=True)
     logs = Path(tempfile.mkdtemp(prefix="macpool-bench-placement-"))
     try:

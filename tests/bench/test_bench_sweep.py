@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import seed_table
-from bench.load import ClosedLoop, chat_body
+from bench.load import ClosedLoop, RequestRecord, chat_body, retimed
 from bench.sweep import ROW_KEYS, Row
 from bench.sweep import main as sweep_main
 from tests.conftest import Server
@@ -59,3 +59,25 @@ def test_seed_table_verdict() -> None:
     assert not seed_table.compare(healthy_at_12)[3]["ok"]
     fat = [row(1, 80, 13.0, "healthy"), *good[1:]]  # pinned +18%
     assert not seed_table.compare(fat)[0]["ok"]
+
+
+def test_answer_lengths_spread_around_the_mean() -> None:
+    make = chat_body(64, 100, spread=0.5)
+    lengths = [make(0)["max_tokens"] for _ in range(200)]
+    assert all(50 <= n <= 150 for n in lengths) and len(set(lengths)) > 20
+    assert 90 < sum(lengths) / len(lengths) < 110
+    assert {chat_body(64, 100)(0)["max_tokens"] for _ in range(5)} == {100}
+
+
+def test_an_answer_after_refusals_is_timed_from_its_first_try() -> None:
+    refused = [RequestRecord(0, 502, started, None, 0.01, 0) for started in (10.0, 10.5)]
+    answered = RequestRecord(0, 200, 11.0, 0.2, 1.0, 8)
+    first_try = None
+    for record in refused:
+        kept, first_try = retimed(record, first_try, (502, 503))
+        assert kept is record  # a refusal keeps its own time (how fast a router refuses)
+    assert first_try == 10.0
+    timed, first_try = retimed(answered, first_try, (502, 503))
+    assert (timed.started, timed.ttft_s, timed.latency_s, first_try) == (10.0, 1.2, 2.0, None)
+    again = RequestRecord(0, 200, 13.0, 0.2, 1.0, 8)
+    assert retimed(again, None, (502, 503)) == (again, None)  # answered at once: as measured

@@ -1,0 +1,72 @@
+"""Smoke tests of the benches against the peers, nginx and LiteLLM: tiny parameters, real processes, JSON keys
+and sane values (a file of their own: each takes half a minute, and pytest-xdist runs files side by side).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import peers
+from tests.bench.conftest import run_bench
+from tests.bench.test_perf_benches import positive
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_peers_fails_clearly_without_a_peer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(peers, "VENV", tmp_path / "no-venv")
+    with pytest.raises(peers.PeerError, match="LiteLLM is not installed"):
+        peers.ensure_litellm(install=False)
+
+
+@pytest.mark.skipif(
+    shutil.which("nginx") is None or not (peers.VENV / "bin" / "litellm").exists(),
+    reason="peers not installed (run `macpool bench peers` once to install nginx and LiteLLM)",
+)
+def test_peers(tmp_path: Path) -> None:
+    data = run_bench(
+        tmp_path,
+        "peers",
+        "--skip-install",
+        "--levels",
+        "2",
+        "--duration",
+        "1",
+        "--warmup",
+        "0.3",
+        "--streams",
+        "4",
+        "--rounds",
+        "2",
+    )
+    row = data["ttft"]["2"]
+    for name in ("direct", "macpool", "nginx", "litellm"):
+        assert row[name]["ok"] > 0, (name, row[name])
+    assert len(row["rounds"]) == 2  # the paths took turns twice; each round's figures are kept
+    for turn in row["rounds"]:
+        assert set(turn) == {"macpool", "nginx", "litellm", "litellm_over_macpool"}, turn
+    for name in ("macpool", "nginx", "litellm"):
+        assert positive(data["relay"][name]["chunks_per_s_wall"]), (name, data["relay"])
+    assert "macpool_over_nginx_relay" in data["ratios"]
+
+
+@pytest.mark.skipif(
+    shutil.which("nginx") is None or not (peers.VENV / "bin" / "litellm").exists(),
+    reason="peers not installed (run `macpool bench peers` once to install nginx and LiteLLM)",
+)
+def test_placement(tmp_path: Path) -> None:
+    data = run_bench(tmp_path, "placement", "--skip-install", "--levels", "0.5", "--duration", "8",
+                     "--speed", "4", "--prompt-tokens", "128", "--max-tokens", "32")
+    assert set(data["knees"]) == {"m5max", "m2pro", "m4max"} and positive(data["knee_sum_tok_s"])
+    (level,) = data["levels"]
+    assert set(level["runs"]) == {"macpool", "litellm", "nginx", "macpool least-utilised"}
+    for name, run in level["runs"].items():
+        # A peer's own errors are what the bench reports about that peer; only macpool's runs
+        # must be free of them.
+        assert run["completed"] > 0, (name, run)
+        if name.startswith("macpool"):
+            assert run["errors_non_503"] == 0 and run["unserved_clients"] == 0, (name, run)
+        assert sum(run["completed_by_mac"].values()) >= run["completed"] > 0, (name, run)
