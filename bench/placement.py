@@ -10,14 +10,16 @@ model name), each behind its agent capped at its slots. In front of the same thr
 First each Mac alone at its cap (the knees, measured together on their own simulators); then, at each load
 level (closed-loop streaming clients, ``--levels`` times the pool's capacity), each router for
 ``--duration`` simulated seconds; at the lowest level macpool also with ``--placement least-utilised`` (a
-second router on the same pool). macpool's routers queue a request until a slot frees (``--queue-size 128
---queue-timeout 30``); a client answered 429, 502 or 503 tries again 50 ms later.
+second router on the same pool). Answers vary in length (``--spread``). macpool's routers queue a request
+until a slot frees (``--queue-size 128 --queue-timeout 30``); a client answered 429, 502 or 503 tries again
+50 ms later, and the answer it gets is timed from its first try.
 
 Per run: goodput (tokens the simulators generated per simulated second, steady part of the run) and its ratio
-to the sum of the knees, TTFT and latency p50/p99 (simulated seconds), completed requests, 503s and other
-errors. Below 1x the pool cannot reach its knees (each Mac decodes more tokens per second in a fuller batch);
-there the question is where the requests went, which TTFT shows. Writes JSON (``--json``): ``knees``
-(per Mac, tok/s), ``knee_sum_tok_s``, ``levels`` (one per level: ``level``, ``clients``, ``runs`` by router).
+to the sum of the knees, TTFT and latency p50/p99 (simulated seconds), completed requests, the clients never
+answered, 503s and other errors. Below 1x the pool cannot reach its knees (each Mac decodes more tokens per
+second in a fuller batch); there the question is where the requests went, which TTFT shows. Writes JSON
+(``--json``): ``knees`` (per Mac, tok/s), ``knee_sum_tok_s``, ``levels`` (one per level: ``level``,
+``clients``, ``runs`` by router).
 """
 
 from __future__ import annotations
