@@ -257,7 +257,7 @@ def _pair(a: float | None, b: float | None) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="macpool bench placement", description=__doc__.split("\n")[0])
     p.add_argument("--levels", default="0.5,1,2,4", help="load levels, times the pool's capacity")
-    p.add_argument("--duration", type=float, default=40.0, help="simulated seconds of load per run")
+    p.add_argument("--duration", type=float, default=80.0, help="simulated seconds of load per run")
     p.add_argument("--speed", type=float, default=2.0, help="simulator speed-up")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=128, help="mean answer length")
