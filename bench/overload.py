@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
@@ -163,8 +163,7 @@ async def drive(
     tokens = sum(int(b["tokens_predicted_total"]) - int(a["tokens_predicted_total"]) for a, b in pairs)
     sim_s = sum(float(b["sim_time_s"]) - float(a["sim_time_s"]) for a, b in pairs) / len(pairs)
     scale = sim_s / (duration * (1 - WARMUP))  # simulated seconds per wall second, as measured
-    run = summarise(name, clients, records, tokens / sim_s if sim_s > 0 else 0.0, scale, final)
-    return replace(run, unserved_clients=unserved)
+    return summarise(name, clients, records, tokens / sim_s if sim_s > 0 else 0.0, scale, final, unserved)
 
 
 _ready: list[Barrier] = []  # in a load process: where it waits for the others (``drive``)
@@ -188,7 +187,7 @@ def _load(
 
 
 def summarise(name: str, clients: int, records: list[RequestRecord], throughput: float, scale: float,
-              stats: list[dict[str, Any]]) -> Run:
+              stats: list[dict[str, Any]], unserved_clients: int = 0) -> Run:
     ok = [r for r in records if r.ok]
     rejected = [r for r in records if r.status == 503]
     order = ["healthy", "near_ceiling", "paging", "collapsed"]
@@ -220,6 +219,7 @@ def summarise(name: str, clients: int, records: list[RequestRecord], throughput:
             for reason, values in sorted(by_reason.items())
         },
         worst_state=worst,
+        unserved_clients=unserved_clients,
     )
 
 

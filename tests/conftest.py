@@ -31,8 +31,7 @@ from macpool.redis_server import RedisServer
 from macpool.stack import Proc, Stack, free_port
 from tests.inprocess import LocalStack
 
-# the longest files, longest first, in seconds on a 2-core VM with three workers (`pytest --durations=0`):
-# the calibrate memory knees 89, the perf benches 69, the peer benches 68, the soak 63, ...
+# the longest files, longest first, as `pytest --durations=0` orders them on 2 cores (docs/testing.md)
 LONGEST_FIRST = (
     "tests/node_agent/test_agent_calibrate_memory.py",
     "tests/bench/test_perf_benches.py",
