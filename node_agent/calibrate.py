@@ -29,6 +29,7 @@ NEAR_LIMIT = 0.85  # pinned at this share of the wired limit "nears" it
 SATURATED = 0.95  # the throughput knee: the smallest level reaching this share of the best healthy throughput
 CONFIRM = 2  # healthy levels past a throughput knee before it holds (one noisy dip never decides)
 MIN_LEVELS = 4  # healthy levels before a throughput knee holds: a curve through three says little
+DIP = 0.90  # a healthy level below this share of the best before it is measured again
 MAX_ERROR_RATE = 0.05  # failed requests above this share at a level: a knee signal...
 MIN_ERRORS = 3  # ...once there are this many (one connection reset in a short window is no knee)
 PAGING_STATES = ("paging", "collapsed")
@@ -117,12 +118,30 @@ def fitted(healthy: list[LevelResult]) -> list[float]:
     return [r.concurrency / (slope * r.concurrency + intercept) for r in healthy]
 
 
-def _throughput_candidate(healthy: list[LevelResult]) -> int | None:
-    if not healthy:
-        return None
-    levels = fitted(healthy)
+def rising(healthy: list[LevelResult]) -> list[LevelResult]:
+    """The levels the saturating curve is fitted to: up to the top of a flat top, else all.
+
+    A curve that bends gradually is fitted over every level. One that stops rising at once (the GPU's
+    compute used up: a roofline) is not: fitted with its flat tail, the saturating curve bends late and puts
+    the knee one or two levels past the top. The top is the first level of the highest
+    throughput, each level read as the median of it and its neighbours (one lucky window is no top); it
+    holds once CONFIRM levels past it did not rise above it.
+    """
+    values = [r.throughput_tok_s for r in healthy]
+    smooth = [statistics.median(values[max(0, i - 1) : i + 2]) for i in range(len(values))]
+    top = smooth.index(max(smooth))
+    return healthy[: top + 1] if len(healthy) - 1 - top >= CONFIRM else healthy
+
+
+def _saturation(healthy: list[LevelResult]) -> tuple[int, float]:
+    """The index of the smallest level reaching SATURATED x the best fitted throughput, and that best."""
+    levels = fitted(rising(healthy))
     best = max(levels)
-    return next(i for i, value in enumerate(levels) if value >= SATURATED * best)
+    return next(i for i, value in enumerate(levels) if value >= SATURATED * best), best
+
+
+def _throughput_candidate(healthy: list[LevelResult]) -> int | None:
+    return _saturation(healthy)[0] if healthy else None
 
 
 def throughput_confirmed(healthy: list[LevelResult]) -> bool:
@@ -194,7 +213,7 @@ def explain(rows: list[LevelResult], knee: Knee, bounds: Bounds) -> str:
     if healthy:
         if knee.throughput_knee is not None:
             said.append(f"throughput knee {knee.throughput_knee}: {SATURATED:.0%} of the best "
-                        f"{max(fitted(healthy)):.1f} tok/s (fitted); more only adds latency")
+                        f"{_saturation(healthy)[1]:.1f} tok/s (fitted); more only adds latency")
         else:
             said.append(f"throughput still growing at {healthy[-1].concurrency} "
                         f"({healthy[-1].throughput_tok_s:.1f} tok/s)")
@@ -289,6 +308,17 @@ async def total_slots(client: httpx.AsyncClient, base: str) -> int | None:
     return int(slots) if slots else None
 
 
+def dipped(rows: list[LevelResult], row: LevelResult) -> bool:
+    """A healthy level reading below DIP x the best level before it: measured again, the better window kept.
+
+    A saturating curve does not fall, and one unlucky window at the fourth level would otherwise confirm
+    the first level as the knee and end the sweep there. A drop that is real reads the same twice.
+    """
+    before = [r.throughput_tok_s for r in healthy_rows(rows)]
+    healthy = not (memory_hit(row) or error_hit(row)) and len(before) == len(rows)
+    return healthy and bool(before) and row.throughput_tok_s < DIP * max(before)
+
+
 def decided(rows: list[LevelResult], bounds: Bounds) -> bool:
     """Nothing further can change the cap: stop (levels past a knee are slow and say little)."""
     if any(memory_hit(r) or error_hit(r) for r in rows):
@@ -314,7 +344,8 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
         levels = [c for c in options.concurrency_levels() if slots is None or c <= slots]
         if not levels:
             raise ValueError(f"the server has only {slots} slots; start it with --parallel >= the levels")
-        for concurrency in levels:
+
+        async def measure(concurrency: int) -> LevelResult:
             await _settle(client, base)
             level = Level(
                 client,
@@ -326,7 +357,14 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
                 options.model,
                 options.window(concurrency),
             )
-            rows.append(await level.run())
+            return await level.run()
+
+        for concurrency in levels:
+            row = await measure(concurrency)
+            if dipped(rows, row):
+                again = await measure(concurrency)
+                row = max(row, again, key=lambda r: r.throughput_tok_s)
+            rows.append(row)
             if progress is not None:
                 progress(rows[-1])
             if decided(rows, options.bounds):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from node_agent.calibrate import Bounds, find_knee
+from node_agent.calibrate import Bounds, dipped, find_knee
 from node_agent.capacity import PressureGuard, decide, memory_cap
 from node_agent.loadgen import LevelResult
 from node_agent.memory import MemorySample, Pressure
@@ -90,6 +90,34 @@ def test_one_noisy_level_moves_the_throughput_knee_by_one_at_most() -> None:
                 .throughput_knee
             )
             assert measured.throughput_knee in (6, 7, 8), (noisy, factor)
+
+
+def test_a_flat_top_is_read_where_it_starts() -> None:
+    # throughput that stops growing at 4: the first three curves were measured with a plain sweep past the
+    # slots of a real llama-server (F16 model, one thread, --parallel 4), the last is an ideal roofline
+    for measured in ((109, 110, 147, 164, 164, 164, 159), (105, 108, 148, 166, 169, 167, 167),
+                     (112, 111, 144, 159, 159, 161, 160), (60, 100, 130, 150, 150, 150, 150)):
+        curve = [(c, thr, 1 + 0.5 * c, None) for c, thr in zip((1, 2, 3, 4, 5, 6, 8), measured, strict=True)]
+        knee = find_knee(_rows(curve, None))
+        assert knee.throughput_knee in (4, 5), (measured, knee.reason)
+    # the fit over every level, flat tail included, bends late: it would say 6 here
+    ideal = (60, 100, 130, 150, 150, 150, 150)
+    curve = [(c, thr, 1 + 0.5 * c, None) for c, thr in zip((1, 2, 3, 4, 5, 6, 8), ideal, strict=True)]
+    assert find_knee(_rows(curve, None)).throughput_knee == 4
+    # a top that later levels rise above is no flat top: the whole curve is fitted
+    rising = [(c, 130 * c / (c + 1.5) * (1.1 if c == 5 else 1), 1 + 0.5 * c, None) for c in range(1, 10)]
+    assert find_knee(_rows(rising, None)).throughput_knee == 7
+
+
+def test_a_level_reading_well_below_the_best_before_it_is_measured_again() -> None:
+    # a real sweep (Q4_0 model, one thread): 5 read 251 once, where it reads ~297; kept, the fit over four
+    # levels would call 2 the knee and end the sweep
+    rows = _rows([(2, 250, 1.0, None), (3, 255, 1.1, None), (4, 315, 1.2, None)], None)
+    assert dipped(rows, _rows([(5, 251, 1.4, None)], None)[0])
+    assert not dipped(rows, _rows([(5, 297, 1.4, None)], None)[0])
+    assert not dipped([], _rows([(1, 10, 1.0, None)], None)[0])
+    paging = _rows([(5, 100, 9.0, 60)], 64)[0]  # past the memory knee: a signal, not a window to repeat
+    assert not dipped(rows, paging)
 
 
 def test_levels_with_failed_requests_end_the_healthy_range_and_keep_the_sweep() -> None:
