@@ -1,9 +1,14 @@
 """``macpool agent calibrate`` against the real llama-server finds where its throughput saturates.
 
-The ``calibrate`` model (Q4_0, decoded on one thread) gains throughput with every sequence added to a batch
-up to about four, then none: a saturation point these CPUs can show. The test measures it independently -
-a plain concurrency sweep with the load generator, the smallest level reaching 95% of the best throughput -
-then runs the CLI against the same server: its recommended cap must lie within one level of that point.
+The ``calibrate`` model (Q4_0, decoded on one thread) gains throughput when a batch reaches four sequences,
+then none (5 to 7 read a little lower than 4): a saturation point these CPUs can show. The test measures it
+independently - a plain concurrency sweep with the load generator, the smallest level reaching 95% of the
+best throughput - then runs the CLI against the same server: its recommended cap must lie within one level
+of that point.
+
+Both sweeps start at 2. Below 4 sequences the CPU kernels give one flat throughput, a start no Mac's curve
+has; calibrate, rightly for such a start, calls 1 the knee after four flat levels and stops, so a window in
+which level 4 happened to read low ended the sweep there.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from tests.e2e.conftest import require_llama_server
 # the saturation point is a CPU's: measured with other tests running, it moves between the two sweeps
 pytestmark = [pytest.mark.llama_server, pytest.mark.slow, pytest.mark.alone]
 
-LEVELS = (1, 2, 3, 4, 5, 6, 8)  # calibrate's; it stops two levels past the knee
+# calibrate's; it stops two levels past the knee. Not 8: two batches of four read as high as 4 again, a
+# second peak of the kernels past the saturation point
+LEVELS = (2, 3, 4, 5, 6, 7)
 REFERENCE = LEVELS[:-1]  # the reference sweep's: the best throughput is the median of its top three
 PROMPT_TOKENS = 1  # a few prompt bytes: decode, not prefill, is what saturates
 MAX_TOKENS = 64
@@ -90,4 +97,4 @@ def test_recommended_cap_is_the_measured_saturation_point(stack: Stack, tmp_path
     assert all(r["completed"] > 0 and r["errors"] == 0 for r in rows), rows
     assert result["limited_by"] == "throughput", result["reason"]
     assert abs(result["recommended_cap"] - point) <= 1, f"measured {table} -> {point}; {result['reason']}"
-    assert 1 < point < max(REFERENCE), f"no saturation inside the sweep: {table}"
+    assert min(REFERENCE) < point < max(REFERENCE), f"no saturation inside the sweep: {table}"
