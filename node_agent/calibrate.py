@@ -101,6 +101,11 @@ def healthy_rows(rows: list[LevelResult]) -> list[LevelResult]:
     return rows[: min(bad)] if bad else rows
 
 
+def neighbour_medians(values: list[float]) -> list[float]:
+    """Each value read as the median of it and its neighbours: one lucky or unlucky window moves nothing."""
+    return [statistics.median(values[max(0, i - 1) : i + 2]) for i in range(len(values))]
+
+
 def fitted(healthy: list[LevelResult]) -> list[float]:
     """Each level's throughput on the saturating curve ``A x c / (c + h)`` fitted to all healthy levels.
 
@@ -114,7 +119,7 @@ def fitted(healthy: list[LevelResult]) -> list[float]:
     points = [(r.concurrency, r.concurrency / r.throughput_tok_s) for r in healthy if r.throughput_tok_s > 0]
     slope, intercept = _line(points) if len(points) == len(healthy) >= 3 else (None, None)
     if slope is None or intercept is None or slope <= 0 or intercept < 0:
-        return [statistics.median(values[max(0, i - 1) : i + 2]) for i in range(len(values))]
+        return neighbour_medians(values)
     return [r.concurrency / (slope * r.concurrency + intercept) for r in healthy]
 
 
@@ -123,12 +128,11 @@ def rising(healthy: list[LevelResult]) -> list[LevelResult]:
 
     A curve that bends gradually is fitted over every level. One that stops rising at once (the GPU's
     compute used up: a roofline) is not: fitted with its flat tail, the saturating curve bends late and puts
-    the knee one or two levels past the top. The top is the first level of the highest
-    throughput, each level read as the median of it and its neighbours (one lucky window is no top); it
-    holds once CONFIRM levels past it did not rise above it.
+    the knee one or two levels past the top. The top is the first level of the highest throughput, each
+    level read as the median of it and its neighbours (one lucky window is no top); it holds once CONFIRM
+    levels past it did not rise above it.
     """
-    values = [r.throughput_tok_s for r in healthy]
-    smooth = [statistics.median(values[max(0, i - 1) : i + 2]) for i in range(len(values))]
+    smooth = neighbour_medians([r.throughput_tok_s for r in healthy])
     top = smooth.index(max(smooth))
     return healthy[: top + 1] if len(healthy) - 1 - top >= CONFIRM else healthy
 
