@@ -15,6 +15,9 @@ from macpool import llama_build, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 3  # pytest-xdist workers for the whole suite (2 cores: its tests are mostly waiting)
+# workers for the tests marked ``alone``: each measures a curve that needs one core of its own (llama-server
+# on one thread, or a simulator's clock), not the whole machine
+ALONE_WORKERS = min(2, os.cpu_count() or 1)
 
 
 def _run(step: str, argv: list[str], env: dict[str, str] | None = None) -> int:
@@ -127,7 +130,7 @@ def _ensure_haproxy() -> None:
 def run_tests(pytest_args: list[str]) -> int:
     """ruff, mypy, then the whole pytest suite (building llama-server first, cached). With no pytest
     arguments the suite runs on ``WORKERS`` workers, each with its own Redis, then the tests marked ``alone``
-    one by one; with arguments, or an external Redis, it is one plain pytest run."""
+    with a core each; with arguments, or an external Redis, it is one plain pytest run."""
     py = sys.executable
     for step, argv in (
         ("ruff", [py, "-m", "ruff", "check", "."]),
@@ -152,7 +155,8 @@ def run_tests(pytest_args: list[str]) -> int:
     parallel = ["-n", str(WORKERS), "--dist", "loadfile", "--no-loadscope-reorder", "-m", "not alone"]
     if _run("pytest, in parallel", [*pytest, *parallel], env=env) != 0:
         return 1
-    return _run("pytest, alone", [*pytest, "-m", "alone"], env=env)
+    alone = ["-n", str(ALONE_WORKERS), "--dist", "loadfile"] if ALONE_WORKERS > 1 else []
+    return _run("pytest, alone", [*pytest, *alone, "-m", "alone"], env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
