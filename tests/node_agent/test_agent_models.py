@@ -35,6 +35,9 @@ MAC = "m2pro-32g-8b-q4"  # wired limit 21.3 GB
 WIRED_LIMIT = 21.3
 HEADROOM = 2.0  # budget 19.3 GB: two 9 GB models (weights + 2 slots of KV), not three
 SLOW_SIM = f"{sys.executable} -m macpool.cli sim --preset {MAC} --speed 2"
+# a streamed answer this long keeps its model busy for ~9 s: past every step a test takes meanwhile (a 2 s
+# cold-start refusal, a load and an unload), even on a loaded machine
+BUSY_TOKENS = 600
 
 
 # --- the budget ---------------------------------------------------------------------------------------------
@@ -183,7 +186,7 @@ def test_the_idle_model_is_unloaded_for_a_third_never_the_one_streaming(
         assert ask(router, "a").status_code == 200
         assert ask(router, "b").status_code == 200  # a and b loaded: the budget is full
         with ThreadPoolExecutor(1) as pool:
-            streaming = pool.submit(ask, router, "a", 150, True)  # a is busy for seconds
+            streaming = pool.submit(ask, router, "a", BUSY_TOKENS, True)
             wait_until(lambda: mac.status()["models"]["a"]["in_flight"] == 1, what="a streaming")
             assert ask(router, "b").status_code == 200  # b is now the most recently used, yet idle
             third = ask(router, "c")  # the least recently used model is a, but it is busy: b makes room
@@ -208,7 +211,7 @@ def test_a_model_is_not_loaded_while_busy_models_hold_the_memory(
     assert ask(router, "a").status_code == 200
     assert ask(router, "b").status_code == 200
     with ThreadPoolExecutor(2) as pool:
-        busy = [pool.submit(ask, router, model, 150, True) for model in ("a", "b")]
+        busy = [pool.submit(ask, router, model, BUSY_TOKENS, True) for model in ("a", "b")]
         wait_until(lambda: all(mac.status()["models"][m]["in_flight"] == 1 for m in "ab"), what="both busy")
         wait_until(lambda: load_cost(router, "mac/c") == "full", what="c's load cost: full")
         refused = ask(router, "c")  # no Mac can load it now: the router asks none, and says so in time
