@@ -318,9 +318,9 @@ def dipped(rows: list[LevelResult], row: LevelResult) -> bool:
     A saturating curve does not fall, and one unlucky window at the fourth level would otherwise confirm
     the first level as the knee and end the sweep there. A drop that is real reads the same twice.
     """
-    before = [r.throughput_tok_s for r in healthy_rows(rows)]
-    healthy = not (memory_hit(row) or error_hit(row)) and len(before) == len(rows)
-    return healthy and bool(before) and row.throughput_tok_s < DIP * max(before)
+    best = max((r.throughput_tok_s for r in healthy_rows(rows)), default=None)
+    healthy = not (memory_hit(row) or error_hit(row))
+    return healthy and best is not None and row.throughput_tok_s < DIP * best
 
 
 def decided(rows: list[LevelResult], bounds: Bounds) -> bool:

@@ -14,6 +14,10 @@ from tests.bench.conftest import run_bench
 from tests.bench.test_perf_benches import positive
 
 pytestmark = pytest.mark.timeout(600)
+needs_peers = pytest.mark.skipif(
+    shutil.which("nginx") is None or not (peers.VENV / "bin" / "litellm").exists(),
+    reason="peers not installed (run `macpool bench peers` once to install nginx and LiteLLM)",
+)
 
 
 def test_peers_fails_clearly_without_a_peer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -22,10 +26,7 @@ def test_peers_fails_clearly_without_a_peer(monkeypatch: pytest.MonkeyPatch, tmp
         peers.ensure_litellm(install=False)
 
 
-@pytest.mark.skipif(
-    shutil.which("nginx") is None or not (peers.VENV / "bin" / "litellm").exists(),
-    reason="peers not installed (run `macpool bench peers` once to install nginx and LiteLLM)",
-)
+@needs_peers
 def test_peers(tmp_path: Path) -> None:
     data = run_bench(
         tmp_path,
@@ -53,10 +54,7 @@ def test_peers(tmp_path: Path) -> None:
     assert "macpool_over_nginx_relay" in data["ratios"]
 
 
-@pytest.mark.skipif(
-    shutil.which("nginx") is None or not (peers.VENV / "bin" / "litellm").exists(),
-    reason="peers not installed (run `macpool bench peers` once to install nginx and LiteLLM)",
-)
+@needs_peers
 def test_placement(tmp_path: Path) -> None:
     data = run_bench(tmp_path, "placement", "--skip-install", "--levels", "0.5", "--duration", "8",
                      "--speed", "4", "--prompt-tokens", "128", "--max-tokens", "32")

@@ -7,8 +7,8 @@ best throughput - then runs the CLI against the same server: its recommended cap
 of that point.
 
 Both sweeps start at 2. Below 4 sequences the CPU kernels give one flat throughput, a start no Mac's curve
-has; calibrate, rightly for such a start, calls 1 the knee after four flat levels and stops, so a window in
-which level 4 happened to read low ended the sweep there.
+has: from level 1, whenever level 4's window reads without its step, calibrate sees four flat levels and
+(rightly, for such a curve) calls 1 the knee.
 """
 
 from __future__ import annotations

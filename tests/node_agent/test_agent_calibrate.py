@@ -64,7 +64,8 @@ ULTRA = "m3ultra-192g-70b-q4"
 def test_calibrate_stops_at_the_throughput_plateau_and_agrees_with_itself(
     sim: SimFactory, tmp_path: Path
 ) -> None:
-    # 100x: the test runs alone, so nothing else slows the simulator behind its clock
+    # 100x: the test runs apart from the rest of the suite, on a core of its own, so nothing slows the
+    # simulator behind its clock
     upstream = sim("--parallel", "12", "-c", "98304", "--speed", "100", "--metrics", preset=ULTRA)
     caps = []
     for run in range(3):
