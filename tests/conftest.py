@@ -33,18 +33,19 @@ from tests.inprocess import LocalStack
 
 # the longest files, longest first, as `pytest --durations=0` orders them on 2 cores (docs/testing.md)
 LONGEST_FIRST = (
-    "tests/node_agent/test_agent_calibrate_memory.py",
     "tests/bench/test_perf_benches.py",
     "tests/bench/test_peer_benches.py",
+    "tests/node_agent/test_agent_models.py",
+    "tests/node_agent/test_agent_calibrate_memory.py",
+    "tests/node_agent/test_agent_gateway.py",
     "tests/reliability/test_soak.py",
+    "tests/reliability/test_faults.py",
     "tests/bench/test_fairness_bench.py",
     "tests/bench/test_chaos_bench.py",
-    "tests/reliability/test_faults.py",
-    "tests/node_agent/test_agent_models.py",
-    "tests/node_agent/test_agent_calibrate.py",
-    "tests/node_agent/test_agent_gateway.py",
-    "tests/reliability/test_sentinel.py",
     "tests/operator/test_operator_dashboard.py",
+    "tests/node_agent/test_agent_calibrate.py",
+    "tests/reliability/test_redis_outage.py",
+    "tests/reliability/test_sentinel.py",
 )
 
 

@@ -27,7 +27,7 @@ def test_calibrate_recommends_8_on_the_seed_machine(sim: SimFactory, tmp_path: P
 @pytest.mark.slow
 def test_calibrate_finds_the_knee_of_another_machine(sim: SimFactory, tmp_path: Path) -> None:
     # M2 Pro 32 GB, 8B model: 4.9 GB fixed + 1.06 GB per 2K-token request under 0.85 x 21.3 GB -> 12
-    upstream = sim("--parallel", "16", "--speed", "20", "--metrics", preset="m2pro-32g-8b-q4")
+    upstream = sim("--parallel", "16", "--speed", "40", "--metrics", preset="m2pro-32g-8b-q4")
     result = calibrate(upstream.url, tmp_path,
                        "--prompt-tokens", "2048", "--max-tokens", "256", "--levels", "1,6,12,13")
     assert result["recommended_cap"] == 12

@@ -1,4 +1,4 @@
-"""A bounded soak (about a minute): 1.5x capacity with node churn; the full run is `macpool bench soak`."""
+"""A bounded soak (about 40 s): 1.5x capacity with node churn; the full run is `macpool bench soak`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_short_soak() -> None:
-    options = SoakOptions(duration_s=60, churn_every_s=8, warmup_s=15)
+    options = SoakOptions(duration_s=40, churn_every_s=6, warmup_s=12)
     result = run(options, log=print)
     print(result)
     assert result.errors_non_503 == 0, result.error_kinds
