@@ -14,8 +14,8 @@ from pathlib import Path
 from macpool import llama_build, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
-# pytest-xdist workers for the whole suite: two a core, four at most (its tests mostly wait; on 2 cores the
-# four keep the CPU ~80 % busy)
+# pytest-xdist workers for the whole suite: two a core, since its tests mostly wait; four at most, since
+# beyond that its timing tests measure each other (docs/testing.md)
 WORKERS = min(4, 2 * (os.cpu_count() or 1))
 # workers for the tests marked ``alone``: each measures a curve that needs one core of its own (llama-server
 # on one thread, or a simulator's clock), not the whole machine
