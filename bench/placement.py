@@ -14,18 +14,26 @@ second router on the same pool). Answers vary in length (``--spread``). macpool'
 until a slot frees (``--queue-size 128 --queue-timeout 30``); a client answered 429, 502 or 503 tries again
 50 ms later, and the answer it gets is timed from its first try.
 
-Per run: goodput (tokens the simulators generated per simulated second, steady part of the run) and its ratio
-to the sum of the knees, TTFT and latency p50/p99 (simulated seconds), completed requests, the clients never
-answered, 503s and other errors. Below 1x the pool cannot reach its knees (each Mac decodes more tokens per
-second in a fuller batch); there the question is where the requests went, which TTFT shows. Writes JSON
-(``--json``): ``knees`` (per Mac, tok/s), ``knee_sum_tok_s``, ``levels`` (one per level: ``level``,
-``clients``, ``runs`` by router).
+Below 1x the pool cannot reach its knees: each Mac generates more tokens per second in a fuller batch, and
+there are fewer clients than slots. So the bench also measures each Mac alone at every concurrency below its
+cap (the curves, all three Macs at once, each on its own simulator) and works out the best split: the most
+tokens per second the Macs generate between them with no more requests in flight than there are clients.
+Whatever a router does, a load of that many clients is a succession of such splits, so no placement can go
+past it (but for the runs' noise). From 1x on the best split is every Mac at its cap.
+
+Per run: goodput (tokens the simulators generated per simulated second, steady part of the run), its ratio to
+the sum of the knees and to the best split, TTFT and latency p50/p99 (simulated seconds), completed requests,
+the clients never answered, 503s and other errors. Writes JSON (``--json``): ``knees`` (per Mac, tok/s),
+``knee_sum_tok_s``, ``curves`` (per Mac: tok/s by concurrency, the cap's being the knee),
+``ttft_p50_alone_s`` (per Mac, one client), ``levels`` (one per level: ``level``, ``clients``,
+``best_tok_s``, ``best_split`` (clients per Mac), ``runs`` by router).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import tempfile
@@ -177,6 +185,37 @@ def knees(c: Conditions, sims: list[Proc]) -> dict[str, float]:
     return {mac.name: run.throughput_tok_s for mac, run in zip(MACS, asyncio.run(go()), strict=True)}
 
 
+def curves(c: Conditions, sims: list[Proc], below: int) -> dict[str, dict[int, Run]]:
+    """Each Mac alone at 1 .. ``below`` - 1 clients (never at or past its cap: the knees are that), all three
+    at once, each on its own simulator; the runs by Mac and concurrency."""
+    out: dict[str, dict[int, Run]] = {mac.name: {} for mac in MACS}
+    for k in range(1, below):
+        active = [(mac, sim) for mac, sim in zip(MACS, sims, strict=True) if k < mac.cap]
+        if not active:
+            break
+
+        async def go(k: int = k, active: list[tuple[Mac, Proc]] = active) -> list[Run]:
+            return list(await asyncio.gather(*(
+                drive(f"curve {mac.name} at {k}", [sim.url], [sim.url], c, k, MODEL, PAUSE_ON)
+                for mac, sim in active
+            )))
+
+        for (mac, _), result in zip(active, asyncio.run(go()), strict=True):
+            out[mac.name][k] = result
+    return out
+
+
+def best_split(curves: dict[str, dict[int, float]], clients: int) -> tuple[float, dict[str, int]]:
+    """The most tok/s the Macs generate between them with at most ``clients`` requests in flight, each Mac at
+    a concurrency it was measured at (or idle), and how many requests each Mac holds for it."""
+    names = list(curves)
+    options = [[(0, 0.0), *sorted(curves[name].items())] for name in names]
+    fits = (combo for combo in itertools.product(*options) if sum(k for k, _ in combo) <= clients)
+    best = max(fits, key=lambda combo: sum(tok_s for _, tok_s in combo))
+    split = {name: k for name, (k, _) in zip(names, best, strict=True)}
+    return round(sum(tok_s for _, tok_s in best), 1), split
+
+
 def per_mac(urls: list[str]) -> dict[str, dict[str, int]]:
     """The requests each Mac completed in the run just ended."""
     stats = [httpx.get(url + "/sim/stats", timeout=10).json() for url in urls]
@@ -196,6 +235,16 @@ def run(
         knee = knees(c, sims)
         knee_sum = round(sum(knee.values()), 1)
         console.print(f"knees {knee} tok/s, sum {knee_sum}")
+        counts = [max(1, round(level * CAPACITY)) for level in levels]
+        below = min(max(mac.cap for mac in MACS), max(counts))
+        if below > 1:
+            console.print(f"curves: each Mac alone at 1-{below - 1} clients ...")
+        points = curves(c, sims, below)
+        curve = {mac.name: {k: r.throughput_tok_s for k, r in points[mac.name].items()}
+                 | {mac.cap: knee[mac.name]} for mac in MACS}
+        # each Mac's first token with one client alone: the fastest Mac's is the least TTFT any placement gets
+        alone = {mac.name: points[mac.name][1].ttft_p50_s for mac in MACS if 1 in points[mac.name]}
+        console.print(f"curves {curve} tok/s")
         _, fastest, least = start_macpool(stack, sims)
         nginx = start_nginx(stack, nginx_bin, sims)
         wait_port(nginx)
@@ -209,6 +258,8 @@ def run(
         out_levels = []
         for level in levels:
             clients = max(1, round(level * CAPACITY))
+            best, split = best_split(curve, clients)
+            console.print(f"{level:g}x ({clients} clients): the best split {split} makes {best} tok/s")
             runs: dict[str, dict[str, Any]] = {}
             order = dict(routers)
             if level == min(levels):
@@ -218,14 +269,19 @@ def run(
                 result = asyncio.run(drive(f"{name} {level:g}x", [url], urls, c, clients, MODEL, PAUSE_ON))
                 runs[name] = asdict(result) | {
                     "goodput_ratio": round(result.throughput_tok_s / knee_sum, 3) if knee_sum else None,
+                    "best_ratio": round(result.throughput_tok_s / best, 3) if best else None,
                     **per_mac(urls),
                 }
-            out_levels.append({"level": level, "clients": clients, "runs": runs})
+            out_levels.append({"level": level, "clients": clients, "best_tok_s": best, "best_split": split,
+                               "runs": runs})
     return {
         "macs": [asdict(mac) for mac in MACS],
         "capacity": CAPACITY,
         "knees": knee,
         "knee_sum_tok_s": knee_sum,
+        "curves": {name: {str(k): tok_s for k, tok_s in sorted(points.items())}
+                   for name, points in curve.items()},
+        "ttft_p50_alone_s": alone,
         "levels": out_levels,
         "conditions": asdict(c) | {"router_flags": list(ROUTER_FLAGS), "macs": sims_all},
     }
@@ -234,14 +290,16 @@ def run(
 def table(result: dict[str, Any]) -> Table:
     t = Table(title=f"mixed pool, sum of knees {result['knee_sum_tok_s']} tok/s (simulated seconds)")
     names = "/".join(mac.name for mac in MACS)
-    for column in ("load", "router", "goodput tok/s", "/ knees", "TTFT p50 / p99 s", "latency p50 / p99 s",
-                   f"completed ({names})", "clients unanswered", "503", "other errors"):
+    for column in ("load (best split tok/s)", "router", "goodput tok/s", "/ knees", "/ best",
+                   "TTFT p50 / p99 s", "latency p50 / p99 s", f"completed ({names})", "clients unanswered",
+                   "503", "other errors"):
         t.add_column(column)
     for level in result["levels"]:
         for name, r in level["runs"].items():
             t.add_row(
-                f"{level['level']:g}x ({level['clients']})", name, f"{r['throughput_tok_s']:.0f}",
-                f"{r['goodput_ratio']:.3f}", _pair(r["ttft_p50_s"], r["ttft_p99_s"]),
+                f"{level['level']:g}x ({level['clients']}; {level['best_tok_s']:.0f})", name,
+                f"{r['throughput_tok_s']:.0f}", f"{r['goodput_ratio']:.3f}", f"{r['best_ratio']:.3f}",
+                _pair(r["ttft_p50_s"], r["ttft_p99_s"]),
                 _pair(r["latency_p50_s"], r["latency_p99_s"]),
                 f"{r['completed']} ({'/'.join(str(n) for n in r['completed_by_mac'].values())})",
                 str(r["unserved_clients"]), str(r["rejected_503"]),

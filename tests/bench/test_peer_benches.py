@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers
+from bench import peers, placement
 from tests.bench.conftest import run_bench
 from tests.bench.test_perf_benches import positive
 
@@ -68,3 +68,24 @@ def test_placement(tmp_path: Path) -> None:
         if name.startswith("macpool"):
             assert run["errors_non_503"] == 0 and run["unserved_clients"] == 0, (name, run)
         assert sum(run["completed_by_mac"].values()) >= run["completed"] > 0, (name, run)
+        assert run["best_ratio"] == pytest.approx(run["throughput_tok_s"] / level["best_tok_s"], abs=1e-3)
+    # every Mac measured at each concurrency up to its cap, the cap's point being its knee
+    for mac in data["macs"]:
+        curve = data["curves"][mac["name"]]
+        assert list(curve) == [str(k) for k in range(1, mac["cap"] + 1)], (mac, curve)
+        assert curve[str(mac["cap"])] == data["knees"][mac["name"]]
+        assert all(positive(tok_s) for tok_s in curve.values()), (mac, curve)
+    assert set(data["ttft_p50_alone_s"]) == {mac["name"] for mac in data["macs"]}
+    assert sum(level["best_split"].values()) <= level["clients"]
+    assert 0 < level["best_tok_s"] <= sum(max(curve.values()) for curve in data["curves"].values())
+
+
+def test_best_split_is_the_best_placement_of_that_many_clients() -> None:
+    curves = {"fast": {1: 10.0, 2: 18.0, 3: 20.0}, "slow": {1: 5.0, 2: 9.0}}
+    assert placement.best_split(curves, 1) == (10.0, {"fast": 1, "slow": 0})
+    # the third client adds more on the slow Mac than on the fast one's saturating batch
+    assert placement.best_split(curves, 3) == (23.0, {"fast": 2, "slow": 1})
+    # more clients than slots: every Mac at its cap, the others wait
+    assert placement.best_split(curves, 10) == (29.0, {"fast": 3, "slow": 2})
+    # a Mac slower in a fuller batch is held at its best concurrency
+    assert placement.best_split({"paging": {1: 10.0, 2: 8.0}}, 2) == (10.0, {"paging": 1})
