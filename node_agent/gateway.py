@@ -32,7 +32,7 @@ from macpool.errors import error_response, exception_handlers, sse_error
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER, connection_listed
 
 from . import unstream
-from .runtime import Runtime
+from .runtime import AnswerClock, Runtime
 
 # never forwarded upstream: hop-by-hop (RFC 9110 7.6.1), what httpx recomputes, and X-Conversation-Id
 # (llama-server keeps generating after a disconnect when it is present)
@@ -100,25 +100,20 @@ class ProxyResponse(StreamingResponse):
         runtime.metrics.requests.labels(endpoint, str(upstream.status)).inc()
 
     async def _body(self) -> AsyncGenerator[bytes, None]:
-        first = True
         ended = True  # the last chunk closed its SSE event (an error event must not extend a cut one)
-        # a stream's events, when the first and last came, and the requests in flight at the first
-        events, first_at, last_at, running = 0, 0.0, 0.0, 0
+        clock = AnswerClock()
         try:
             async for chunk in http.chunks(self._upstream):
                 ended = chunk.endswith(b"\n\n")
                 if self._streamed:
-                    last_at = time.perf_counter()
-                    events += chunk.count(b"data: ")
-                    if first:
-                        first_at, running = last_at, self._runtime.in_flight
-                        self._runtime.ttft_samples.append(last_at - self._started)
-                        self._runtime.metrics.ttft.observe(last_at - self._started)
-                first = False
+                    at = time.perf_counter()
+                    if clock.tick(at, chunk.count(b"data: "), self._runtime.in_flight):
+                        self._runtime.ttft_samples.append(at - self._started)
+                        self._runtime.metrics.ttft.observe(at - self._started)
                 yield chunk
             if self._streamed and self.status_code == 200:
-                concurrency = (running + self._runtime.in_flight) / 2
-                self._runtime.note_decode(events, last_at - first_at, concurrency)
+                concurrency = (clock.running + self._runtime.in_flight) / 2
+                self._runtime.note_decode(clock.gaps, concurrency)
         except httpx.HTTPError:
             # a mid-stream upstream failure must not look like a normal end: a stream gets an SSE error
             # event; a plain body is cut off (the connection drops), so the router reports a failure
@@ -282,16 +277,14 @@ class Gateway:
         """
         assembler = unstream.Assembler(endpoint)
         metrics = self.runtime.metrics
-        events, first_at, last_at, running = 0, 0.0, 0.0, 0
+        clock = AnswerClock()
         try:
             async for line in http.lines(upstream):
                 if line.startswith("data: "):
-                    last_at = time.perf_counter()
-                    if events == 0:
-                        first_at, running = last_at, self.runtime.in_flight
-                        self.runtime.ttft_samples.append(last_at - started)
-                        metrics.ttft.observe(last_at - started)
-                    events += 1
+                    at = time.perf_counter()
+                    if clock.tick(at, 1, self.runtime.in_flight):
+                        self.runtime.ttft_samples.append(at - started)
+                        metrics.ttft.observe(at - started)
                 assembler.feed_line(line)
         except httpx.HTTPError:
             metrics.upstream_errors.labels("mid_response").inc()
@@ -304,7 +297,7 @@ class Gateway:
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
             metrics.requests.labels(endpoint, str(status)).inc()
             return JSONResponse({"error": assembler.error}, status_code=status)
-        self.runtime.note_decode(events, last_at - first_at, (running + self.runtime.in_flight) / 2)
+        self.runtime.note_decode(clock.gaps, (clock.running + self.runtime.in_flight) / 2)
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in _response_headers(upstream) if name not in _RECOMPUTED}
         self.runtime.metrics.requests.labels(endpoint, "200").inc()

@@ -21,6 +21,33 @@ MIN_DECODE_EVENTS = 16  # the fewest events of an answer whose decode speed is c
 DECODE_EWMA = 0.2  # weight of the latest answer in the smoothed per-slot decode speed
 
 
+@dataclass
+class AnswerClock:
+    """When a streamed answer's events came: the first (its time to first token, the requests in flight
+    then) and the seconds between tokens after it, one gap per event."""
+
+    first_at: float = 0.0
+    last_at: float = 0.0
+    running: int = 0
+    events: int = 0
+    gaps: list[float] = field(default_factory=list)
+
+    def tick(self, at: float, events: int, running: int) -> bool:
+        """A chunk holding ``events`` events came at ``at`` with ``running`` requests in flight; True for
+        the answer's first. A chunk of several events shares its gap among them; one with none (the rest
+        of an event cut in two) is not a token."""
+        if self.events == 0:
+            if events:
+                self.first_at = self.last_at = at
+                self.running, self.events = running, events
+            return bool(events)
+        if events:
+            self.gaps.extend([(at - self.last_at) / events] * events)
+            self.last_at = at
+            self.events += events
+        return False
+
+
 class AgentMetrics:
     """The agent's own Prometheus registry (never the global default)."""
 
@@ -271,15 +298,19 @@ class Runtime:
     def ttft_p50_ms(self) -> float | None:
         return statistics.median(self.ttft_samples) * 1000 if self.ttft_samples else None
 
-    def note_decode(self, events: int, seconds: float, concurrency: float) -> None:
-        """One streamed answer sent ``events`` SSE events, the last ``seconds`` after the first, while about
-        ``concurrency`` requests ran here: its tokens after the first came at events - 1 per that time (the
-        closing events - finish, usage, [DONE] - come with the last token, a small overestimate). Short
-        answers say too little and are left out. Routers scale the speed to the concurrency a new request
-        would meet (router/placement.py), so both are smoothed alike."""
-        if events < MIN_DECODE_EVENTS or seconds <= 0:
+    def note_decode(self, gaps: list[float], concurrency: float) -> None:
+        """One streamed answer's tokens came ``gaps`` seconds apart after the first, while about
+        ``concurrency`` requests ran here. One slot's decode speed is one over the median gap: a step that
+        also processes another request's prompt holds every stream for that prompt's time, and routers
+        count those prompts apart (one per request running, router/placement.py), so the median leaves
+        them out. Short answers say too little and are left out. Routers scale the speed to the
+        concurrency a new request would meet, so speed and concurrency are smoothed alike."""
+        if len(gaps) < MIN_DECODE_EVENTS - 1:
             return
-        rate = (events - 1) / seconds
+        gap = statistics.median(gaps)
+        if gap <= 0:
+            return
+        rate = 1.0 / gap
         if self.slot_tokens_per_s is None or self.slot_concurrency is None:
             self.slot_tokens_per_s, self.slot_concurrency = rate, concurrency
             return

@@ -4,14 +4,19 @@ The choice is made in Redis, atomically with the reservation (macpool/store/rese
 says what the script weighs for each node:
 
 - ``fastest``: the node that would answer soonest. A node's heartbeat carries its TTFT p50 and the decode
-  speed of one slot, measured on its streamed answers while about ``slot_concurrency`` requests ran there.
-  Decode is memory-bound on a Mac: each step streams the weights once for the whole batch, and every
-  sequence in the batch adds a little (the simulator presets' ``decode_t1_ms / decode_t0_ms``,
-  docs/simulator.md). So one slot's time per token is about ``t0 * (1 + BATCH_COST * b)`` with ``b``
-  requests running, and the script expects ``ttft + tokens * t0 * (1 + BATCH_COST * b)`` seconds for a
-  request that makes it ``b``. A fast Mac takes requests while it is still the quicker answer even busy;
-  identical Macs fill evenly. Until every node with room has been measured (a new Mac, a restart), the
-  least-utilised one is chosen, so it gets measured.
+  speed of one slot (one over the median gap between tokens), measured on its streamed answers while about
+  ``slot_concurrency`` requests ran there. Decode is memory-bound on a Mac: each step streams the weights
+  once for the whole batch, and every sequence in the batch adds a little (the simulator presets'
+  ``decode_t1_ms / decode_t0_ms``, docs/simulator.md). So one slot's time per token is about
+  ``t0 * (1 + BATCH_COST * b)`` with ``b`` requests running. A prompt is another matter: llama-server
+  processes it in the steps that decode the others, and every stream on the node waits for it, about a
+  first token's time. Each of the ``b`` requests processes its prompt about once while a new one runs (the
+  new one's own is its first token), so the script expects ``b * ttft + tokens * t0 * (1 + BATCH_COST * b)``
+  seconds for a request that makes it ``b``. A Mac whose prompts are slow (a slow GPU, long prompts) grows
+  slow with every request it takes, as its measured curve does (docs/benchmarks.md, placement); a fast Mac
+  takes requests while it is still the quicker answer even busy; identical Macs fill evenly. Until every
+  node with room has been measured (a new Mac, a restart), the least-utilised one is chosen, so it gets
+  measured.
 - ``least-utilised``: the node with the smallest share of its capacity in use (ties: the faster node).
 """
 

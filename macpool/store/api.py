@@ -41,9 +41,9 @@ class Candidate:
     """A node a request may go to.
 
     ``ttft_s`` and ``decode_s`` (0: not measured) say how soon it would answer: reserve.lua expects
-    ``ttft_s + decode_s * (1 + batch_cost * b)`` seconds with ``b`` requests running there, this one included
-    (router/placement.py). Without them, the least-utilised node wins, and the faster one (``tokens_per_s``)
-    a tie.
+    ``b * ttft_s + decode_s * (1 + batch_cost * b)`` seconds with ``b`` requests running there, this one
+    included (router/placement.py). Without them, the least-utilised node wins, and the faster one
+    (``tokens_per_s``) a tie.
     """
 
     node_id: str

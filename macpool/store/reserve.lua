@@ -231,10 +231,13 @@ local function choose(held_back)
       end
     end
   end
-  -- the answer expected on c: first token, then the tokens decoded beside the n + k requests running there
+  -- the answer expected on c, with the m = n + k requests running there this one included: each of them
+  -- processes its prompt about once meanwhile (a step processing a prompt holds every stream on the node
+  -- for that time, which the first token measures), then its tokens are decoded beside the others
   local cost = {}
   for _, c in pairs(open) do
-    cost[c] = measured and ttft[c] + decode[c] * (1 + req.batch_cost * (ns[c] + need(gens, slots[c]))) or 0
+    local m = ns[c] + need(gens, slots[c])
+    cost[c] = measured and m * ttft[c] + decode[c] * (1 + req.batch_cost * m) or 0
   end
   local b = nil
   for _, c in pairs(open) do

@@ -22,8 +22,9 @@ from macpool.contract import heartbeat_ttl_ms
 from macpool.redis_server import RedisServer, free_port
 from macpool.upstream import Upstream
 from node_agent.gateway import create_app
-from node_agent.runtime import Runtime
+from node_agent.runtime import AnswerClock, Runtime
 from node_agent.settings import AgentSettings
+from simulator import tokens
 from tests import stand_in
 from tests.conftest import Server, metric
 from tests.conftest import chat as shared_chat
@@ -555,13 +556,55 @@ def test_heartbeat_tells_the_decode_speed_of_one_slot(
     assert doc.slot_concurrency == 1
 
 
+def test_a_stall_for_another_requests_prompt_is_not_decode_speed(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    upstream = sim("--parallel", "2", "--speed", "2")
+    gateway = agent("--upstream", upstream.url)
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    long_prompt = shared_chat("model-14b-q4.gguf", 1, content=tokens.filler(6000))
+    seen: list[float] = []  # when each event of the first answer came
+    with httpx.Client(base_url=gateway.url, timeout=60) as client:
+        with client.stream("POST", CHAT, json=chat(200)) as answer:
+            other = None
+            for line in answer.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(time.perf_counter())
+                if len(seen) == 20 and other is None:
+                    # a 6,000-token prompt: llama-server's steps process it beside the answer, ~1 s of them
+                    other = threading.Thread(target=client.post, args=(CHAT,), kwargs={"json": long_prompt})
+                    other.start()
+        assert other is not None
+        other.join(30)
+        doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.slot_tokens_per_s and d,
+                         what="speed")
+        mean = (len(seen) - 1) / (seen[-1] - seen[0])  # the answer's tokens per second, stall included
+        # then an answer alone: its decode speed, as llama-server's timings tell it
+        body = client.post(CHAT, json=chat(200)).content
+    final = next(line for line in reversed(body.split(b"\n")) if b'"timings"' in line)
+    alone = json.loads(final.removeprefix(b"data: "))["timings"]["predicted_per_second"] * 2  # --speed 2
+    assert doc.slot_tokens_per_s is not None
+    assert mean < 0.75 * alone  # the stall was there, and long
+    assert 0.8 < doc.slot_tokens_per_s / alone < 1.25  # and the slot's decode speed leaves it out
+
+
 def test_slot_speed_is_smoothed_over_answers_long_enough_to_say() -> None:
     runtime = Runtime(AgentSettings(upstream="http://upstream"), upstream_url="http://upstream")
-    runtime.note_decode(5, 0.1, 1)  # too few events to tell a decode speed
+    runtime.note_decode([0.02] * 5, 1)  # too few tokens to tell a decode speed
     assert runtime.slot_tokens_per_s is None
-    runtime.note_decode(101, 2.0, 1)  # 100 tokens after the first in 2 s, alone
+    runtime.note_decode([0.02] * 100, 1)  # 100 tokens after the first, 20 ms apart, alone
     assert (runtime.slot_tokens_per_s, runtime.slot_concurrency) == (50.0, 1)
-    runtime.note_decode(101, 1.0, 6)
+    # 10 ms apart but for two steps that processed other requests' prompts: those are not decode speed
+    runtime.note_decode([0.01] * 98 + [1.5, 1.5], 6)
     assert (runtime.slot_tokens_per_s, runtime.slot_concurrency) == (60.0, 2.0)
-    runtime.note_decode(101, 0.0, 6)  # (one chunk held every event: no time to divide by)
+    runtime.note_decode([0.0] * 100, 6)  # (every event came in one read: no time to divide by)
     assert (runtime.slot_tokens_per_s, runtime.slot_concurrency) == (60.0, 2.0)
+
+
+def test_the_answer_clock_shares_a_chunks_gap_among_its_events() -> None:
+    clock = AnswerClock()
+    assert clock.tick(1.0, 0, 3) is False  # no event yet (a comment, or an event cut in two)
+    assert clock.tick(2.0, 1, 3) is True  # the first token
+    assert clock.tick(2.5, 0, 4) is False  # the rest of an event cut in two: no token
+    assert clock.tick(3.0, 2, 4) is False  # two tokens read at once
+    assert (clock.first_at, clock.running, clock.events, clock.gaps) == (2.0, 3, 3, [0.5, 0.5])

@@ -209,6 +209,17 @@ def test_a_fast_mac_yields_once_its_batch_makes_it_the_slower_answer(script: Scr
     assert script.ask("r1", "fastest") == "slow"
 
 
+def test_a_mac_whose_prompts_are_slow_yields_to_an_idle_slower_one(script: Script) -> None:
+    # the M2 Pro and M4 Max presets with 1,024-token prompts: 1.6 s against 3.6 s to a first token, 35
+    # against 21 tok/s per slot alone. Every request running on the M2 Pro holds its streams for a prompt
+    # while a new one runs there, so past a few the idle M4 Max is the sooner answer (their measured curves
+    # agree: docs/benchmarks.md, placement)
+    script.node(_doc("m2pro", 8, speed=35.0, running=1, ttft_ms=1600), busy=2)
+    script.node(_doc("m4max", 6, speed=21.0, running=1, ttft_ms=3600))
+    assert script.ask("r1", "fastest") == "m2pro"  # its third request
+    assert script.ask("r2", "fastest") == "m4max"  # a fourth would wait on three prompts besides its own
+
+
 def test_identical_macs_fill_evenly(script: Script) -> None:
     for name in ("a", "b"):
         script.node(_doc(name, 4, speed=50.0, running=2, ttft_ms=100))
