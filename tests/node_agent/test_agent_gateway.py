@@ -540,6 +540,12 @@ def test_a_connection_llama_server_closed_while_idle_costs_no_request(
     assert status(gateway.url)["admitting"] is True
 
 
+def timed_decode_speed(body: bytes) -> float:
+    """A streamed answer's decode speed as llama-server's timings tell it, in wall time (``--speed 2``)."""
+    final = next(line for line in reversed(body.split(b"\n")) if b'"timings"' in line)
+    return float(json.loads(final.removeprefix(b"data: "))["timings"]["predicted_per_second"]) * 2
+
+
 def test_heartbeat_tells_the_decode_speed_of_one_slot(
     sim: SimFactory, agent: AgentFactory, redis_url: str
 ) -> None:
@@ -548,8 +554,7 @@ def test_heartbeat_tells_the_decode_speed_of_one_slot(
     wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
     with httpx.stream("POST", gateway.url + CHAT, json=chat(100), timeout=30) as response:
         body = b"".join(response.iter_raw())
-    final = next(line for line in reversed(body.split(b"\n")) if b'"timings"' in line)
-    decode = json.loads(final.removeprefix(b"data: "))["timings"]["predicted_per_second"] * 2  # --speed 2
+    decode = timed_decode_speed(body)
     doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.slot_tokens_per_s and d, what="speed")
     # the answer's own decode speed as llama-server's timings tell it, seen from the gateway
     assert doc.slot_tokens_per_s is not None and 0.8 < doc.slot_tokens_per_s / decode < 1.25
@@ -581,8 +586,7 @@ def test_a_stall_for_another_requests_prompt_is_not_decode_speed(
         mean = (len(seen) - 1) / (seen[-1] - seen[0])  # the answer's tokens per second, stall included
         # then an answer alone: its decode speed, as llama-server's timings tell it
         body = client.post(CHAT, json=chat(200)).content
-    final = next(line for line in reversed(body.split(b"\n")) if b'"timings"' in line)
-    alone = json.loads(final.removeprefix(b"data: "))["timings"]["predicted_per_second"] * 2  # --speed 2
+    alone = timed_decode_speed(body)
     assert doc.slot_tokens_per_s is not None
     assert mean < 0.75 * alone  # the stall was there, and long
     assert 0.8 < doc.slot_tokens_per_s / alone < 1.25  # and the slot's decode speed leaves it out
