@@ -16,10 +16,11 @@ until a slot frees (``--queue-size 128 --queue-timeout 30``); a client answered 
 
 Below 1x the pool cannot reach its knees: each Mac generates more tokens per second in a fuller batch, and
 there are fewer clients than slots. So the bench also measures each Mac alone at every concurrency below its
-cap (the curves, all three Macs at once, each on its own simulator) and works out the best split: the most
-tokens per second the Macs generate between them with no more requests in flight than there are clients.
-Whatever a router does, a load of that many clients is a succession of such splits, so no placement can go
-past it (but for the runs' noise). From 1x on the best split is every Mac at its cap.
+cap, up to the most clients a level has (the curves, all three Macs at once, each on its own simulator), and
+works out the best split: the most tokens per second the Macs generate between them with no more requests in
+flight than there are clients. Whatever a router does, a load of that many clients is a succession of such
+splits, so no placement can go past it (but for the runs' noise). From 1x on the best split is every Mac at
+its best concurrency (its cap, unless noise says otherwise).
 
 Per run: goodput (tokens the simulators generated per simulated second, steady part of the run), its ratio to
 the sum of the knees and to the best split, TTFT and latency p50/p99 (simulated seconds), completed requests,
@@ -235,8 +236,8 @@ def run(
         knee = knees(c, sims)
         knee_sum = round(sum(knee.values()), 1)
         console.print(f"knees {knee} tok/s, sum {knee_sum}")
-        counts = [max(1, round(level * CAPACITY)) for level in levels]
-        below = min(max(mac.cap for mac in MACS), max(counts))
+        # up to as many requests as the most clients a level has, the caps being measured already
+        below = min(max(mac.cap for mac in MACS), max(round(level * CAPACITY) for level in levels) + 1)
         if below > 1:
             console.print(f"curves: each Mac alone at 1-{below - 1} clients ...")
         points = curves(c, sims, below)
