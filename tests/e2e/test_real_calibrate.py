@@ -18,6 +18,7 @@ import json
 import statistics
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -80,21 +81,33 @@ def _llama_server(stack: Stack) -> str:
     return stack.spawn("llama-server", [*argv, "--port", str(port)], port, timeout=60).url
 
 
-def test_recommended_cap_is_the_measured_saturation_point(stack: Stack, tmp_path: Path) -> None:
-    url = _llama_server(stack)
-    measured = asyncio.run(_sweep(url))
-    point = saturation_point(measured)
-    out = tmp_path / "calibration.json"
+def _calibrate(url: str, out: Path) -> dict[str, Any]:
     argv = macpool_argv(
         "agent", "calibrate", "--upstream", url, "--levels", ",".join(map(str, LEVELS)),
         "--prompt-tokens", str(PROMPT_TOKENS), "--max-tokens", str(MAX_TOKENS), "--json", str(out),
     )
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
-    table = " ".join(f"{r.concurrency}:{r.throughput_tok_s:.0f}" for r in measured)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
-    result = json.loads(out.read_text())
-    rows = result["rows"]
-    assert all(r["completed"] > 0 and r["errors"] == 0 for r in rows), rows
-    assert result["limited_by"] == "throughput", result["reason"]
-    assert abs(result["recommended_cap"] - point) <= 1, f"measured {table} -> {point}; {result['reason']}"
-    assert min(REFERENCE) < point < max(REFERENCE), f"no saturation inside the sweep: {table}"
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_recommended_cap_is_the_measured_saturation_point(stack: Stack, tmp_path: Path) -> None:
+    url = _llama_server(stack)
+    # The point is this CPU's at the time: the other alone test finishing between the two sweeps moves it.
+    # So a cap off the point is measured once more, both sweeps again, before it counts.
+    misses = []
+    for attempt in (1, 2):
+        measured = asyncio.run(_sweep(url))
+        point = saturation_point(measured)
+        table = " ".join(f"{r.concurrency}:{r.throughput_tok_s:.0f}" for r in measured)
+        assert min(REFERENCE) < point < max(REFERENCE), f"no saturation inside the sweep: {table}"
+        result = _calibrate(url, tmp_path / f"calibration-{attempt}.json")
+        rows = result["rows"]
+        assert all(r["completed"] > 0 and r["errors"] == 0 for r in rows), rows
+        assert result["limited_by"] == "throughput", result["reason"]
+        if abs(result["recommended_cap"] - point) <= 1:
+            return
+        calibrated = " ".join(f"{r['concurrency']}:{r['throughput_tok_s']:.0f}" for r in rows)
+        misses.append(f"measured {table} -> {point}; calibrate {calibrated}: {result['reason']}")
+    raise AssertionError("the recommended cap missed the saturation point twice:\n" + "\n".join(misses))
