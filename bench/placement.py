@@ -172,36 +172,33 @@ def measured(router_url: str, timeout: float = 60.0) -> None:
     raise RuntimeError("the Macs' slot speeds did not reach the router (no warm-up answer measured?)")
 
 
-def knees(c: Conditions, sims: list[Proc]) -> dict[str, float]:
-    """Each Mac alone at its cap, all three at once (each on its own simulator), twice as long as a run: the
-    slowest Mac's answers take a good part of one."""
-    longer = replace(c, duration_s=2 * c.duration_s)
+def alone(label: str, c: Conditions, loads: list[tuple[Mac, Proc, int]]) -> list[Run]:
+    """Each Mac alone at its number of clients, all at once, each on its own simulator."""
 
     async def go() -> list[Run]:
         return list(await asyncio.gather(*(
-            drive(f"knee {mac.name}", [sim.url], [sim.url], longer, mac.cap, MODEL, PAUSE_ON)
-            for mac, sim in zip(MACS, sims, strict=True)
+            drive(f"{label} {mac.name} at {k}", [sim.url], [sim.url], c, k, MODEL, PAUSE_ON)
+            for mac, sim, k in loads
         )))
 
-    return {mac.name: run.throughput_tok_s for mac, run in zip(MACS, asyncio.run(go()), strict=True)}
+    return asyncio.run(go())
+
+
+def knees(c: Conditions, sims: list[Proc]) -> dict[str, float]:
+    """Each Mac alone at its cap, twice as long as a run: the slowest Mac's answers take a good part of
+    one."""
+    longer = replace(c, duration_s=2 * c.duration_s)
+    runs = alone("knee", longer, [(mac, sim, mac.cap) for mac, sim in zip(MACS, sims, strict=True)])
+    return {mac.name: run.throughput_tok_s for mac, run in zip(MACS, runs, strict=True)}
 
 
 def curves(c: Conditions, sims: list[Proc], below: int) -> dict[str, dict[int, Run]]:
-    """Each Mac alone at 1 .. ``below`` - 1 clients (never at or past its cap: the knees are that), all three
-    at once, each on its own simulator; the runs by Mac and concurrency."""
+    """Each Mac alone at 1 .. ``below`` - 1 clients, never at or past its cap (the knees are that); the
+    runs by Mac and concurrency."""
     out: dict[str, dict[int, Run]] = {mac.name: {} for mac in MACS}
     for k in range(1, below):
-        active = [(mac, sim) for mac, sim in zip(MACS, sims, strict=True) if k < mac.cap]
-        if not active:
-            break
-
-        async def go(k: int = k, active: list[tuple[Mac, Proc]] = active) -> list[Run]:
-            return list(await asyncio.gather(*(
-                drive(f"curve {mac.name} at {k}", [sim.url], [sim.url], c, k, MODEL, PAUSE_ON)
-                for mac, sim in active
-            )))
-
-        for (mac, _), result in zip(active, asyncio.run(go()), strict=True):
+        loads = [(mac, sim, k) for mac, sim in zip(MACS, sims, strict=True) if k < mac.cap]
+        for (mac, _, _), result in zip(loads, alone("curve", c, loads), strict=True):
             out[mac.name][k] = result
     return out
 

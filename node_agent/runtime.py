@@ -23,10 +23,9 @@ DECODE_EWMA = 0.2  # weight of the latest answer in the smoothed per-slot decode
 
 @dataclass
 class AnswerClock:
-    """When a streamed answer's events came: the first (its time to first token, the requests in flight
-    then) and the seconds between tokens after it, one gap per event."""
+    """When a streamed answer's events came: the requests in flight at the first, and the seconds between
+    tokens after it, one gap per event."""
 
-    first_at: float = 0.0
     last_at: float = 0.0
     running: int = 0
     events: int = 0
@@ -36,16 +35,16 @@ class AnswerClock:
         """A chunk holding ``events`` events came at ``at`` with ``running`` requests in flight; True for
         the answer's first. A chunk of several events shares its gap among them; one with none (the rest
         of an event cut in two) is not a token."""
-        if self.events == 0:
-            if events:
-                self.first_at = self.last_at = at
-                self.running, self.events = running, events
-            return bool(events)
-        if events:
+        if not events:
+            return False
+        first = self.events == 0
+        if first:
+            self.running = running
+        else:
             self.gaps.extend([(at - self.last_at) / events] * events)
-            self.last_at = at
-            self.events += events
-        return False
+        self.last_at = at
+        self.events += events
+        return first
 
 
 class AgentMetrics:

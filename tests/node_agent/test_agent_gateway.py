@@ -611,4 +611,4 @@ def test_the_answer_clock_shares_a_chunks_gap_among_its_events() -> None:
     assert clock.tick(2.0, 1, 3) is True  # the first token
     assert clock.tick(2.5, 0, 4) is False  # the rest of an event cut in two: no token
     assert clock.tick(3.0, 2, 4) is False  # two tokens read at once
-    assert (clock.first_at, clock.running, clock.events, clock.gaps) == (2.0, 3, 3, [0.5, 0.5])
+    assert (clock.last_at, clock.running, clock.events, clock.gaps) == (3.0, 3, 3, [0.5, 0.5])
