@@ -24,8 +24,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp
 
+from macpool.apis import APIS
 from macpool.asgi import BodyTooLarge, ShutdownAnswering, TrailingSlash, UpgradeWithBody, read_body
-from macpool.contract import Priority, generations
+from macpool.contract import Priority
 from macpool.errors import error_response, exception_handlers
 from macpool.settings import origin_list
 from macpool.store import ANONYMOUS, Keys, Store
@@ -34,7 +35,9 @@ from macpool.store.events import drain_message
 from macpool.upstream import Upstream
 from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
-from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys
+from router.aliases import Aliases
+from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys, presented_key
+from router.dialects import Dialect, api_of
 from router.forward import Call, Forwarder, new_upstream
 from router.liveness import Liveness
 from router.metrics import RouterMetrics
@@ -43,8 +46,6 @@ from router.scale import ScaleConfig, ScaleWatch
 from router.settings import Settings
 
 log = logging.getLogger("macpool.router")
-
-PROXIED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
 
 
 class BadRequest(Exception):
@@ -74,6 +75,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.api_keys = KeyRing(load_api_keys(settings.api_keys_file) if settings.api_keys_file else [])
         self.admin_key = KeyRing([ApiKey(digest(settings.admin_key), "admin")] if settings.admin_key else [])
+        self.aliases = Aliases(settings.model_aliases)
         self._services: Services | None = None
         self.stopping = False  # set by the server's signal handler (router/cli.py): a shutdown has begun
         # the dashboard's history and the scale hint (and its webhook), sampled while the app runs
@@ -131,25 +133,28 @@ class Router:
     async def proxy(self, request: Request) -> Response:
         arrived = time.monotonic()
         headers = request.headers
-        key = self.api_keys.match(bearer_token(headers.get("authorization")))
+        path: str = request.scope["path"]
+        api, dialect = api_of(path)
+        key = self.api_keys.match(presented_key(headers))
         if self.api_keys.enabled and key is None:
             self.metrics.requests.labels(model="", node="", status="401").inc()
-            return error_response(401, "invalid or missing API key", "invalid_api_key")
+            return dialect.error(401, "invalid or missing API key", "invalid_api_key")
         try:
             priority = self._priority(headers.get("x-macpool-priority"), key)
             body = await self._body(request)
-            call = self._call(request.scope["path"], headers.raw, body, key, priority, arrived,
-                              headers.get("x-request-id"), affinity=self.settings.affinity)
+            call = self._call(path, dialect, headers.raw, body, key, priority, arrived,
+                              headers.get("x-request-id"), affinity=self.settings.affinity and not api.light)
         except BadRequest as exc:
             self.metrics.requests.labels(model="", node="", status=str(exc.status)).inc()
             # a body refused before its end, or lost to an upgrade offer, leaves bytes unread: the connection
             # ends with the answer
             unread = exc.code in ("request_timeout", "upgrade_not_supported")
             close = {"Connection": "close"} if unread else None
-            return error_response(exc.status, str(exc), exc.code, headers=close)
+            return dialect.error(exc.status, str(exc), exc.code, headers=close)
         except ClientDisconnect:
             return Response(status_code=400)
-        return await self.services.forwarder.handle(call, request.receive)
+        call.query = request.scope["query_string"]
+        return await self.services.forwarder.handle(call, request.receive, light=api.light)
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, bounded in size (413) and in the time the client takes to send it (408)."""
@@ -168,6 +173,7 @@ class Router:
     def _call(
         self,
         path: str,
+        dialect: Dialect,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         key: ApiKey | None,
@@ -177,7 +183,11 @@ class Router:
         affinity: bool,
     ) -> Call:
         """The checked request (BadRequest when its body is not one the router can route)."""
-        payload, model, stream = _inspect(body, self.settings.default_model)
+        payload, asked = _inspect(body, self.settings.default_model)
+        model = self.aliases.resolve(asked)
+        if model != asked:  # the node gets the served name (several models on one Mac are told apart by it)
+            payload["model"] = model
+            body = json.dumps(payload).encode()
         # a body shorter than the shortest prefix worth steering for holds none: nothing to hash
         hashed = affinity and len(body) >= MIN_PREFIX_BYTES
         limit = key.max_concurrency if key and key.max_concurrency else self.settings.key_max_concurrency
@@ -186,18 +196,19 @@ class Router:
             priority=priority,
             key_limit=limit,
             model=model,
-            prefixes=prefix_hashes(path, payload, model) if hashed else (),
-            generations=generations(payload),
+            prefixes=prefix_hashes(dialect.prefix_parts(payload), model) if hashed else (),
+            generations=dialect.generations(payload),
         )
         return Call(
             path=path,
             body=body,
             model=model,
-            stream=stream,
+            stream=dialect.streamed(payload),
             headers=[(k.lower(), v) for k, v in headers],
             request_id=_usable_request_id(request_id) or uuid.uuid4().hex,
             arrived=arrived,
             ticket=ticket,
+            dialect=dialect,
         )
 
     def shutdown_answer(self, request: Request) -> Response:
@@ -218,20 +229,32 @@ class Router:
     # --- read-only endpoints -----------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
+        """Every model the pool serves, then each exact alias of one (``macpool.alias_of``)."""
+        if not self.api_keys.accepts(presented_key(request.headers)):
             return error_response(401, "invalid or missing API key", "invalid_api_key")
         states = self.services.pool.model_states()
-        return JSONResponse({"object": "list", "data": [_model(m, states.get(m)) for m in states]})
+        data = [self._model(m, states[m]) for m in states]
+        data += [self._model(name, states[model], alias_of=model)
+                 for name, model in self.aliases.exact.items() if model in states]
+        return JSONResponse({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
         """One model (the OpenAI SDK's ``models.retrieve``): served by a ready node, else 404."""
-        if not self.api_keys.accepts(bearer_token(request.headers.get("authorization"))):
+        if not self.api_keys.accepts(presented_key(request.headers)):
             return error_response(401, "invalid or missing API key", "invalid_api_key")
         name: str = request.path_params["model"]
-        state = self.services.pool.model_states().get(name)
+        served = self.aliases.resolve(name)
+        state = self.services.pool.model_states().get(served)
         if state is None:
             return error_response(404, f"model {name!r} is not served by any node", "model_not_found")
-        return JSONResponse(_model(name, state))
+        return JSONResponse(self._model(name, state, alias_of=served if served != name else None))
+
+    def _model(self, name: str, state: dict[str, Any], alias_of: str | None = None) -> dict[str, Any]:
+        """An OpenAI model object; ``macpool`` (which OpenAI clients ignore) says where it is loaded, and
+        which model an alias names or which aliases name a model."""
+        extra = {"alias_of": alias_of} if alias_of else {"aliases": self.aliases.of(name)}
+        return {"id": name, "object": "model", "created": 0, "owned_by": "macpool",
+                "macpool": {**state, **extra}}
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "router_id": self.settings.router_id})
@@ -288,7 +311,7 @@ class Router:
 
     def routes(self) -> list[BaseRoute]:
         proxy = ShutdownAnswering(self.proxy, self.shutdown_answer)
-        routes: list[BaseRoute] = [Route(path, proxy, methods=["POST"]) for path in PROXIED_PATHS]
+        routes: list[BaseRoute] = [Route(path, proxy, methods=["POST"]) for path in APIS]
         routes += [
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -361,11 +384,6 @@ class _Cors(CORSMiddleware):
         return error_response(400, bytes(response.body).decode(), "cors_disallowed", headers=headers)
 
 
-def _model(name: str, state: dict[str, Any] | None) -> dict[str, Any]:
-    """An OpenAI model object; ``macpool`` (which OpenAI clients ignore) says where it is loaded."""
-    return {"id": name, "object": "model", "created": 0, "owned_by": "macpool", "macpool": state or {}}
-
-
 def _dashboard_routes(router: Router) -> list[BaseRoute]:
     """The dashboard (router/dashboard.py, built separately) plugs in here when it exists."""
     try:
@@ -387,8 +405,8 @@ def _usable_request_id(value: str | None) -> str | None:
     return None
 
 
-def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str, bool]:
-    """The parsed body, its ``model`` and ``stream``; the body itself is forwarded untouched."""
+def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str]:
+    """The parsed body and its ``model``; the body itself is forwarded untouched."""
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -407,4 +425,4 @@ def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str, bool
             model.encode()
         except UnicodeEncodeError:  # a lone surrogate (a valid JSON escape, not a valid string)
             raise BadRequest(400, "`model` is not valid Unicode", "invalid_model") from None
-    return payload, model, payload.get("stream") is True
+    return payload, model

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -89,6 +90,12 @@ def bearer_token(authorization: str | None) -> str | None:
         return None
     scheme, _, token = authorization.partition(" ")
     return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a client presents: ``Authorization: Bearer`` (OpenAI clients), else ``x-api-key``
+    (Anthropic clients)."""
+    return bearer_token(headers.get("authorization")) or headers.get("x-api-key") or None
 
 
 class KeyRing:

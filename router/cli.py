@@ -36,6 +36,9 @@ FLAGS: dict[str, tuple[type, str]] = {
     "admin-key": (str, "bearer key for /admin/* (admin API disabled when unset)"),
     "agent-token": (str, "token sent to the agents in X-Macpool-Token"),
     "default-model": (str, "model used when a request names none (unset: any node)"),
+    "model-aliases": (str, "names clients send for a served model, NAME=MODEL or PATTERN=MODEL, comma-"
+                           "separated: exact names first, then patterns in order (claude-*=qwen3-coder)"),
+    "light-concurrency": (int, "light requests (token counts, templates) this router sends a node at once"),
     "cors-origins": (str, "browser origins allowed to call the API, comma-separated "
                           "(https://chat.example.com), or * for any (unset: no CORS)"),
     "placement": (str, "fastest: the node that would answer soonest, from each node's measured TTFT and "

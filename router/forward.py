@@ -7,9 +7,10 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import anyio
 import httpx
@@ -19,10 +20,12 @@ from starlette.types import Receive, Scope, Send
 from macpool import upstream as http
 from macpool.asgi import Guard, end_stream
 from macpool.contract import NodeDoc, slots_needed
-from macpool.errors import error_response, sse_error
 from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER, connection_listed
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
 from router.cold_start import ColdStart
+from router.dialects import Dialect
+from router.dialects.chat import DIALECT as CHAT
+from router.light import LightLimits
 from router.metrics import RouterMetrics
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
@@ -31,7 +34,7 @@ log = logging.getLogger("macpool.router")
 
 # never sent upstream: the client's key is for the router, the rest is rebuilt or private
 _DROP_UPSTREAM = HOP_BY_HOP_RAW | {
-    b"host", b"content-length", b"authorization", b"x-conversation-id", b"x-request-id",
+    b"host", b"content-length", b"authorization", b"x-api-key", b"x-conversation-id", b"x-request-id",
 }
 # the router's own server/date headers are written by uvicorn; CORS is the router's policy (--cors-origins),
 # not llama-server's (which lets any origin read its answers)
@@ -44,7 +47,9 @@ _STREAMED = (STREAM_HEADER, "1")
 # the last bytes of a stream only (node_agent/gateway.py ProxyResponse)
 _AGENT_MIDSTREAM = b'"upstream_midstream"'
 _TAIL = 512
+_TAIL_CHUNKS = 3  # the last chunks of an answer kept (as references) to read its usage from at its end
 _DONE = b"data: [DONE]\n\n"  # an OpenAI stream's last event
+_ERROR_DOCUMENT_BYTES = 65536  # a node's error answer is read whole to be put in the caller's dialect
 # an agent saying node_full is asked again (5 ms apart, doubling) for up to 0.5 s before another node is tried
 _CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
 
@@ -76,11 +81,38 @@ class Call:
     request_id: str
     arrived: float
     ticket: Ticket = field(default_factory=Ticket)
+    dialect: Dialect = CHAT  # its API's: what its answers and errors look like
+    query: bytes = b""  # the query string, passed on
     node: str = ""  # the node it is sent to, while it is
 
     @property
     def generations(self) -> int:
         return self.ticket.generations
+
+    def error(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
+        """An error answer in the caller's dialect."""
+        return self.dialect.error(status, message, code, headers)
+
+
+class Hold(Protocol):
+    """What a forwarded request holds on its node - a reserved slot, or a light request's place - until its
+    answer ends. Given back exactly once: by the Relay when there is one, else where it was attempted."""
+
+    node: NodeDoc
+
+    async def give_back(self, failed: bool = False) -> None: ...
+
+
+class Reserved:
+    """A generation's lease as a Hold: given back to Redis through admission."""
+
+    def __init__(self, lease: Lease, admission: Admission) -> None:
+        self.lease = lease
+        self.node = lease.node
+        self.admission = admission
+
+    async def give_back(self, failed: bool = False) -> None:
+        await self.admission.release(self.lease, failed=failed)
 
 
 def fits(call: Call, node: NodeDoc, capacity: int | None = None) -> bool:
@@ -122,20 +154,23 @@ class Forwarder:
         self.metrics = metrics
         # no read timeout: an agent that stops answering mid-stream is the relay watchdog's (idle timeout)
         self._timeouts = http.timeouts(connect=settings.connect_timeout, read=None)
-        self._urls: dict[tuple[str, str], http.URL] = {}  # (node url, path) -> parsed URL
+        self._urls: dict[tuple[str, str, bytes], http.URL] = {}  # (node url, path, query) -> parsed URL
         self.cold_start = ColdStart(settings, pool, admission)
+        self.light = LightLimits(settings.light_concurrency)
 
-    async def handle(self, call: Call, receive: Receive) -> Response:
-        """Admit, forward (failing over before the first byte), and hand back a relaying response.
+    async def handle(self, call: Call, receive: Receive, light: bool = False) -> Response:
+        """Admit, forward (failing over before the first byte), and hand back a relaying response; a
+        ``light`` request (macpool/apis.py) skips admission for a place under its node's light cap.
 
         A client that goes away while its request waits in the queue or for the first byte cancels it
         there and then: the queue entry, the reservation and the upstream request are all given back.
         """
-        refusal = self.refusal_from_memory(call)
-        if refusal is not None:
-            return refusal
+        if not light:
+            refusal = self.refusal_from_memory(call)
+            if refusal is not None:
+                return refusal
         guard = Guard(receive)
-        response = await guard.run(self._handle(call))
+        response = await guard.run(self._light(call) if light else self._handle(call))
         if response is None:
             self.metrics.requests.labels(model=call.model, node=call.node, status="client_closed").inc()
             return Response(status_code=499)  # nobody is listening any more
@@ -186,29 +221,70 @@ class Forwarder:
                 return self.rejection(rejected, call)
             except Limited as limited:
                 return self.limited(limited, call)
-            except NoNodes as exc:
-                # a model no node serves is only the client's word: labelled by it, each new name would be a
-                # new series, kept for good
-                served = any(call.model in doc.models for doc in self.pool.fresh_nodes())
-                refused = self.admission.reject("no_nodes", str(exc))
-                return self.rejection(refused, call, model=call.model if served else "")
-            except ModelNotFound:
-                self.metrics.requests.labels(model="", node="", status="404").inc()
-                message = f"model {call.model!r} is not served by any node"
-                return error_response(404, message, "model_not_found")
-            call.node = lease.node.node_id
+            except (NoNodes, ModelNotFound) as exc:
+                return self.unserved(call, exc)
             try:
-                return await self._open(call, lease)
+                return await self._attempt(call, Reserved(lease, self.admission))
             except _Retry as retry:
-                call.node = ""
                 tried.add(lease.node.node_id)
                 failures.add(retry.kind)
-                await self.admission.release(lease, failed=True)
-            except BaseException:
-                await self.admission.release(lease)
-                raise
-        # a node that answered 503 (full; draining, loading, its llama-server down) makes the answer a 503 to
-        # retry later, whatever the other nodes tried did; only nodes that could not be reached at all: 502
+        return self.exhausted(call, failures)
+
+    async def _light(self, call: Call) -> Response:
+        """A light request: the ready node of its model with the fewest light requests this router has in
+        flight there, under the cap; another one if that node refuses before answering."""
+        tried: set[str] = set()
+        failures: set[str] = set()
+        for _ in range(self.settings.max_attempts):
+            try:
+                docs = [d for d in self.pool.candidates(call.model) if d.node_id not in tried]
+            except (NoNodes, ModelNotFound) as exc:
+                return self.unserved(call, exc)
+            if not docs:
+                break
+            hold = self.light.take(docs)
+            if hold is None:
+                message = f"every node of the model has {self.light.per_node} light requests in flight"
+                return self.rejection(self.admission.reject("pool_full", message), call)
+            try:
+                return await self._attempt(call, hold)
+            except _Retry as retry:
+                tried.add(hold.node.node_id)
+                failures.add(retry.kind)
+        return self.exhausted(call, failures)
+
+    async def _attempt(self, call: Call, hold: Hold) -> Response:
+        """Forward on the node ``hold`` holds. The hold goes with the Relay that answers, or is given back
+        here: the one place a forwarded request's hold ends other than the Relay."""
+        call.node = hold.node.node_id
+        try:
+            response = await self._open(call, hold)
+        except _Retry:
+            call.node = ""
+            await hold.give_back(failed=True)
+            raise
+        except BaseException:  # cancelled because the client left (counted as the node's)
+            await hold.give_back()
+            raise
+        if not isinstance(response, Relay):
+            await hold.give_back(failed=True)  # an error answer: the node failed the request
+        return response
+
+    def unserved(self, call: Call, exc: NoNodes | ModelNotFound) -> Response:
+        """No ready node for the model (503 no_nodes), or no node serves it at all (404)."""
+        if isinstance(exc, ModelNotFound):
+            self.metrics.requests.labels(model="", node="", status="404").inc()
+            return call.error(404, f"model {call.model!r} is not served by any node", "model_not_found")
+        # a model no node serves is only the client's word: labelled by it, each new name would be a new
+        # series, kept for good
+        served = any(call.model in doc.models for doc in self.pool.fresh_nodes())
+        refused = self.admission.reject("no_nodes", str(exc))
+        return self.rejection(refused, call, model=call.model if served else "")
+
+    def exhausted(self, call: Call, failures: set[str]) -> Response:
+        """Every node tried refused before answering: a node that answered 503 (full; draining, loading,
+        its llama-server down) makes the answer a 503 to retry later, whatever the other nodes tried did;
+        only nodes that could not be reached at all: 502."""
         mixed = len(failures) > 1
         if "node_full" in failures:
             message = "no node tried could take the request" if mixed else "every node tried was full"
@@ -217,7 +293,7 @@ class Forwarder:
             message = "no node tried could take the request" if mixed else "every node tried was unavailable"
             return self.rejection(self.admission.reject("no_nodes", message), call)
         self.metrics.requests.labels(model=call.model, node="", status="502").inc()
-        return error_response(502, "no node could be reached", "upstream_unavailable")
+        return call.error(502, "no node could be reached", "upstream_unavailable")
 
     def _too_large(self, call: Call) -> Response | None:
         """400 for a request running more generations at once than any node in the pool runs, else None.
@@ -236,7 +312,7 @@ class Forwarder:
         self.metrics.requests.labels(model=call.model, node="", status="400").inc()
         message = (f"this request runs {call.generations} generations at once (its prompts times n); no node "
                    f"in the pool runs more than {max(sizes)}")
-        return error_response(400, message, "too_many_generations")
+        return call.error(400, message, "too_many_generations")
 
     def rejection(self, rejected: Rejected, call: Call, model: str | None = None) -> Response:
         self.pool.rejections.mark()
@@ -245,19 +321,20 @@ class Forwarder:
         self.metrics.requests.labels(model=label, node="", status="503").inc()
         headers = {"Retry-After": str(rejected.retry_after), "X-Macpool-Reason": rejected.reason,
                    "X-Request-ID": call.request_id}
-        return error_response(503, str(rejected), rejected.reason, headers=headers)
+        return call.error(503, str(rejected), rejected.reason, headers=headers)
 
     def limited(self, limited: Limited, call: Call) -> Response:
         self.metrics.key_limited.labels(tenant=limited.tenant).inc()
         self.metrics.requests.labels(model=call.model, node="", status="429").inc()
         headers = {"Retry-After": str(limited.retry_after), "X-Macpool-Reason": "key_limit",
                    "X-Request-ID": call.request_id}
-        return error_response(429, str(limited), "key_limit", headers=headers)
+        return call.error(429, str(limited), "key_limit", headers=headers)
 
-    async def _open(self, call: Call, lease: Lease) -> Response:
-        """Send upstream and wait for the first byte; raise _Retry when another node should try."""
-        node = lease.node
-        url, headers = self._url(node.url, call.path), self._upstream_headers(call)
+    async def _open(self, call: Call, hold: Hold) -> Response:
+        """Send upstream and wait for the first byte; raise _Retry when another node should try. Any answer
+        but a Relay means the node failed the request (the caller gives the hold back)."""
+        node = hold.node
+        url, headers = self._url(node.url, call.path, call.query), self._upstream_headers(call)
         upstream: http.Response | None = None
         try:
             async with asyncio.timeout(self._first_byte_timeout(call)):
@@ -272,16 +349,14 @@ class Forwarder:
             raise _Retry("connect") from None
         except TimeoutError:
             http.close(upstream)
-            await self.admission.release(lease, failed=True)
             self.pool.connect_failed(node.node_id)  # a hung node: stop sending it traffic
             self._upstream_error(node.node_id, "first_byte_timeout")
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="504").inc()
             which = "first-byte" if call.stream else "response"
-            return error_response(504, f"the node did not answer within the {which} timeout",
-                                  "upstream_timeout")
+            return call.error(504, f"the node did not answer within the {which} timeout", "upstream_timeout")
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
             if upstream is not None:
-                return await self._failed_before_first_byte(call, lease, upstream, exc)
+                return self._failed_before_first_byte(call, node.node_id, upstream, exc)
             # the connection died before any answer (typically a keep-alive connection an agent closed as it
             # shut down): nothing reached the client, so another node may take the request
             self._upstream_error(node.node_id, "reset")
@@ -289,7 +364,7 @@ class Forwarder:
                         extra=_ids(node.node_id, call))
             raise _Retry("reset") from None
         except httpx.HTTPError as exc:
-            return await self._failed_before_first_byte(call, lease, upstream, exc)
+            return self._failed_before_first_byte(call, node.node_id, upstream, exc)
         except BaseException:  # _Retry, or cancelled because the client left
             http.close(upstream)
             raise
@@ -297,11 +372,37 @@ class Forwarder:
         if upstream.status in (401, 403):
             # the agent refused the router's token: a deployment error, not the client's
             http.close(upstream)
-            await self.admission.release(lease, failed=True)
             self._upstream_error(node.node_id, "auth")
             self.metrics.requests.labels(model=call.model, node=node.node_id, status="502").inc()
-            return error_response(502, "the node refused the router's agent token", "upstream_auth")
-        return Relay(self, call, lease, upstream, first, chunks)
+            return call.error(502, "the node refused the router's agent token", "upstream_auth")
+        if upstream.status >= 400 and http.content_type(upstream).startswith("application/json"):
+            first, answer = await self._error_answer(call, node.node_id, upstream, first, chunks)
+            if answer is not None:
+                return answer
+        return Relay(self, call, hold, upstream, first, chunks)
+
+    async def _error_answer(
+        self, call: Call, node_id: str, upstream: http.Response, first: bytes, chunks: AsyncIterator[bytes]
+    ) -> tuple[bytes, Response | None]:
+        """A node's error document (llama-server's, OpenAI-shaped), read whole and answered in the caller's
+        dialect; or, past the size of an error document, what was read so far, to relay with the rest."""
+        body = bytearray(first)
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > _ERROR_DOCUMENT_BYTES:
+                return bytes(body), None
+        http.close(upstream)
+        try:
+            document = json.loads(body)
+        except ValueError:
+            document = None
+        translated = call.dialect.upstream_error(upstream.status, document) \
+            if isinstance(document, dict) else None
+        self.metrics.requests.labels(model=call.model, node=node_id, status=str(upstream.status)).inc()
+        answer = Response(translated if translated is not None else bytes(body), status_code=upstream.status,
+                          media_type="application/json",
+                          headers={"X-Request-ID": call.request_id, "X-Macpool-Node": node_id})
+        return bytes(body), answer
 
     async def _post(
         self, node_id: str, url: http.URL, headers: list[tuple[str, str]], body: bytes
@@ -329,24 +430,23 @@ class Forwarder:
         """A stream's first byte comes with its first token; a non-streamed answer's with its last."""
         return self.settings.first_byte_timeout if call.stream else self.settings.response_timeout
 
-    async def _failed_before_first_byte(
-        self, call: Call, lease: Lease, upstream: http.Response | None, exc: httpx.HTTPError
+    def _failed_before_first_byte(
+        self, call: Call, node_id: str, upstream: http.Response | None, exc: httpx.HTTPError
     ) -> Response:
-        node_id = lease.node.node_id
         http.close(upstream)
-        await self.admission.release(lease, failed=True)
         self._upstream_error(node_id, "protocol")
         log.warning("node %s: %s before the first byte", node_id, type(exc).__name__,
                     extra=_ids(node_id, call))
         self.metrics.requests.labels(model=call.model, node=node_id, status="502").inc()
-        return error_response(502, "the node failed before answering", "upstream_error")
+        return call.error(502, "the node failed before answering", "upstream_error")
 
-    def _url(self, node_url: str, path: str) -> http.URL:
-        url = self._urls.get((node_url, path))
+    def _url(self, node_url: str, path: str, query: bytes) -> http.URL:
+        url = self._urls.get((node_url, path, query))
         if url is None:
-            if len(self._urls) > 4096:  # nodes come and go: never let the cache grow without bound
+            if len(self._urls) > 4096:  # nodes and query strings come and go: keep the cache bounded
                 self._urls.clear()
-            url = self._urls[node_url, path] = http.url(node_url.rstrip("/") + path)
+            text = node_url.rstrip("/") + path + ("?" + query.decode("latin-1") if query else "")
+            url = self._urls[node_url, path, query] = http.url(text)
         return url
 
     def _upstream_headers(self, call: Call) -> list[tuple[str, str]]:
@@ -365,10 +465,10 @@ class Forwarder:
 
 
 class Relay(Response):
-    """Relays an upstream response to the client chunk by chunk; owns the upstream stream and the lease.
+    """Relays an upstream response to the client chunk by chunk; owns the upstream stream and the hold.
 
     Whatever ends the relay - the last chunk, an upstream failure, an idle timeout, the client going
-    away, or cancellation - the upstream stream is closed and the lease released, once, in ``finally``.
+    away, or cancellation - the upstream stream is closed and the hold given back, once, in ``finally``.
     """
 
     guard: Guard | None = None  # set by Forwarder.handle
@@ -378,14 +478,15 @@ class Relay(Response):
         self,
         forwarder: Forwarder,
         call: Call,
-        lease: Lease,
+        hold: Hold,
         upstream: http.Response,
         first: bytes,
         chunks: AsyncIterator[bytes],
     ) -> None:
         self.forwarder = forwarder
         self.call = call
-        self.lease = lease
+        self.hold = hold
+        self.node_id = hold.node.node_id
         self.upstream = upstream
         self.first = first
         self.chunks = chunks
@@ -394,6 +495,8 @@ class Relay(Response):
         self.outcome = str(upstream.status)
         self.ended = True  # the last chunk relayed closed its SSE event
         self.done = False  # the stream's last event is relayed: a client may go without waiting for the end
+        # the last chunks relayed (references), where every API puts its usage
+        self.tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)
         self.background = None
         self.phase: Literal["read", "send"] = "send"  # what the relay is waiting for
         self.progress_at = time.monotonic()  # when it last made progress
@@ -407,7 +510,7 @@ class Relay(Response):
                                                                b"content-length", b"x-accel-buffering")]
             headers += [(b"content-type", b"text/event-stream"), *_SSE_HEADERS]
         headers += [(b"x-request-id", self.call.request_id.encode()),
-                    (b"x-macpool-node", self.lease.node.node_id.encode())]
+                    (b"x-macpool-node", self.node_id.encode())]
         return headers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -444,21 +547,27 @@ class Relay(Response):
             elif guard.reason == "send":
                 self.outcome = "client_stalled"  # the response stays incomplete: the server drops it
                 log.info("request %s: the client stopped reading; cut off", self.call.request_id,
-                         extra=_ids(self.lease.node.node_id, self.call))
+                         extra=_ids(self.node_id, self.call))
         finally:
             with anyio.CancelScope(shield=True):
                 http.close(self.upstream)
-                failed = self.outcome in ("midstream", "idle_timeout")
-                await self.forwarder.admission.release(self.lease, failed=failed)
-                metrics = self.forwarder.metrics
-                node_id = self.lease.node.node_id
-                metrics.requests.labels(model=self.call.model, node=node_id, status=self.outcome).inc()
-                metrics.duration.observe(time.monotonic() - self.call.arrived)
+                await self.hold.give_back(failed=self.outcome in ("midstream", "idle_timeout"))
+                self._count()
+
+    def _count(self) -> None:
+        """The request's final status, its duration and, for an answer served, the tokens it used."""
+        metrics, call = self.forwarder.metrics, self.call
+        metrics.requests.labels(model=call.model, node=self.node_id, status=self.outcome).inc()
+        metrics.duration.observe(time.monotonic() - call.arrived)
+        if self.outcome != "200":
+            return
+        usage = call.dialect.usage(self.first, b"".join(self.tail))
+        if usage is not None:
+            metrics.count_usage(call.model, usage)
 
     async def _relay(self, send: Send) -> None:
         """Relay every chunk; a stall in either direction is the watchdog's to catch."""
         self.phase = "send"
-        last = self.first
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.response_headers()})
         self.started = True
@@ -466,6 +575,7 @@ class Relay(Response):
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             self.ended = self.first.endswith(b"\n\n")
             self.done = self.streaming and self.first.endswith(_DONE)
+            self.tail.append(self.first)
         while True:
             self.phase, self.progress_at = "read", time.monotonic()
             try:
@@ -481,10 +591,10 @@ class Relay(Response):
             # the OpenAI SDK closes the connection once it reads [DONE], often before the node's end of the
             # body reaches the router: that stream was served whole, not left early
             self.done = self.streaming and chunk.endswith(_DONE)
-            last = chunk
+            self.tail.append(chunk)
         self.phase, self.progress_at = "send", time.monotonic()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if self.streaming and _AGENT_MIDSTREAM in last[-_TAIL:]:
+        if self.streaming and self.tail and _AGENT_MIDSTREAM in self.tail[-1][-_TAIL:]:
             # the agent ended the stream with its own error event (llama-server failed mid-stream): relayed
             # as is, and counted as the failure it is, not as a 200
             self._failed_upstream("midstream")
@@ -495,28 +605,27 @@ class Relay(Response):
         self.outcome = "router_shutdown"
         if not (self.streaming and self.started):
             return False
-        await end_stream(send, sse_error(503, "the router is shutting down; retry", "router_shutdown",
-                                         ended=self.ended))
+        event = self.call.dialect.stream_error(503, "the router is shutting down; retry", "router_shutdown",
+                                               ended=self.ended)
+        await end_stream(send, event)
         return True
 
     def _failed_upstream(self, kind: str) -> None:
-        node_id = self.lease.node.node_id
-        self.forwarder.metrics.upstream_errors.labels(node=node_id, kind=kind).inc()
-        log.warning("node %s: %s after the first byte (request %s)", node_id, kind, self.call.request_id,
-                    extra=_ids(node_id, self.call))
+        self.forwarder.metrics.upstream_errors.labels(node=self.node_id, kind=kind).inc()
+        log.warning("node %s: %s after the first byte (request %s)", self.node_id, kind, self.call.request_id,
+                    extra=_ids(self.node_id, self.call))
         self.outcome = kind
 
     async def _fail(self, send: Send, kind: str) -> None:
-        """After the first byte there is no retry: end a stream with an SSE error event."""
-        node_id = self.lease.node.node_id
+        """No retry after the first byte: a stream ends with an error event in the caller's dialect."""
         self._failed_upstream(kind)
         if kind == "idle_timeout":
-            self.forwarder.pool.connect_failed(node_id)  # a hung node: stop sending it traffic
+            self.forwarder.pool.connect_failed(self.node_id)  # a hung node: stop sending it traffic
         if not self.streaming:
             return  # returning without completing the response makes the server drop the connection
         message = ("the node stopped answering mid-stream" if kind == "idle_timeout"
                    else "the node failed mid-stream")
-        event = sse_error(502, message, f"upstream_{kind}", ended=self.ended)
+        event = self.call.dialect.stream_error(502, message, f"upstream_{kind}", ended=self.ended)
         await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

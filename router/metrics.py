@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from router.dialects import Usage
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
@@ -64,3 +69,14 @@ class RouterMetrics:
             "1 when the router's last read of the pool from Redis succeeded; 0 while Redis is unreachable "
             "(the pool gauges then hold the last view)", registry=r,
         )
+        self.tokens = Counter(
+            "macpool_tokens_total",
+            "Tokens of the answers served, from each API's own usage fields: prompt (every prompt token), "
+            "cached (of those, read from a KV cache instead of processed) and completion",
+            ["model", "kind"], registry=r,
+        )
+
+    def count_usage(self, model: str, usage: Usage) -> None:
+        self.tokens.labels(model=model, kind="prompt").inc(usage.prompt)
+        self.tokens.labels(model=model, kind="cached").inc(usage.cached)
+        self.tokens.labels(model=model, kind="completion").inc(usage.completion)

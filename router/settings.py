@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from macpool.settings import ConfigError, Origins, RedisUrl, UserPath, load_layered
 from macpool.store import DEFAULT_PREFIX
+from router.aliases import AliasTable
 
 __all__ = ["ConfigError", "Settings", "load_settings"]
 
@@ -43,6 +44,10 @@ class Settings(BaseSettings):
     # a router that has not beaten for this long counts as dead: what it held is given back
     liveness_seconds: float = Field(default=4.0, gt=0)
     default_model: str = ""
+    # names clients send for a model the pool serves: exact names, then glob patterns (router/aliases.py)
+    model_aliases: AliasTable = Field(default_factory=dict)
+    # light requests (token counts, templates) this router has in flight on one node at most (router/light.py)
+    light_concurrency: int = Field(default=8, ge=1)
 
     # prefix-cache affinity (router/affinity.py): prefer the node that served a request's prompt prefix,
     # unless it is busier than the node placement chose by both thresholds (SGLang's rule)
