@@ -45,6 +45,16 @@ def number(value: object) -> int:
     return value if type(value) is int and value >= 0 else 0
 
 
+def first_limit(payload: dict[str, Any], names: tuple[str, ...]) -> int:
+    """The first of the ``names`` fields set in ``payload``, as llama-server reads an output limit (a
+    positive integer; anything else sets none)."""
+    for name in names:
+        value = payload.get(name)
+        if value is not None:
+            return value if type(value) is int and value > 0 else 0
+    return 0
+
+
 class Dialect:
     """An API's bodies and answers as the router reads them; these defaults are OpenAI's."""
 
@@ -56,6 +66,13 @@ class Dialect:
     def generations(self, payload: dict[str, Any]) -> int:
         """The generations llama-server runs at once for the request, each in a slot of its own."""
         return 1
+
+    def output_limit(self, payload: dict[str, Any]) -> int:
+        """The most tokens the request lets its answer have (0: it sets no limit)."""
+        return first_limit(payload, self.limit_fields)
+
+    # as llama-server reads them: n_predict, or its aliases in this order
+    limit_fields: tuple[str, ...] = ("n_predict", "max_completion_tokens", "max_tokens")
 
     def prefix_parts(self, payload: dict[str, Any]) -> list[bytes]:
         """The prompt in parts, each extending the one before (a message, a block of text), for prefix

@@ -27,6 +27,7 @@ _TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
+DEFAULT_MAX_TOKENS = 4096  # what llama-server gives a Messages request without max_tokens (server-chat.cpp)
 # macpool's refusals for a pool that is full now: Anthropic's "overloaded", to retry
 OVERLOADED = frozenset({"pool_full", "queue_timeout", "batch_shed"})
 
@@ -43,6 +44,10 @@ def without_cache_control(value: Any) -> Any:
 
 class Messages(Dialect):
     name = "messages"
+    limit_fields = ("max_tokens",)
+
+    def output_limit(self, payload: dict[str, Any]) -> int:
+        return super().output_limit(payload) or DEFAULT_MAX_TOKENS
 
     def prefix_parts(self, payload: dict[str, Any]) -> list[bytes]:
         head = {key: payload[key] for key in ("tools", "system") if payload.get(key)}

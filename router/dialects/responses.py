@@ -16,6 +16,7 @@ from router.dialects.chat import message_parts
 
 class Responses(Dialect):
     name = "responses"
+    limit_fields = ("max_output_tokens",)
 
     def prefix_parts(self, payload: dict[str, Any]) -> list[bytes]:
         head = {key: payload[key] for key in ("tools", "instructions") if payload.get(key)}
