@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from macpool import upstream as http
 from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash, end_stream
-from macpool.contract import generations, slots_needed
+from macpool.contract import slots_needed
 from macpool.errors import error_response, exception_handlers, sse_error
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER, connection_listed
 
@@ -215,7 +215,8 @@ class Gateway:
         endpoint: str = request.scope["path"]
         parsed = None if request.headers.get(STREAM_HEADER) == "1" else unstream.parse(endpoint, body)
         # each of a request's generations (several prompts, n > 1) holds a slot of its own while it runs
-        slots = 1 if parsed is None else slots_needed(generations(parsed), self.runtime.total_slots)
+        wanted = 1 if parsed is None else unstream.generations(endpoint, parsed)
+        slots = slots_needed(wanted, self.runtime.total_slots)
         # asked again now that the body is in: a client that stalls its body must not hold a slot meanwhile
         refusal = self._refusal(slots)
         if refusal is not None:
@@ -275,7 +276,7 @@ class Gateway:
         The request's guard watches the client meanwhile: if it goes, the collection is cancelled and the
         upstream stream closed at once, which is what makes llama-server cancel the task and free the slot.
         """
-        assembler = unstream.Assembler(endpoint)
+        assembler = unstream.assembler(endpoint)
         metrics = self.runtime.metrics
         clock = AnswerClock()
         try:
@@ -297,6 +298,11 @@ class Gateway:
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
             metrics.requests.labels(endpoint, str(status)).inc()
             return JSONResponse({"error": assembler.error}, status_code=status)
+        if not assembler.complete:
+            metrics.upstream_errors.labels("mid_response").inc()
+            metrics.requests.labels(endpoint, "502").inc()
+            message = "llama-server's stream ended before its last event"
+            return error_response(502, message, "upstream_midstream")
         self.runtime.note_decode(clock.gaps, (clock.running + self.runtime.in_flight) / 2)
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in _response_headers(upstream) if name not in _RECOMPUTED}
