@@ -40,6 +40,10 @@ _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "x-conversation-id"}
 _DROP_REQUEST_RAW = frozenset(name.encode("latin-1") for name in _DROP_REQUEST)
 _DROP_RESPONSE_RAW = frozenset(name.encode("latin-1") for name in HOP_BY_HOP | {"server", "date"})
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
+# the longest line of a stream the gateway assembles: a last event carries the whole answer (Responses)
+# or the whole prompt (/completion), past aiohttp's own line limit when long, and far shorter than this on
+# any context llama-server holds
+MAX_EVENT_BYTES = 64 * 2**20
 
 log = logging.getLogger("macpool.agent")
 
@@ -280,7 +284,7 @@ class Gateway:
         metrics = self.runtime.metrics
         clock = AnswerClock()
         try:
-            async for line in http.lines(upstream):
+            async for line in http.lines(upstream, MAX_EVENT_BYTES):
                 if line.startswith("data: "):
                     at = time.perf_counter()
                     if clock.tick(at, 1, self.runtime.in_flight):
