@@ -6,7 +6,9 @@ from typing import Any
 
 from . import Assembler
 
-_HEAD = ("created", "model", "system_fingerprint", "id")
+_HEAD = ("created", "model", "system_fingerprint", "id")  # the last event's, as the non-streamed answer's
+# the non-streamed answer's fields in its order (server-task.cpp to_json_oaicompat*)
+_ORDER = ("choices", "created", "model", "system_fingerprint", "object", "usage", "id", "timings")
 
 
 class _Choices(Assembler):
@@ -37,8 +39,10 @@ class _Choices(Assembler):
     def complete(self) -> bool:
         return self._finish_reason is not None
 
-    def _head(self) -> dict[str, Any]:
-        return {key: self._last[key] for key in _HEAD if key in self._last}
+    def _document(self, choice: dict[str, Any], kind: str) -> dict[str, Any]:
+        head = {key: self._last[key] for key in _HEAD if key in self._last}
+        document = {"choices": [choice], **head, "object": kind, **self._extra}
+        return {**{key: document[key] for key in _ORDER if key in document}, **document}
 
 
 class ChatAssembler(_Choices):
@@ -76,7 +80,7 @@ class ChatAssembler(_Choices):
             message["tool_calls"] = [self._tool_calls[index] for index in sorted(self._tool_calls)]
             message["content"] = text or None
         choice = {"finish_reason": self._finish_reason, "index": 0, "message": message}
-        return {"choices": [choice], **self._head(), "object": "chat.completion", **self._extra}
+        return self._document(choice, "chat.completion")
 
 
 class CompletionsAssembler(_Choices):
@@ -88,4 +92,4 @@ class CompletionsAssembler(_Choices):
     def result(self, request: dict[str, Any]) -> dict[str, Any]:
         text = "".join(self._text)
         choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": self._finish_reason}
-        return {"choices": [choice], **self._head(), "object": "text_completion", **self._extra}
+        return self._document(choice, "text_completion")
