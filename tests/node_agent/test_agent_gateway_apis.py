@@ -15,7 +15,7 @@ import pytest
 
 from macpool.apis import APIS, GENERATION_PATHS, LIGHT_PATHS
 from macpool.upstream import Upstream
-from node_agent.gateway import create_models_app
+from node_agent.gateway import create_app, create_models_app
 from node_agent.runtime import Runtime
 from node_agent.settings import AgentSettings
 from tests.conftest import Server, metric
@@ -220,5 +220,31 @@ def test_the_several_models_app_serves_every_path_under_each_model(local_stack: 
             assert answer.status_code == 200 and answer.json() == direct.json(), path
         assert sum(held.state()["arrived"].values()) == 2 * len(APIS)
         assert _post(agent.url, "/m/c/v1/messages", MESSAGES).json()["error"]["code"] == "model_not_found"
+    finally:
+        local_stack.call(transport.aclose())
+
+
+def test_light_requests_answer_under_memory_pressure_but_not_without_llama_server(
+    local_stack: LocalStack,
+) -> None:
+    # paging pins the generation slots to the requests in flight; a light request holds none of them
+    upstream = local_stack.serve("held", held_upstream.app())
+    Held(upstream).release()
+    transport = Upstream(keepalive_expiry=1.0)
+    runtime = Runtime(AgentSettings(upstream=upstream.url), upstream_url=upstream.url,
+                      upstream_transport=transport)
+    runtime.capacity_decided("paging", capacity=0, total_slots=4)
+    gateway = local_stack.serve("gateway", create_app(runtime), ready=None)
+    try:
+        _refused_full(_post(gateway.url, "/v1/messages", MESSAGES))
+        assert _post(gateway.url, "/tokenize", body("/tokenize")).status_code == 200
+
+        async def lost() -> None:  # on the servers' loop, as the gateway finds it out
+            runtime.capacity_decided("ready", capacity=4, total_slots=4)
+            runtime.upstream_lost()  # llama-server stopped answering: nothing admitted until a heartbeat
+
+        local_stack.call(lost())
+        refused = _post(gateway.url, "/tokenize", body("/tokenize"))
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_unavailable"
     finally:
         local_stack.call(transport.aclose())
