@@ -43,7 +43,7 @@ class Fold:
 
 # per-token probabilities come in each event, not as the non-streamed answer's one list
 _PROBABILITIES = ("logprobs", "top_logprobs", "n_probs", "post_sampling_probs")
-# the native answer's fields filtered by ``response_fields``: its last event is filtered, the others not
+# ``response_fields`` filters the native stream's last event only, not the content of the others
 _NATIVE = (*_PROBABILITIES, "response_fields")
 
 FOLDS: dict[Dialect, Fold] = {
@@ -51,7 +51,7 @@ FOLDS: dict[Dialect, Fold] = {
     "completions": Fold(CompletionsAssembler, _PROBABILITIES, usage_option=True),
     "completion": Fold(NativeAssembler, _NATIVE),
     "infill": Fold(NativeAssembler, _NATIVE),
-    # (no probabilities in either answer of these two)
+    # Messages and Responses answers carry no probabilities, streamed or not
     "messages": Fold(MessagesAssembler, several=False),
     "responses": Fold(ResponsesAssembler),
 }
