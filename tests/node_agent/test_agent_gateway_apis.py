@@ -5,7 +5,10 @@ when told (tests/node_agent/held_upstream.py), with a real Redis."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -14,16 +17,15 @@ import httpx
 import pytest
 
 from macpool.apis import APIS, GENERATION_PATHS, LIGHT_PATHS
+from macpool.stack import free_port
 from macpool.upstream import Upstream
 from node_agent.gateway import create_app, create_models_app
 from node_agent.runtime import Runtime
 from node_agent.settings import AgentSettings
-from tests.conftest import Server, metric
+from tests.conftest import Server, SpawnFactory, metric
 from tests.inprocess import LocalStack
 from tests.node_agent import held_upstream
 from tests.node_agent.helpers import AgentFactory, status, wait_until
-
-pytestmark = pytest.mark.in_process
 
 MESSAGES = {"model": "held", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 BODIES: dict[str, dict[str, Any]] = {  # a request in each dialect
@@ -88,6 +90,7 @@ def _refused_full(response: httpx.Response) -> None:
     assert response.headers["retry-after"] == "1" and response.headers["x-macpool-reason"] == "node_full"
 
 
+@pytest.mark.in_process
 def test_light_requests_hold_no_generation_slot_and_have_a_cap_of_their_own(
     local_stack: LocalStack, agent: AgentFactory, pool: ThreadPoolExecutor
 ) -> None:
@@ -118,6 +121,7 @@ def test_light_requests_hold_no_generation_slot_and_have_a_cap_of_their_own(
     assert metric(gateway.url, "macpool_agent_light_in_flight_requests") == 0
 
 
+@pytest.mark.in_process
 def test_light_requests_are_refused_while_the_node_is_not_serving(agent: AgentFactory) -> None:
     gateway = agent("--upstream", "http://127.0.0.1:9")  # nothing answers there: the node stays starting
     wait_until(lambda: status(gateway.url)["state"] == "starting", what="starting")
@@ -126,6 +130,7 @@ def test_light_requests_are_refused_while_the_node_is_not_serving(agent: AgentFa
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_unavailable"
 
 
+@pytest.mark.in_process
 def test_every_generation_path_holds_a_slot_against_the_cap(
     local_stack: LocalStack, agent: AgentFactory, pool: ThreadPoolExecutor
 ) -> None:
@@ -147,6 +152,7 @@ def test_every_generation_path_holds_a_slot_against_the_cap(
     assert _post(gateway.url, "/v1/messages", {**MESSAGES, "n": 3}).status_code == 200
 
 
+@pytest.mark.in_process
 def test_every_path_is_answered_and_non_streamed_generations_are_folded(
     local_stack: LocalStack, agent: AgentFactory
 ) -> None:
@@ -166,6 +172,7 @@ def test_every_path_is_answered_and_non_streamed_generations_are_folded(
     assert (status(gateway.url)["in_flight"], status(gateway.url)["light_in_flight"]) == (0, 0)
 
 
+@pytest.mark.in_process
 def test_a_responses_answer_longer_than_aiohttps_line_limit_is_folded(
     local_stack: LocalStack, agent: AgentFactory
 ) -> None:
@@ -187,6 +194,7 @@ def _raw_post(url: str, path: str, payload: dict[str, Any]) -> socket.socket:
     return client
 
 
+@pytest.mark.in_process
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
 def test_a_client_gone_from_a_non_streamed_request_frees_its_slot_at_once(
     local_stack: LocalStack, agent: AgentFactory, path: str
@@ -203,6 +211,7 @@ def test_a_client_gone_from_a_non_streamed_request_frees_its_slot_at_once(
     assert metric(gateway.url, f'macpool_agent_requests_total{{endpoint="{path}",status="499"}}') == 1
 
 
+@pytest.mark.in_process
 def test_the_several_models_app_serves_every_path_under_each_model(local_stack: LocalStack) -> None:
     upstream = local_stack.serve("held", held_upstream.app())
     held = Held(upstream)
@@ -224,6 +233,7 @@ def test_the_several_models_app_serves_every_path_under_each_model(local_stack: 
         local_stack.call(transport.aclose())
 
 
+@pytest.mark.in_process
 def test_light_requests_answer_under_memory_pressure_but_not_without_llama_server(
     local_stack: LocalStack,
 ) -> None:
@@ -248,3 +258,24 @@ def test_light_requests_answer_under_memory_pressure_but_not_without_llama_serve
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_unavailable"
     finally:
         local_stack.call(transport.aclose())
+
+
+def test_a_drain_waits_for_the_light_requests_in_flight(
+    spawn: SpawnFactory, agent: AgentFactory, pool: ThreadPoolExecutor
+) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "tests.node_agent.held_upstream", "--port", str(port)]
+    held = Held(spawn(argv=argv, port=port, name="held"))
+    gateway = agent("--upstream", held.url, "--drain-timeout", "20")
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    counting = pool.submit(_post, gateway.url, "/v1/messages/count_tokens", body("/v1/messages/count_tokens"))
+    _waiting(held, 1)
+    gateway.child.signal(signal.SIGTERM)
+    wait_until(lambda: status(gateway.url)["state"] == "draining", what="draining")
+    refused = _post(gateway.url, "/tokenize", body("/tokenize"))
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "node_draining"
+    time.sleep(1.5)  # past the second a stopping gateway gives a request it did not wait for
+    assert gateway.child.process is not None and gateway.child.process.poll() is None
+    held.release()
+    assert counting.result().status_code == 200
+    assert gateway.child.process.wait(15) == 0
