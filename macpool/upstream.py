@@ -19,6 +19,7 @@ from types import TracebackType
 
 import aiohttp
 import httpx
+from aiohttp.http import HttpProcessingError
 from httpx_aiohttp import AiohttpTransport
 from yarl import URL as URL  # re-exported: the parsed URL ``Upstream.send`` takes
 
@@ -159,11 +160,15 @@ def chunks(response: Response) -> AsyncIterator[bytes]:
     return _Chunks(response)
 
 
-async def lines(response: Response) -> AsyncIterator[str]:
-    """The response's body line by line, without line ends."""
+async def lines(response: Response, longest: int) -> AsyncIterator[str]:
+    """The response's body line by line, without line ends; a line longer than ``longest`` bytes is an
+    ``httpx.DecodingError``."""
     with _mapped:
-        async for line in response.content:
-            yield line.decode("utf-8", "replace").rstrip("\r\n")
+        try:
+            while line := await response.content.readline(max_line_length=longest):
+                yield line.decode("utf-8", "replace").rstrip("\r\n")
+        except HttpProcessingError as exc:  # aiohttp's LineTooLong
+            raise httpx.DecodingError(f"a line of the response is longer than {longest} bytes") from exc
 
 
 async def read(response: Response) -> bytes:

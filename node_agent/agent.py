@@ -370,8 +370,8 @@ class Agent:
         for runtime in runtimes:
             runtime.begin_drain()
 
-        def in_flight() -> int:
-            return sum(runtime.in_flight for runtime in runtimes)
+        def in_flight() -> int:  # light requests too: they are answered in milliseconds, but answered
+            return sum(runtime.in_flight + runtime.light_in_flight for runtime in runtimes)
 
         log.info("draining: %d in flight, up to %.0fs", in_flight(), self.settings.drain_timeout)
         beats = [asyncio.wait_for(heartbeat.beat(), 2) for heartbeat in self.heartbeats]

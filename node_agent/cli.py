@@ -71,6 +71,11 @@ def _run_parser() -> argparse.ArgumentParser:
         help="seconds a client may take to send a request's body, then 408 (default 30)",
     )
     gw.add_argument(
+        "--light-cap", dest="light_cap", type=int,
+        help="token counts, templates and tokenizations in flight at once, 503 node_full above (default 8; "
+        "they hold no generation slot)",
+    )
+    gw.add_argument(
         "--connect-timeout", dest="connect_timeout", type=float, help="upstream, seconds (default 5)"
     )
     gw.add_argument(

@@ -1,6 +1,8 @@
 """The local gateway: a streaming proxy to llama-server with a hard in-flight cap and no local queue.
 
-Over the cap the answer is an immediate 503 ``node_full`` with ``Retry-After``: the router then tries
+It serves every path of ``macpool/apis.py``. A generation path holds slots against the cap; a light one
+(token counts, templates, tokenize) holds none and is bounded by a cap of its own (``--light-cap``). Over
+either cap the answer is an immediate 503 ``node_full`` with ``Retry-After``: the router then tries
 another node. The agent token travels in ``X-Macpool-Token`` (the client's ``Authorization`` belongs to
 the router and is passed through untouched).
 """
@@ -11,7 +13,8 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -26,8 +29,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from macpool import upstream as http
+from macpool.apis import GENERATION_PATHS, LIGHT_PATHS
 from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash, end_stream
-from macpool.contract import generations, slots_needed
+from macpool.contract import slots_needed
 from macpool.errors import error_response, exception_handlers, sse_error
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER, connection_listed
 
@@ -39,7 +43,10 @@ from .runtime import AnswerClock, Runtime
 _DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "x-conversation-id"}
 _DROP_REQUEST_RAW = frozenset(name.encode("latin-1") for name in _DROP_REQUEST)
 _DROP_RESPONSE_RAW = frozenset(name.encode("latin-1") for name in HOP_BY_HOP | {"server", "date"})
-PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion")
+# the longest line of a stream the gateway assembles: a last event carries the whole answer (Responses)
+# or the whole prompt (/completion), past aiohttp's own line limit when long, and far shorter than this on
+# any context llama-server holds
+MAX_EVENT_BYTES = 64 * 2**20
 
 log = logging.getLogger("macpool.agent")
 
@@ -76,17 +83,19 @@ def _is_stream(upstream: http.Response) -> bool:
 
 
 class ProxyResponse(StreamingResponse):
-    """Streams the upstream body; releases the slot and closes upstream exactly once, on every path."""
+    """Streams the upstream body; releases what the request holds and closes upstream exactly once, on every
+    path."""
 
-    guard: Guard | None = None  # the request's own, when it has one already (``Gateway.generate``)
+    guard: Guard | None = None  # the request's own, when it has one already (``Gateway._relay``)
 
     def __init__(
-        self, upstream: http.Response, runtime: Runtime, started: float, endpoint: str, slots: int
+        self, upstream: http.Response, runtime: Runtime, started: float, endpoint: str,
+        release: Callable[[], None] | None,
     ) -> None:
         self._upstream = upstream
         self._runtime = runtime
         self._started = started
-        self._slots = slots  # counted against the cap until the response ends (0: a read-only request)
+        self._held = release  # gives back what counts against a cap until the response ends (None: nothing)
         self._streamed = _is_event_stream(upstream)
         self._head_sent = False
         self._ended = True  # the last chunk sent closed its SSE event
@@ -156,9 +165,9 @@ class ProxyResponse(StreamingResponse):
         # (client gone mid-stream): close it and the upstream response here too
         await self._chunks.aclose()
         http.close(self._upstream)
-        if self._slots:
-            self._runtime.release(self._slots)
-            self._slots = 0
+        held, self._held = self._held, None
+        if held is not None:
+            held()
 
 
 class Gateway:
@@ -177,20 +186,43 @@ class Gateway:
         given = request.headers.get(TOKEN_HEADER, "")
         return hmac.compare_digest(given.encode(), token.encode())
 
-    def _refusal(self, slots: int = 1) -> Response | None:
-        """Why a new request holding ``slots`` cannot be admitted now, or None."""
-        runtime = self.runtime
-        state = runtime.state
+    def _not_serving(self) -> Response | None:
+        """Why this node takes no request of any kind now (starting, draining, ...), or None."""
+        state = self.runtime.state
         if state in ("draining", "draining-to-standby"):
             return self._unavailable("node_draining", f"this node is {state}")
         if state in ("starting", "unhealthy", "standby", "loading"):
             return self._unavailable("node_unavailable", f"this node is {state}")
+        return None
+
+    def _refusal(self, slots: int = 1) -> Response | None:
+        """Why a new generation request holding ``slots`` cannot be admitted now, or None."""
+        runtime = self.runtime
+        refusal = self._not_serving()
+        if refusal is not None:
+            return refusal
         if slots > runtime.capacity > 0:
             message = (f"this request runs {slots} generations at once (its prompts times n); this node "
                        f"runs at most {runtime.capacity}")
             return self._unavailable("node_full", message)
         if not runtime.admitting or runtime.in_flight + slots > runtime.capacity:
             return self._unavailable("node_full", "this node is at capacity; retry on another node")
+        return None
+
+    def _light_refusal(self) -> Response | None:
+        """Why a new light request cannot be admitted now, or None. Generation slots do not matter (nor
+        memory pressure, which only pins them): it holds none."""
+        runtime = self.runtime
+        refusal = self._not_serving()
+        if refusal is not None:
+            return refusal
+        if not runtime.admitting and runtime.state != "paging":  # llama-server stopped answering
+            return self._unavailable("node_unavailable", "this node's llama-server is not answering")
+        cap = runtime.settings.light_cap
+        if runtime.light_in_flight >= cap:
+            message = (f"this node answers at most {cap} token counts, templates and tokenizations at once; "
+                       "retry on another node")
+            return self._unavailable("node_full", message)
         return None
 
     def _unavailable(self, code: str, message: str) -> Response:
@@ -215,30 +247,58 @@ class Gateway:
         endpoint: str = request.scope["path"]
         parsed = None if request.headers.get(STREAM_HEADER) == "1" else unstream.parse(endpoint, body)
         # each of a request's generations (several prompts, n > 1) holds a slot of its own while it runs
-        slots = 1 if parsed is None else slots_needed(generations(parsed), self.runtime.total_slots)
+        wanted = 1 if parsed is None else unstream.generations(endpoint, parsed)
+        slots = slots_needed(wanted, self.runtime.total_slots)
         # asked again now that the body is in: a client that stalls its body must not hold a slot meanwhile
         refusal = self._refusal(slots)
         if refusal is not None:
             return refusal
         self.runtime.hold(slots)  # checked and taken with no await in between: atomic on one event loop
+        return await self._relay(request, body, parsed, partial(self.runtime.release, slots))
+
+    async def light(self, request: Request) -> Response:
+        """A light request (token counts, templates, tokenize): holds no generation slot, counts against the
+        light cap from when its body is in until its response ends."""
+        if not self._authorized(request):
+            self.runtime.metrics.rejections.labels("unauthorized").inc()
+            return error_response(401, "missing or wrong agent token", "invalid_agent_token")
+        refusal = self._light_refusal()
+        if refusal is not None:
+            return refusal
+        try:
+            body = await self._body(request)
+        except ClientDisconnect:
+            return self._client_gone(request)
+        except TimeoutError:
+            return self._read_timed_out(request)
+        refusal = self._light_refusal()
+        if refusal is not None:
+            return refusal
+        self.runtime.hold_light()
+        return await self._relay(request, body, None, self.runtime.release_light)
+
+    async def _relay(
+        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None]
+    ) -> Response:
+        """The answer to an admitted request; ``release`` gives back what it holds, once, when it ends."""
         # llama-server sends its response head only with the first token, so the wait for it covers the
         # prefill (and, passed through, a whole non-streamed generation): the client is watched from here
         guard = Guard(request.receive)
         response: Response | None = None
         try:
-            response = await guard.run(self._forward(request, body, parsed, slots))
+            response = await guard.run(self._forward(request, body, parsed, release))
             if response is None:
                 response = self._client_gone(request)  # cancelled, the upstream connection is closed
         finally:
             if isinstance(response, ProxyResponse):
-                response.guard = guard  # the same watch goes on; the response releases the slots when it ends
+                response.guard = guard  # the same watch goes on; the response releases when it ends
             else:
                 guard.finish()  # on every other path (an error included: its answer must not be cancelled)
-                self.runtime.release(slots)
+                release()
         return response
 
     async def _forward(
-        self, request: Request, body: bytes, parsed: dict[str, Any] | None, slots: int
+        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None]
     ) -> Response:
         """The upstream's answer to the request: relayed, or assembled from a stream asked for instead."""
         started = time.perf_counter()  # TTFT counts from here: llama-server's head comes with the first token
@@ -249,7 +309,7 @@ class Gateway:
             return upstream
         if streamed is not None and _is_stream(upstream):
             return await self._assembled(upstream, endpoint, parsed or {}, started)
-        return ProxyResponse(upstream, self.runtime, started, endpoint, slots=slots)
+        return ProxyResponse(upstream, self.runtime, started, endpoint, release)
 
     async def _body(self, request: Request) -> bytes:
         """The request's body, bounded in time (TimeoutError): a client trickling it holds no slot, but
@@ -275,11 +335,11 @@ class Gateway:
         The request's guard watches the client meanwhile: if it goes, the collection is cancelled and the
         upstream stream closed at once, which is what makes llama-server cancel the task and free the slot.
         """
-        assembler = unstream.Assembler(endpoint)
+        assembler = unstream.assembler(endpoint)
         metrics = self.runtime.metrics
         clock = AnswerClock()
         try:
-            async for line in http.lines(upstream):
+            async for line in http.lines(upstream, MAX_EVENT_BYTES):
                 if line.startswith("data: "):
                     at = time.perf_counter()
                     if clock.tick(at, 1, self.runtime.in_flight):
@@ -297,6 +357,11 @@ class Gateway:
             status = code if isinstance(code, int) and 400 <= code < 600 else 500
             metrics.requests.labels(endpoint, str(status)).inc()
             return JSONResponse({"error": assembler.error}, status_code=status)
+        if not assembler.complete:
+            metrics.upstream_errors.labels("mid_response").inc()
+            metrics.requests.labels(endpoint, "502").inc()
+            message = "llama-server's stream ended before its last event"
+            return error_response(502, message, "upstream_midstream")
         self.runtime.note_decode(clock.gaps, (clock.running + self.runtime.in_flight) / 2)
         headers = {name.decode("latin-1"): value.decode("latin-1")
                    for name, value in _response_headers(upstream) if name not in _RECOMPUTED}
@@ -316,7 +381,7 @@ class Gateway:
         if isinstance(upstream, Response):
             return upstream
         started, endpoint = time.perf_counter(), request.scope["path"]
-        return ProxyResponse(upstream, self.runtime, started, endpoint, slots=0)
+        return ProxyResponse(upstream, self.runtime, started, endpoint, release=None)
 
     async def _send(self, request: Request, body: bytes) -> http.Response | Response:
         runtime = self.runtime
@@ -369,7 +434,9 @@ def create_app(runtime: Runtime) -> Starlette:
     """The gateway app over one agent's runtime state."""
     gateway = Gateway(runtime)
     generate = ShutdownAnswering(gateway.generate, gateway.shutdown_answer)
-    routes = [Route(path, generate, methods=["POST"]) for path in PROXIED]
+    light = ShutdownAnswering(gateway.light, gateway.shutdown_answer)
+    routes = [Route(path, generate, methods=["POST"]) for path in GENERATION_PATHS]
+    routes += [Route(path, light, methods=["POST"]) for path in LIGHT_PATHS]
     routes += [
         Route("/v1/models", gateway.passthrough, methods=["GET"]),
         Route("/health", gateway.health, methods=["GET"]),
@@ -389,6 +456,7 @@ def status_of(runtime: Runtime) -> dict[str, object]:
         "state": runtime.state,
         "capacity": runtime.capacity,
         "in_flight": runtime.in_flight,
+        "light_in_flight": runtime.light_in_flight,
         "admitting": runtime.admitting,
         **details(runtime),
     }

@@ -59,6 +59,11 @@ class AgentMetrics:
             registry=r,
         )
         self.capacity = Gauge("macpool_agent_capacity_requests", "Capacity the gateway enforces", registry=r)
+        self.light_in_flight = Gauge(
+            "macpool_agent_light_in_flight_requests",
+            "Light requests (token counts, templates, tokenize) in flight through the gateway",
+            registry=r,
+        )
         self.requests = Counter(
             "macpool_agent_requests_total",
             "Proxied requests by endpoint and status",
@@ -129,6 +134,7 @@ class Runtime:
     _total_slots: int = field(default=0, init=False)
     _admitting: bool = field(default=False, init=False)
     _in_flight: int = field(default=0, init=False)
+    _light_in_flight: int = field(default=0, init=False)
     # the supervised llama-server's own state until it first answers /health (None: up, or not supervised)
     _llama: NodeState | None = field(default=None, init=False)
     # the elastic phase, which the heartbeat's decision does not override: "standby" and
@@ -165,6 +171,11 @@ class Runtime:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def light_in_flight(self) -> int:
+        """Light requests (no generation slot) in flight, against ``light_cap``."""
+        return self._light_in_flight
 
     @property
     def draining(self) -> bool:
@@ -282,6 +293,16 @@ class Runtime:
     def release(self, slots: int) -> None:
         """The request holding ``slots`` ended."""
         self.hold(-slots)
+
+    def hold_light(self, count: int = 1) -> None:
+        """Count a light request more against the light cap (the gateway has checked that it fits)."""
+        self._light_in_flight += count
+        self.last_busy = time.monotonic()
+        self.metrics.light_in_flight.set(self._light_in_flight)
+
+    def release_light(self) -> None:
+        """A light request ended."""
+        self.hold_light(-1)
 
     def client(self) -> httpx.AsyncClient:
         if self.http is None:

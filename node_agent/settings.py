@@ -80,6 +80,9 @@ class AgentSettings(BaseSettings):
     read_timeout: float = Field(default=600.0, gt=0)  # longest silence between two upstream chunks
     drain_timeout: float = Field(default=30.0, ge=0)
     request_read_timeout: float = Field(default=30.0, gt=0)  # to receive a request's body (408 past it)
+    # light requests (token counts, templates, tokenize) in flight at once: they hold no generation slot, but
+    # each holds a CPU core of the Mac and a thread of llama-server's while it is answered (docs/agent.md)
+    light_cap: int = Field(default=8, ge=1)
 
     # honest capacity
     cap: int | None = Field(default=None, ge=0)

@@ -68,7 +68,7 @@ class Standby:
             log.info("%s: no request for %.0fs: unloading the model, back to standby",
                      runtime.settings.node_id, idle)
             runtime.begin_standby_drain()
-        if runtime.state == "draining-to-standby" and runtime.in_flight == 0:
+        if runtime.state == "draining-to-standby" and runtime.in_flight == runtime.light_in_flight == 0:
             await self.unload()
             runtime.enter_standby()
             log.info("%s in standby: model unloaded, admitting nothing", runtime.settings.node_id)

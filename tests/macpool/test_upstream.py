@@ -340,3 +340,35 @@ def test_head_and_a_streamed_request_body_go_through(serve: Servers) -> None:
             await client.client.aclose()
 
     run(main(), serve)
+
+
+def test_lines_come_whole_up_to_the_longest_asked_for(serve: Servers) -> None:
+    """A stream the agent assembles ends with one event holding the whole answer (or prompt): far past
+    aiohttp's own line limit, and read whole; past the bound given, a DecodingError (the agent's 502)."""
+    long = b"data: " + b"x" * 1_000_000
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        body = b"data: a\n\n" + long + b"\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+
+    async def lines(url: str, longest: int) -> list[str]:
+        client = Upstream(keepalive_expiry=1.0)
+        try:
+            limits = http.timeouts(5.0, 5.0)
+            response = await client.send("POST", http.url(url), [], b"{}", limits)
+            try:
+                return [line async for line in http.lines(response, longest)]
+            finally:
+                http.close(response)
+        finally:
+            await client.aclose()
+
+    async def main() -> None:
+        _, url = await serve(handler)
+        assert await lines(url, 2_000_000) == ["data: a", "", long.decode(), ""]
+        with pytest.raises(httpx.DecodingError):
+            await lines(url, 100_000)
+
+    run(main(), serve)

@@ -30,6 +30,15 @@ LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {  # the agent runs 
 
 
 
+# llama-server's answers, recorded (fixtures/llama-server/README.md)
+RECORDED = Path(__file__).resolve().parent / "fixtures" / "llama-server"
+
+
+def recorded_body(name: str) -> str:
+    """The body of a recorded answer (the file holds its status line and headers first)."""
+    return (RECORDED / name).read_text().split("\n\n", 1)[1]
+
+
 def read_node(redis_url: str, node_id: str) -> NodeDoc | None:
     client = redis.Redis.from_url(redis_url)
     try:

@@ -9,6 +9,7 @@ import pytest
 
 from macpool.settings import ConfigError
 from node_agent.calibrate import Knee, write_config
+from node_agent.cli import build_settings
 from node_agent.settings import load_settings
 
 
@@ -184,3 +185,18 @@ def test_bad_model_lists_fail_with_one_line(
     (tmp_path / "a.gguf").write_bytes(b"GGUF")
     with pytest.raises(ConfigError, match=message):
         load_settings({"llama_server": "true", **flags})
+
+
+def test_the_light_cap_is_a_flag_a_variable_or_a_key_and_at_least_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text('upstream = "http://file:1"\nlight_cap = 3\n')
+    assert load_settings({}, config).light_cap == 3
+    monkeypatch.setenv("MACPOOL_LIGHT_CAP", "5")
+    assert load_settings({}, config).light_cap == 5
+    assert build_settings(["--light-cap", "7", "--config", str(config)]).light_cap == 7
+    monkeypatch.delenv("MACPOOL_LIGHT_CAP")
+    assert load_settings({"upstream": "http://127.0.0.1:1"}).light_cap == 8
+    with pytest.raises(ConfigError, match="light_cap"):
+        load_settings({"upstream": "http://127.0.0.1:1", "light_cap": 0})
