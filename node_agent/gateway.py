@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from macpool import upstream as http
-from macpool.apis import GENERATION_PATHS, LIGHT_PATHS
+from macpool.apis import APIS, GENERATION_PATHS, LIGHT_PATHS
 from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash, end_stream
 from macpool.contract import slots_needed
 from macpool.errors import error_response, exception_handlers, sse_error
@@ -106,6 +106,7 @@ class ProxyResponse(StreamingResponse):
         self.media_type = None
         self.background = None
         self.raw_headers = _response_headers(upstream)
+        self._dialect = APIS[endpoint].dialect  # a mid-stream failure ends the stream in its API's terms
         runtime.metrics.requests.labels(endpoint, str(upstream.status)).inc()
 
     async def _body(self) -> AsyncGenerator[bytes, None]:
@@ -129,7 +130,8 @@ class ProxyResponse(StreamingResponse):
             self._runtime.metrics.upstream_errors.labels("mid_stream").inc()
             if not self._streamed:
                 raise
-            yield sse_error(502, "llama-server failed mid-stream", "upstream_midstream", ended=ended)
+            yield sse_error(502, "llama-server failed mid-stream", "upstream_midstream", ended=ended,
+                            dialect=self._dialect)
         finally:
             http.close(self._upstream)
 
@@ -146,7 +148,9 @@ class ProxyResponse(StreamingResponse):
                 if not (self._streamed and self._head_sent):
                     raise
                 message = "the node shut down mid-stream"
-                await end_stream(send, sse_error(502, message, "upstream_midstream", ended=self._ended))
+                event = sse_error(502, message, "upstream_midstream", ended=self._ended,
+                                  dialect=self._dialect)
+                await end_stream(send, event)
             finally:
                 guard.finish()
         finally:

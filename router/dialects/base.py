@@ -8,7 +8,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from macpool.errors import error_body, sse_error
+from macpool.errors import error_response, sse_error
 
 
 @dataclass(frozen=True)
@@ -93,22 +93,14 @@ class Dialect:
         cached = number(timings.get("cache_n"))
         return Usage(cached + number(timings.get("prompt_n")), number(timings.get("predicted_n")), cached)
 
-    # --- errors, in the caller's dialect ------------------------------------------------------------
-
-    def error_status(self, status: int, code: str) -> int:
-        """The status the caller's clients expect for a macpool refusal of ``status`` and ``code``."""
-        return status
-
-    def error_body(self, status: int, message: str, code: str) -> bytes:
-        return error_body(status, message, code)
+    # --- errors, in the caller's dialect (macpool/errors.py) ----------------------------------------
 
     def error(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
-        return Response(self.error_body(status, message, code), status_code=self.error_status(status, code),
-                        media_type="application/json", headers=headers)
+        return error_response(status, message, code, headers, dialect=self.name)
 
     def stream_error(self, status: int, message: str, code: str, *, ended: bool = True) -> bytes:
         """The event that ends a stream on a failure after its first byte."""
-        return sse_error(status, message, code, ended=ended)
+        return sse_error(status, message, code, ended=ended, dialect=self.name)
 
     def upstream_error(self, status: int, document: dict[str, Any]) -> bytes | None:
         """A node's own error document (llama-server's, OpenAI-shaped) in this dialect, or None to relay it

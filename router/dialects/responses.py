@@ -7,7 +7,6 @@ Errors before the first byte are OpenAI's document; a failure after it ends the 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from router.dialects.base import Dialect, Usage, last_object, number
@@ -32,14 +31,6 @@ class Responses(Dialect):
         details = usage.get("input_tokens_details")
         cached = number(details.get("cached_tokens")) if isinstance(details, dict) else 0
         return Usage(number(usage.get("input_tokens")), number(usage.get("output_tokens")), cached)
-
-    def stream_error(self, status: int, message: str, code: str, *, ended: bool = True) -> bytes:
-        event = {"type": "response.failed", "response": {
-            "object": "response", "status": "failed", "output": [],
-            "error": {"code": code, "message": message},
-        }}
-        data = json.dumps(event).encode()
-        return (b"" if ended else b"\n\n") + b"event: response.failed\ndata: " + data + b"\n\n"
 
 
 DIALECT = Responses()

@@ -3,7 +3,7 @@ tests.stand_in, or ``python -m tests.node_agent.failing_upstream --port P``.
 
 Enough of llama-server's surface for an agent to go ready. ``POST /v1/chat/completions`` answers 200 with
 an event stream that carries llama-server's error event when the prompt says ``error``, and otherwise one
-event and then a cut connection.
+event and then a cut connection; ``/v1/messages`` and ``/v1/responses`` send their first event, then cut.
 """
 
 from __future__ import annotations
@@ -33,7 +33,24 @@ async def chat(request: Request) -> Response:
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+FIRST_EVENTS = {
+    "/v1/messages": b'event: message_start\ndata: {"type": "message_start", "message": {"content": []}}\n\n',
+    "/v1/responses": b'event: response.created\ndata: {"type": "response.created", "response": {}}\n\n',
+}
+
+
+async def cut_after_first_event(request: Request) -> Response:
+    first = FIRST_EVENTS[request.url.path]
+
+    async def events() -> AsyncIterator[bytes]:
+        yield first
+        raise RuntimeError("cut off mid-stream")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 ROUTES = [Route("/v1/chat/completions", chat, methods=["POST"])]
+ROUTES += [Route(path, cut_after_first_event, methods=["POST"]) for path in FIRST_EVENTS]
 
 
 def main(argv: list[str]) -> int:

@@ -279,3 +279,30 @@ def test_a_drain_waits_for_the_light_requests_in_flight(
     held.release()
     assert counting.result().status_code == 200
     assert gateway.child.process.wait(15) == 0
+
+
+@pytest.mark.in_process
+def test_a_stream_cut_mid_way_ends_with_its_apis_own_error_event(
+    local_stack: LocalStack, agent: AgentFactory
+) -> None:
+    from tests import stand_in
+    from tests.node_agent import failing_upstream
+
+    upstream = local_stack.serve("failing-upstream", stand_in.app("failing", failing_upstream.ROUTES))
+    gateway = agent("--upstream", upstream.url)
+    wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
+    messages = httpx.post(gateway.url + "/v1/messages", timeout=30,
+                          json={"model": "m", "max_tokens": 8, "stream": True, "messages": []})
+    last = messages.text.rstrip("\n").split("\n\n")[-1]
+    name, data = last.split("\n", 1)
+    assert name == "event: error", messages.text  # what the anthropic SDK raises on
+    error = json.loads(data.removeprefix("data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert error["error"]["code"] == "upstream_midstream"
+    responses = httpx.post(gateway.url + "/v1/responses", timeout=30,
+                           json={"model": "m", "input": "hi", "stream": True})
+    name, data = responses.text.rstrip("\n").split("\n\n")[-1].split("\n", 1)
+    assert name == "event: response.failed", responses.text
+    failed = json.loads(data.removeprefix("data: "))
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["code"] == "upstream_midstream"
