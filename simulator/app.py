@@ -19,12 +19,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from macpool.asgi import Guard
-from simulator import shapes, tokens
+from simulator import chat, shapes, tokens
 from simulator.engine import Engine, Runner, Task
 from simulator.machine import Machine, MemoryState
 from simulator.settings import Resolved, SimSettings, build_info
 
 JSON = "application/json; charset=utf-8"
+INT32_MAX = 2**31 - 1
 _PRESSURE = {
     MemoryState.HEALTHY: "normal",
     MemoryState.NEAR_CEILING: "warning",
@@ -61,6 +62,21 @@ def parse_error(raw: bytes, exc: json.JSONDecodeError) -> bytes:
 
 def invalid(message: str) -> BadRequest:
     return BadRequest(shapes.error(400, message, "invalid_request_error"))
+
+
+def generation_limit(body: dict[str, Any]) -> int:
+    """The most tokens to generate (-1: none), read as llama-server reads ``n_predict`` and its aliases."""
+    for key in ("n_predict", "max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
+            raise invalid(f"Field '{key}': {chat.type_error('number', value)}")
+        if not -1 <= int(value) <= INT32_MAX:
+            bounds = f"Value must be between -1 <= value <= {INT32_MAX}, but got {int(value)}"
+            raise invalid(f"Field '{key}': {bounds}")
+        return int(value)
+    return -1
 
 
 class LlamaHeaders:
@@ -229,6 +245,8 @@ class SimServer:
                 return await handler(request)
             except BadRequest as exc:
                 return json_response(exc.body, 400)
+            except chat.RequestError as exc:
+                return json_response(shapes.error(exc.status, exc.message, exc.type), exc.status)
             except tokens.PromptError as exc:
                 return json_response(invalid(str(exc)).body, 400)
 
@@ -390,27 +408,23 @@ class SimServer:
             raise invalid("request body must be a JSON object")
         return data
 
-    def new_task(self, body: dict[str, Any], prompt: str) -> Task:
-        """One generation's task, checked (BadRequest) but not submitted."""
-        n_prompt = tokens.count(prompt)
+    def check_fits(self, n_prompt: int) -> None:
         n_ctx = self.resolved.n_ctx_slot
-        if n_prompt > n_ctx:
+        if n_prompt >= n_ctx:  # llama-server keeps room for at least one more token
             message = f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), " \
                 "try increasing it"
             raise BadRequest(shapes.error(
                 400, message, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=n_ctx,
             ))
+
+    def new_task(self, body: dict[str, Any], prompt: str) -> Task:
+        """One generation's task, checked (BadRequest) but not submitted."""
+        n_prompt = tokens.count(prompt)
+        n_ctx = self.resolved.n_ctx_slot
+        self.check_fits(n_prompt)
         if n_prompt == 0:
             raise invalid("the prompt is empty")
-        limit = -1
-        for key in ("n_predict", "max_completion_tokens", "max_tokens"):
-            value = body.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise invalid(f"'{key}' must be an integer")
-            limit = value
-            break
+        limit = generation_limit(body)
         if limit == 0:
             limit = 1  # llama-server still evaluates one token
         if limit > 0:
@@ -430,7 +444,7 @@ class SimServer:
         if value is None:
             value = 1
         if not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
-            raise invalid(f"Field '{name}': type must be number, but is {type(value).__name__}")
+            raise invalid(f"Field '{name}': {chat.type_error('number', value)}")
         n, slots = int(value), self.resolved.n_slots
         if not 1 <= n <= slots:  # llama-server's limit: the children of a task run in slots of their own
             raise invalid(f"Field '{name}': Value must be between 1 <= value <= {slots}, but got {n}")
@@ -438,10 +452,6 @@ class SimServer:
         for group in groups:
             self.runner.submit(*group)
         return [task for group in groups for task in group]
-
-    def model_field(self, body: dict[str, Any]) -> str:
-        model = body.get("model")
-        return model if isinstance(model, str) and model else self.resolved.model_name
 
     @staticmethod
     def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -506,9 +516,9 @@ class SimServer:
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request)
-        prompt = tokens.render_chat(body.get("messages"))
+        prompt = chat.prompt(body)
         stream, include_usage = self.stream_flags(body)
-        shaper = shapes.Shaper(self.model_field(body), self.fingerprint, include_usage)
+        shaper = shapes.Shaper(self.resolved.model_name, self.fingerprint, include_usage)
         tasks = self.new_tasks(body, [prompt])
 
         def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
@@ -529,7 +539,7 @@ class SimServer:
         body = await self.body(request)
         prompts = tokens.prompt_texts(body.get("prompt"))
         stream, _ = self.stream_flags(body)
-        shaper = shapes.Shaper(self.model_field(body), self.fingerprint)
+        shaper = shapes.Shaper(self.resolved.model_name, self.fingerprint)
         tasks = self.new_tasks(body, prompts)
 
         def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
@@ -552,7 +562,7 @@ class SimServer:
         prompts = tokens.prompt_texts(body.get("prompt"))
         stream, _ = self.stream_flags(body)
         ignore_eos = body.get("ignore_eos") is True
-        shaper = shapes.Shaper(self.model_field(body), self.fingerprint)
+        shaper = shapes.Shaper(self.resolved.model_name, self.fingerprint)
         tasks = self.new_tasks(body, prompts)
         n = len(tasks) // len(prompts)
 
@@ -591,7 +601,7 @@ class SimServer:
         ]
         n = sum(tokens.count(text) for text in inputs)
         return json_response({
-            "model": self.model_field(body), "object": "list",
+            "model": self.resolved.model_name, "object": "list",
             "usage": {"prompt_tokens": n, "total_tokens": n}, "data": data,
         })
 
