@@ -19,7 +19,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from macpool.asgi import Guard
-from simulator import chat, shapes, tokens
+from simulator import anthropic, chat, responses, shapes, tokens
 from simulator.engine import Engine, Runner, Task
 from simulator.machine import Machine, MemoryState
 from simulator.settings import Resolved, SimSettings, build_info
@@ -225,6 +225,9 @@ class SimServer:
             Route("/v1/completions", r(self.completions), methods=["POST"]),
             Route("/completion", r(self.native), methods=["POST"]),
             Route("/completions", r(self.native), methods=["POST"]),
+            Route("/v1/messages", r(self.anthropic_messages), methods=["POST"]),
+            Route("/v1/responses", r(self.responses_oai), methods=["POST"]),
+            Route("/responses", r(self.responses_oai), methods=["POST"]),
             Route("/v1/embeddings", r(self.embeddings), methods=["POST"]),
             Route("/embeddings", r(self.embeddings), methods=["POST"]),
             Route("/sim/memory", self.sim_memory, methods=["GET"]),
@@ -589,6 +592,43 @@ class SimServer:
 
         head = NULL_EVENT if len(prompts) > 1 else b""
         return self.respond(tasks, self.streamed(tasks, render, head) if stream else whole(), stream)
+
+    async def anthropic_messages(self, request: Request) -> Response:
+        converted = anthropic.to_chat(await self.body(request))
+        prompt = chat.prompt(converted)
+        stream = converted.get("stream") is True
+        shaper = anthropic.MessagesShaper(self.resolved.model_name)
+        tasks = self.new_tasks(converted, [prompt])  # one: the conversion leaves out n
+
+        def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
+            out = shaper.start(task) if lo == 0 < hi else []
+            out += [shaper.delta(tokens.piece(k)) for k in range(lo, hi)]
+            return out + shaper.stop(task) if task.finished else out
+
+        async def whole() -> AsyncIterator[bytes]:
+            await self.finished(tasks)
+            yield shapes.dumps(shaper.answer(tasks[0], tokens.filler(tasks[0].n_decoded)))
+
+        return self.respond(tasks, self.streamed(tasks, render) if stream else whole(), stream)
+
+    async def responses_oai(self, request: Request) -> Response:
+        converted = responses.to_chat(await self.body(request))
+        prompt = chat.prompt(converted)
+        stream = converted.get("stream") is True
+        shaper = responses.ResponsesShaper(self.resolved.model_name)
+        tasks = self.new_tasks(converted, [prompt])
+
+        def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
+            out = shaper.start(index) if lo == 0 < hi else []
+            out += [shaper.delta(tokens.piece(k), index) for k in range(lo, hi)]
+            return out + shaper.stop(task, index) if task.finished else out
+
+        async def whole() -> AsyncIterator[bytes]:
+            await self.finished(tasks)
+            answers = [shaper.answer(t, tokens.filler(t.n_decoded), i) for i, t in enumerate(tasks)]
+            yield shapes.dumps(answers[0] if len(answers) == 1 else answers)  # n > 1: an array
+
+        return self.respond(tasks, self.streamed(tasks, render) if stream else whole(), stream)
 
     async def embeddings(self, request: Request) -> Response:
         body = await self.body(request)
