@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import math
 import time
@@ -19,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from macpool.asgi import Guard
-from simulator import anthropic, chat, responses, shapes, tokens
+from simulator import anthropic, chat, embeddings, infill, responses, shapes, tokens
 from simulator.engine import Engine, Runner, Task
 from simulator.machine import Machine, MemoryState
 from simulator.settings import Resolved, SimSettings, build_info
@@ -225,11 +224,15 @@ class SimServer:
             Route("/v1/completions", r(self.completions), methods=["POST"]),
             Route("/completion", r(self.native), methods=["POST"]),
             Route("/completions", r(self.native), methods=["POST"]),
+            Route("/infill", r(self.infill), methods=["POST"]),
             Route("/v1/messages", r(self.anthropic_messages), methods=["POST"]),
             Route("/v1/responses", r(self.responses_oai), methods=["POST"]),
             Route("/responses", r(self.responses_oai), methods=["POST"]),
-            Route("/v1/embeddings", r(self.embeddings), methods=["POST"]),
+            Route("/v1/embeddings", r(self.embeddings_oai), methods=["POST"]),
             Route("/embeddings", r(self.embeddings), methods=["POST"]),
+            Route("/embedding", r(self.embeddings), methods=["POST"]),
+            *(Route(path, r(self.rerank), methods=["POST"])
+              for path in ("/v1/rerank", "/v1/reranking", "/rerank", "/reranking")),
             Route("/sim/memory", self.sim_memory, methods=["GET"]),
             Route("/sim/stats", self.sim_stats, methods=["GET"]),
             Route("/sim/reset", self.sim_reset, methods=["POST"]),
@@ -456,6 +459,16 @@ class SimServer:
             self.runner.submit(*group)
         return [task for group in groups for task in group]
 
+    def pooled_tasks(self, prompts: list[str]) -> list[Task]:
+        """An embeddings or rerank request's tasks, submitted: one per prompt, each in a slot of its own
+        (an empty text still costs the one token it is to llama-server, its BOS)."""
+        tasks = [Task(prompt, max(1, tokens.count(prompt)), 0, pooled=True) for prompt in prompts]
+        for task in tasks:
+            self.check_fits(task.n_prompt)
+        for task in tasks:
+            self.runner.submit(task)
+        return tasks
+
     @staticmethod
     def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
         options = body.get("stream_options")
@@ -562,7 +575,15 @@ class SimServer:
 
     async def native(self, request: Request) -> Response:
         body = await self.body(request)
-        prompts = tokens.prompt_texts(body.get("prompt"))
+        return self.native_answer(body, tokens.prompt_texts(body.get("prompt")))
+
+    async def infill(self, request: Request) -> Response:
+        body = await self.body(request)
+        prompt = infill.prompt(body, self.machine.n_batch, self.resolved.n_ctx_slot)
+        return self.native_answer(body, [prompt])
+
+    def native_answer(self, body: dict[str, Any], prompts: list[str]) -> Response:
+        """llama.cpp's own completion document (/completion, /infill) for each prompt."""
         stream, _ = self.stream_flags(body)
         ignore_eos = body.get("ignore_eos") is True
         shaper = shapes.Shaper(self.resolved.model_name, self.fingerprint)
@@ -630,20 +651,35 @@ class SimServer:
 
         return self.respond(tasks, self.streamed(tasks, render) if stream else whole(), stream)
 
+    async def embeddings_oai(self, request: Request) -> Response:
+        return await self.embed(request, oai=True)
+
     async def embeddings(self, request: Request) -> Response:
+        return await self.embed(request, oai=False)
+
+    async def embed(self, request: Request, oai: bool) -> Response:
         body = await self.body(request)
-        raw = body.get("input", body.get("content"))
-        inputs = [raw] if isinstance(raw, str) else raw
-        if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
-            raise invalid("'input' must be a string or an array of strings")
-        data = [
-            {"embedding": embed(text), "index": i, "object": "embedding"} for i, text in enumerate(inputs)
-        ]
-        n = sum(tokens.count(text) for text in inputs)
-        return json_response({
-            "model": self.resolved.model_name, "object": "list",
-            "usage": {"prompt_tokens": n, "total_tokens": n}, "data": data,
-        })
+        asked = embeddings.embedding_request(body, oai)
+        tasks = self.pooled_tasks(asked.texts)
+        model = embeddings.model_name(body, self.resolved.model_name)
+
+        async def whole() -> AsyncIterator[bytes]:
+            await self.finished(tasks)
+            yield shapes.dumps(embeddings.embedding_answer(asked, model, [t.n_prompt for t in tasks]))
+
+        return self.respond(tasks, whole(), stream=False)
+
+    async def rerank(self, request: Request) -> Response:
+        body = await self.body(request)
+        asked = embeddings.rerank_request(body)
+        tasks = self.pooled_tasks(asked.prompts())
+        model = embeddings.model_name(body, self.resolved.model_name)
+
+        async def whole() -> AsyncIterator[bytes]:
+            await self.finished(tasks)
+            yield shapes.dumps(embeddings.rerank_answer(asked, model, [t.n_prompt for t in tasks]))
+
+        return self.respond(tasks, whole(), stream=False)
 
     # --- /sim -------------------------------------------------------------------------------------------
     def memory_json(self) -> dict[str, Any]:
@@ -704,14 +740,6 @@ class SimServer:
             return json_response(invalid("'external_gb' must be a number >= 0").body, 400)
         self.engine.external_gb = float(value)
         return json_response(self.memory_json())
-
-
-def embed(text: str, dims: int = 64) -> list[float]:
-    """A deterministic unit vector derived from the text's hash."""
-    digest = hashlib.sha256(text.encode()).digest()
-    raw = [(digest[i % len(digest)] ^ (i * 31 & 0xFF)) / 255.0 - 0.5 for i in range(dims)]
-    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
-    return [round(x / norm, 6) for x in raw]
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
