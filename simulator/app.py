@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from macpool.asgi import Guard
-from simulator import anthropic, chat, embeddings, infill, responses, shapes, tokens
+from simulator import anthropic, chat, embeddings, infill, light, responses, shapes, tokens
 from simulator.engine import Engine, Runner, Task
 from simulator.machine import Machine, MemoryState
 from simulator.settings import Resolved, SimSettings, build_info
@@ -233,6 +233,7 @@ class SimServer:
             Route("/embedding", r(self.embeddings), methods=["POST"]),
             *(Route(path, r(self.rerank), methods=["POST"])
               for path in ("/v1/rerank", "/v1/reranking", "/rerank", "/reranking")),
+            *(Route(path, r(self.light(answer)), methods=["POST"]) for path, answer in light.ANSWERS.items()),
             Route("/sim/memory", self.sim_memory, methods=["GET"]),
             Route("/sim/stats", self.sim_stats, methods=["GET"]),
             Route("/sim/reset", self.sim_reset, methods=["POST"]),
@@ -680,6 +681,14 @@ class SimServer:
             yield shapes.dumps(embeddings.rerank_answer(asked, model, [t.n_prompt for t in tasks]))
 
         return self.respond(tasks, whole(), stream=False)
+
+    def light(self, answer: light.Answer) -> Callable[[Request], Awaitable[Response]]:
+        """A light endpoint: answered from the tokenizer and the template at once, no slot."""
+
+        async def handler(request: Request) -> Response:
+            return json_response(answer(await self.body(request)))
+
+        return handler
 
     # --- /sim -------------------------------------------------------------------------------------------
     def memory_json(self) -> dict[str, Any]:

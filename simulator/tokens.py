@@ -6,12 +6,15 @@
   (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``); the checks
   llama-server makes of them first are in ``simulator/chat.py``.
 - A prompt given as a list of token ids (llama.cpp's native /completion) is one token per id.
+- A token's id (``/tokenize``) is its 4 characters in base 128 when they are ASCII, so ``/detokenize``
+  gives the text back; a piece with other characters gets an id of 2^28 or more that reads back as U+FFFD.
 - Generated text is deterministic filler: token ``k`` of every answer is the ``k``-th 4-character block of a
   fixed text, so the output depends only on its length.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 CHARS_PER_TOKEN = 4
@@ -60,7 +63,36 @@ def filler(n_tokens: int, start: int = 0) -> str:
 
 
 def token_id(k: int) -> int:
-    return 300 + (k % _FILLER_TOKENS)
+    """The id of generated token ``k``."""
+    return piece_id(piece(k))
+
+
+_ID_BITS = 7  # an ASCII character's
+_OPAQUE = 1 << (_ID_BITS * CHARS_PER_TOKEN)  # ids from here on stand for pieces that are not plain ASCII
+
+
+def pieces(text: str) -> list[str]:
+    return [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def piece_id(text: str) -> int:
+    if text.isascii() and "\0" not in text:
+        return sum(ord(c) << (_ID_BITS * i) for i, c in enumerate(text))
+    return _OPAQUE + zlib.crc32(text.encode()) % _OPAQUE
+
+
+def id_piece(token: int) -> str:
+    if not 0 < token < _OPAQUE:
+        return "\ufffd"
+    out = []
+    while token:
+        token, code = token >> _ID_BITS, token & ((1 << _ID_BITS) - 1)
+        out.append(chr(code))
+    return "".join(out)
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(id_piece(t) for t in ids)
 
 
 def _content_text(content: str | list[dict[str, str]] | None, delimiter: str = "\n") -> str:
