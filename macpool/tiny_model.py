@@ -4,7 +4,9 @@
 ``/work/shared/reference/llama-server/`` were made with: SPM vocabulary of ``<unk>``, ``<s>``, ``</s>``
 and the 256 byte tokens, n_embd 64, 4 heads, 2 KV heads, F32. ``ensure("small")`` is a larger F16
 model whose decode takes a realistic time on one CPU thread (about 5 ms a token), so a long request
-keeps a slot busy for seconds. ``ensure("calibrate")`` is a Q4_0 model (~87 MB) whose decode throughput on
+keeps a slot busy for seconds. ``ensure("fim")`` is ``tiny`` with Qwen's fill-in-the-middle control tokens
+(``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>``) after the byte tokens, so llama-server serves
+``/infill`` with it. ``ensure("calibrate")`` is a Q4_0 model (~87 MB) whose decode throughput on
 one thread grows with the batch up to a few sequences, then stays flat: a real saturation point for
 ``macpool agent calibrate`` to find. No model binary is committed; the files are generated from a seed.
 
@@ -56,6 +58,7 @@ class ModelSpec:
     n_ctx_train: int = 4096
     f16: bool = False
     quant: str | None = None  # a gguf quantization type ("Q4_0") for the 2-D weights but token_embd
+    fim: bool = False  # fill-in-the-middle control tokens after the byte tokens (llama-server's /infill)
     seed: int = 1234
     rms_eps: float = 1e-5
     rope_freq_base: float = 10000.0
@@ -79,14 +82,20 @@ VARIANTS: dict[str, ModelSpec] = {
     "calibrate": ModelSpec(
         "calibrate", n_layer=4, n_embd=2048, n_head=32, n_head_kv=16, n_ff=4096, quant="Q4_0"
     ),
+    # tiny's shape with FIM tokens: llama-server answers /infill with it (501 without them)
+    "fim": ModelSpec("fim", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, fim=True),
 }
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
-    """The SPM vocabulary: ``<unk>``, ``<s>``, ``</s>`` then ``<0x00>``..``<0xFF>``."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+def vocabulary(fim: bool = False) -> tuple[list[str], list[float], list[int]]:
+    """The SPM vocabulary: ``<unk>``, ``<s>``, ``</s>`` then ``<0x00>``..``<0xFF>`` (then, with ``fim``,
+    the FIM control tokens)."""
+    extra = list(FIM_TOKENS) if fim else []
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + extra
     scores = [0.0] * len(tokens)
     types = [_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_CONTROL] + [_TOKEN_BYTE] * 256
+    types += [_TOKEN_CONTROL] * len(extra)
     return tokens, scores, types
 
 
@@ -174,7 +183,7 @@ def write(spec: ModelSpec, path: Path) -> None:
     """Write ``spec`` as a GGUF to ``path`` (not atomically: see ``ensure``)."""
     import gguf
 
-    tokens, scores, types = vocabulary()
+    tokens, scores, types = vocabulary(spec.fim)
     writer = gguf.GGUFWriter(str(path), "llama")
     try:
         writer.add_name(f"macpool-{spec.name}")
@@ -198,6 +207,10 @@ def write(spec: ModelSpec, path: Path) -> None:
         writer.add_eos_token_id(2)
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
+        if spec.fim:
+            ids = gguf.Keys.Tokenizer
+            for key, token in zip((ids.FIM_PRE_ID, ids.FIM_SUF_ID, ids.FIM_MID_ID), FIM_TOKENS, strict=True):
+                writer.add_uint32(key, tokens.index(token))
         writer.add_chat_template(CHAT_TEMPLATE)
         for name, tensor in _tensors(spec, len(tokens)):
             if spec.quant and tensor.ndim == 2 and name != "token_embd.weight":

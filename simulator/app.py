@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import math
 import time
@@ -19,12 +18,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from macpool.asgi import Guard
-from simulator import shapes, tokens
+from simulator import anthropic, chat, embeddings, infill, light, responses, shapes, tokens
 from simulator.engine import Engine, Runner, Task
 from simulator.machine import Machine, MemoryState
 from simulator.settings import Resolved, SimSettings, build_info
 
 JSON = "application/json; charset=utf-8"
+INT32_MAX = 2**31 - 1
 _PRESSURE = {
     MemoryState.HEALTHY: "normal",
     MemoryState.NEAR_CEILING: "warning",
@@ -61,6 +61,21 @@ def parse_error(raw: bytes, exc: json.JSONDecodeError) -> bytes:
 
 def invalid(message: str) -> BadRequest:
     return BadRequest(shapes.error(400, message, "invalid_request_error"))
+
+
+def generation_limit(body: dict[str, Any]) -> int:
+    """The most tokens to generate (-1: none), read as llama-server reads ``n_predict`` and its aliases."""
+    for key in ("n_predict", "max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
+            raise invalid(f"Field '{key}': {chat.type_error('number', value)}")
+        if not -1 <= int(value) <= INT32_MAX:
+            bounds = f"Value must be between -1 <= value <= {INT32_MAX}, but got {int(value)}"
+            raise invalid(f"Field '{key}': {bounds}")
+        return int(value)
+    return -1
 
 
 class LlamaHeaders:
@@ -209,8 +224,16 @@ class SimServer:
             Route("/v1/completions", r(self.completions), methods=["POST"]),
             Route("/completion", r(self.native), methods=["POST"]),
             Route("/completions", r(self.native), methods=["POST"]),
-            Route("/v1/embeddings", r(self.embeddings), methods=["POST"]),
+            Route("/infill", r(self.infill), methods=["POST"]),
+            Route("/v1/messages", r(self.anthropic_messages), methods=["POST"]),
+            Route("/v1/responses", r(self.responses_oai), methods=["POST"]),
+            Route("/responses", r(self.responses_oai), methods=["POST"]),
+            Route("/v1/embeddings", r(self.embeddings_oai), methods=["POST"]),
             Route("/embeddings", r(self.embeddings), methods=["POST"]),
+            Route("/embedding", r(self.embeddings), methods=["POST"]),
+            *(Route(path, r(self.rerank), methods=["POST"])
+              for path in ("/v1/rerank", "/v1/reranking", "/rerank", "/reranking")),
+            *(Route(path, r(self.light(answer)), methods=["POST"]) for path, answer in light.ANSWERS.items()),
             Route("/sim/memory", self.sim_memory, methods=["GET"]),
             Route("/sim/stats", self.sim_stats, methods=["GET"]),
             Route("/sim/reset", self.sim_reset, methods=["POST"]),
@@ -229,6 +252,8 @@ class SimServer:
                 return await handler(request)
             except BadRequest as exc:
                 return json_response(exc.body, 400)
+            except chat.RequestError as exc:
+                return json_response(shapes.error(exc.status, exc.message, exc.type), exc.status)
             except tokens.PromptError as exc:
                 return json_response(invalid(str(exc)).body, 400)
 
@@ -390,27 +415,23 @@ class SimServer:
             raise invalid("request body must be a JSON object")
         return data
 
-    def new_task(self, body: dict[str, Any], prompt: str) -> Task:
-        """One generation's task, checked (BadRequest) but not submitted."""
-        n_prompt = tokens.count(prompt)
+    def check_fits(self, n_prompt: int) -> None:
         n_ctx = self.resolved.n_ctx_slot
-        if n_prompt > n_ctx:
+        if n_prompt >= n_ctx:  # llama-server keeps room for at least one more token
             message = f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), " \
                 "try increasing it"
             raise BadRequest(shapes.error(
                 400, message, "exceed_context_size_error", n_prompt_tokens=n_prompt, n_ctx=n_ctx,
             ))
+
+    def new_task(self, body: dict[str, Any], prompt: str) -> Task:
+        """One generation's task, checked (BadRequest) but not submitted."""
+        n_prompt = tokens.count(prompt)
+        n_ctx = self.resolved.n_ctx_slot
+        self.check_fits(n_prompt)
         if n_prompt == 0:
             raise invalid("the prompt is empty")
-        limit = -1
-        for key in ("n_predict", "max_completion_tokens", "max_tokens"):
-            value = body.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise invalid(f"'{key}' must be an integer")
-            limit = value
-            break
+        limit = generation_limit(body)
         if limit == 0:
             limit = 1  # llama-server still evaluates one token
         if limit > 0:
@@ -430,7 +451,7 @@ class SimServer:
         if value is None:
             value = 1
         if not isinstance(value, int | float) or (isinstance(value, float) and not math.isfinite(value)):
-            raise invalid(f"Field '{name}': type must be number, but is {type(value).__name__}")
+            raise invalid(f"Field '{name}': {chat.type_error('number', value)}")
         n, slots = int(value), self.resolved.n_slots
         if not 1 <= n <= slots:  # llama-server's limit: the children of a task run in slots of their own
             raise invalid(f"Field '{name}': Value must be between 1 <= value <= {slots}, but got {n}")
@@ -439,9 +460,15 @@ class SimServer:
             self.runner.submit(*group)
         return [task for group in groups for task in group]
 
-    def model_field(self, body: dict[str, Any]) -> str:
-        model = body.get("model")
-        return model if isinstance(model, str) and model else self.resolved.model_name
+    def pooled_tasks(self, prompts: list[str]) -> list[Task]:
+        """An embeddings or rerank request's tasks, submitted: one per prompt, each in a slot of its own
+        (an empty text still costs the one token it is to llama-server, its BOS)."""
+        tasks = [Task(prompt, max(1, tokens.count(prompt)), 0, pooled=True) for prompt in prompts]
+        for task in tasks:
+            self.check_fits(task.n_prompt)
+        for task in tasks:
+            self.runner.submit(task)
+        return tasks
 
     @staticmethod
     def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -506,9 +533,9 @@ class SimServer:
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request)
-        prompt = tokens.render_chat(body.get("messages"))
+        prompt = chat.prompt(body)
         stream, include_usage = self.stream_flags(body)
-        shaper = shapes.Shaper(self.model_field(body), self.fingerprint, include_usage)
+        shaper = shapes.Shaper(self.resolved.model_name, self.fingerprint, include_usage)
         tasks = self.new_tasks(body, [prompt])
 
         def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
@@ -529,7 +556,7 @@ class SimServer:
         body = await self.body(request)
         prompts = tokens.prompt_texts(body.get("prompt"))
         stream, _ = self.stream_flags(body)
-        shaper = shapes.Shaper(self.model_field(body), self.fingerprint)
+        shaper = shapes.Shaper(self.resolved.model_name, self.fingerprint)
         tasks = self.new_tasks(body, prompts)
 
         def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
@@ -549,10 +576,18 @@ class SimServer:
 
     async def native(self, request: Request) -> Response:
         body = await self.body(request)
-        prompts = tokens.prompt_texts(body.get("prompt"))
+        return self.native_answer(body, tokens.prompt_texts(body.get("prompt")))
+
+    async def infill(self, request: Request) -> Response:
+        body = await self.body(request)
+        prompt = infill.prompt(body, self.machine.n_batch, self.resolved.n_ctx_slot)
+        return self.native_answer(body, [prompt])
+
+    def native_answer(self, body: dict[str, Any], prompts: list[str]) -> Response:
+        """llama.cpp's own completion document (/completion, /infill) for each prompt."""
         stream, _ = self.stream_flags(body)
         ignore_eos = body.get("ignore_eos") is True
-        shaper = shapes.Shaper(self.model_field(body), self.fingerprint)
+        shaper = shapes.Shaper(self.resolved.model_name, self.fingerprint)
         tasks = self.new_tasks(body, prompts)
         n = len(tasks) // len(prompts)
 
@@ -580,20 +615,80 @@ class SimServer:
         head = NULL_EVENT if len(prompts) > 1 else b""
         return self.respond(tasks, self.streamed(tasks, render, head) if stream else whole(), stream)
 
+    async def anthropic_messages(self, request: Request) -> Response:
+        converted = anthropic.to_chat(await self.body(request))
+        prompt = chat.prompt(converted)
+        stream = converted.get("stream") is True
+        shaper = anthropic.MessagesShaper(self.resolved.model_name)
+        tasks = self.new_tasks(converted, [prompt])  # one: the conversion leaves out n
+
+        def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
+            out = shaper.start(task) if lo == 0 < hi else []
+            out += [shaper.delta(tokens.piece(k)) for k in range(lo, hi)]
+            return out + shaper.stop(task) if task.finished else out
+
+        async def whole() -> AsyncIterator[bytes]:
+            await self.finished(tasks)
+            yield shapes.dumps(shaper.answer(tasks[0], tokens.filler(tasks[0].n_decoded)))
+
+        return self.respond(tasks, self.streamed(tasks, render) if stream else whole(), stream)
+
+    async def responses_oai(self, request: Request) -> Response:
+        converted = responses.to_chat(await self.body(request))
+        prompt = chat.prompt(converted)
+        stream = converted.get("stream") is True
+        shaper = responses.ResponsesShaper(self.resolved.model_name)
+        tasks = self.new_tasks(converted, [prompt])
+
+        def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
+            out = shaper.start(index) if lo == 0 < hi else []
+            out += [shaper.delta(tokens.piece(k), index) for k in range(lo, hi)]
+            return out + shaper.stop(task, index) if task.finished else out
+
+        async def whole() -> AsyncIterator[bytes]:
+            await self.finished(tasks)
+            answers = [shaper.answer(t, tokens.filler(t.n_decoded), i) for i, t in enumerate(tasks)]
+            yield shapes.dumps(answers[0] if len(answers) == 1 else answers)  # n > 1: an array
+
+        return self.respond(tasks, self.streamed(tasks, render) if stream else whole(), stream)
+
+    async def embeddings_oai(self, request: Request) -> Response:
+        return await self.embed(request, oai=True)
+
     async def embeddings(self, request: Request) -> Response:
+        return await self.embed(request, oai=False)
+
+    async def embed(self, request: Request, oai: bool) -> Response:
         body = await self.body(request)
-        raw = body.get("input", body.get("content"))
-        inputs = [raw] if isinstance(raw, str) else raw
-        if not isinstance(inputs, list) or not inputs or not all(isinstance(i, str) for i in inputs):
-            raise invalid("'input' must be a string or an array of strings")
-        data = [
-            {"embedding": embed(text), "index": i, "object": "embedding"} for i, text in enumerate(inputs)
-        ]
-        n = sum(tokens.count(text) for text in inputs)
-        return json_response({
-            "model": self.model_field(body), "object": "list",
-            "usage": {"prompt_tokens": n, "total_tokens": n}, "data": data,
-        })
+        asked = embeddings.embedding_request(body, oai)
+        tasks = self.pooled_tasks(asked.texts)
+        model = embeddings.model_name(body, self.resolved.model_name)
+
+        async def whole() -> AsyncIterator[bytes]:
+            await self.finished(tasks)
+            yield shapes.dumps(embeddings.embedding_answer(asked, model, [t.n_prompt for t in tasks]))
+
+        return self.respond(tasks, whole(), stream=False)
+
+    async def rerank(self, request: Request) -> Response:
+        body = await self.body(request)
+        asked = embeddings.rerank_request(body)
+        tasks = self.pooled_tasks(asked.prompts())
+        model = embeddings.model_name(body, self.resolved.model_name)
+
+        async def whole() -> AsyncIterator[bytes]:
+            await self.finished(tasks)
+            yield shapes.dumps(embeddings.rerank_answer(asked, model, [t.n_prompt for t in tasks]))
+
+        return self.respond(tasks, whole(), stream=False)
+
+    def light(self, answer: light.Answer) -> Callable[[Request], Awaitable[Response]]:
+        """A light endpoint: answered from the tokenizer and the template at once, no slot."""
+
+        async def handler(request: Request) -> Response:
+            return json_response(answer(await self.body(request)))
+
+        return handler
 
     # --- /sim -------------------------------------------------------------------------------------------
     def memory_json(self) -> dict[str, Any]:
@@ -654,14 +749,6 @@ class SimServer:
             return json_response(invalid("'external_gb' must be a number >= 0").body, 400)
         self.engine.external_gb = float(value)
         return json_response(self.memory_json())
-
-
-def embed(text: str, dims: int = 64) -> list[float]:
-    """A deterministic unit vector derived from the text's hash."""
-    digest = hashlib.sha256(text.encode()).digest()
-    raw = [(digest[i % len(digest)] ^ (i * 31 & 0xFF)) / 255.0 - 0.5 for i in range(dims)]
-    norm = math.sqrt(sum(x * x for x in raw)) or 1.0
-    return [round(x / norm, 6) for x in raw]
 
 
 async def not_found(request: Request, exc: Exception) -> Response:

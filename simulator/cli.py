@@ -25,6 +25,8 @@ IGNORED_FLAGS: dict[str, bool] = {
     "--cache-type-v": True, "-ctv": True, "--chat-template": True, "--reasoning-format": True,
     "--seed": True, "-s": True, "-n": True, "--n-predict": True, "--keep": True, "--api-key": True,
     "--flash-attn": True, "-fa": True,  # on, off or auto
+    # the simulated model embeds and reranks whatever the flags say
+    "--reranking": False, "--rerank": False, "--pooling": True,
 }
 
 

@@ -56,6 +56,8 @@ class Task:
     sent_at: float = 0.0  # wall time of the last write
     # llama-server's child task (n > 1): it waits while this parent prefills the prompt, then copies its state
     parent: Task | None = field(default=None, repr=False)
+    # an embedding or rerank task (llama-server's stateless tasks): its prompt from scratch, no token after it
+    pooled: bool = False
 
     @property
     def prefilling(self) -> bool:
@@ -233,7 +235,10 @@ class Engine:
                 c.bucket_prompt_tokens += processed
                 c.bucket_prompt_seconds += task.prompt_ms / 1000.0
                 for ready in [task, *self._start_children(task)]:
-                    self._emit(ready)
+                    if ready.pooled:
+                        self._finish(ready, "stop")
+                    else:
+                        self._emit(ready)
                     progressed.append(ready)
         self._observe_memory()
         for task in progressed:
@@ -297,7 +302,8 @@ class Engine:
         parent, *children = group
         first, shared = self._pick_slot(idle, parent)
         idle.remove(first)
-        parent.n_cache = parent.n_past = min(shared, parent.n_prompt - 1) if shared else 0
+        if shared and not parent.pooled:  # llama-server reuses no cache for a stateless task
+            parent.n_cache = parent.n_past = min(shared, parent.n_prompt - 1)
         # the children take the lowest-numbered idle slots (get_free_slots) and wait there for the parent
         for child in children:
             child.parent = parent

@@ -35,6 +35,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from macpool.apis import APIS
 from simulator import shapes
 from simulator.app import LlamaHeaders, SimServer, http_error, json_response, parse_error, server_error
 from simulator.machine import Machine, MachineError
@@ -209,8 +210,6 @@ class SimRouter:
     def routes(self) -> list[Route]:
         by_body, by_query = ModelProxy(self, from_body=True), ModelProxy(self, from_body=False)
         props = ModelProxy(self, from_body=False, without_model=self.props)
-        posts = ["/v1/chat/completions", "/chat/completions", "/v1/completions", "/completion",
-                 "/completions", "/v1/embeddings", "/embeddings"]
         return [
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/health", self.health, methods=["GET"]),
@@ -221,7 +220,7 @@ class SimRouter:
             Route("/props", props, methods=["GET"]),
             Route("/slots", by_query, methods=["GET"]),
             Route("/metrics", by_query, methods=["GET"]),
-            *(Route(path, by_body, methods=["POST"]) for path in posts),
+            *(Route(path, by_body, methods=["POST"]) for path in APIS),  # every API, to the model it names
             Route("/sim/memory", ModelProxy(self, from_body=False, without_model=self.sim_memory),
                   methods=["GET"]),
             Route("/sim/stats", by_query, methods=["GET"]),

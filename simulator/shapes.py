@@ -41,8 +41,18 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+def event(name: str, data: dict[str, Any]) -> bytes:
+    """One named SSE event, as llama-server frames the Anthropic Messages and Responses streams."""
+    return b"event: " + name.encode() + b"\ndata: " + dumps(data) + b"\n\n"
+
+
+def random_id(prefix: str) -> str:
+    """``prefix`` and 32 random letters and digits, as llama-server's ids (``chatcmpl-``, ``resp_``, ...)."""
+    return prefix + "".join(secrets.choice(_ALPHABET) for _ in range(32))
+
+
 def completion_id() -> str:
-    return "chatcmpl-" + "".join(secrets.choice(_ALPHABET) for _ in range(32))
+    return random_id("chatcmpl-")
 
 
 def slot_params(n_predict: int, ignore_eos: bool, stream: bool) -> dict[str, Any]:

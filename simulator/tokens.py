@@ -3,14 +3,18 @@
 - A text of ``n`` characters (Unicode code points) is ``ceil(n / 4)`` tokens; token ``i`` is characters
   ``4i .. 4i+3``. Two texts share as many leading tokens as they share whole 4-character blocks.
 - Chat messages are rendered with the ChatML template llama-server reports in /props
-  (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``).
+  (``<|im_start|>role\\ncontent<|im_end|>\\n`` per message, then ``<|im_start|>assistant\\n``); the checks
+  llama-server makes of them first are in ``simulator/chat.py``.
 - A prompt given as a list of token ids (llama.cpp's native /completion) is one token per id.
+- A token's id (``/tokenize``) is its 4 characters in base 128 when they are ASCII, so ``/detokenize``
+  gives the text back; a piece with other characters gets an id of 2^28 or more that reads back as U+FFFD.
 - Generated text is deterministic filler: token ``k`` of every answer is the ``k``-th 4-character block of a
   fixed text, so the output depends only on its length.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 CHARS_PER_TOKEN = 4
@@ -59,37 +63,60 @@ def filler(n_tokens: int, start: int = 0) -> str:
 
 
 def token_id(k: int) -> int:
-    return 300 + (k % _FILLER_TOKENS)
+    """The id of generated token ``k``."""
+    return piece_id(piece(k))
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif isinstance(part, str):
-                parts.append(part)
-            else:
-                raise PromptError("unsupported content part (only text parts are simulated)")
-        return "".join(parts)
-    raise PromptError("message content must be a string or a list of text parts")
+_ID_BITS = 7  # an ASCII character's
+_OPAQUE = 1 << (_ID_BITS * CHARS_PER_TOKEN)  # ids from here on stand for pieces that are not plain ASCII
 
 
-def render_chat(messages: Any) -> str:
-    """Apply the ChatML template with the generation prompt."""
-    if not isinstance(messages, list) or not messages:
-        raise PromptError("'messages' must be a non-empty array")
+def pieces(text: str) -> list[str]:
+    return [text[i : i + CHARS_PER_TOKEN] for i in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def piece_id(text: str) -> int:
+    if text.isascii() and "\0" not in text:
+        return sum(ord(c) << (_ID_BITS * i) for i, c in enumerate(text))
+    return _OPAQUE + zlib.crc32(text.encode()) % _OPAQUE
+
+
+def id_piece(token: int) -> str:
+    if not 0 < token < _OPAQUE:
+        return "\ufffd"
     out = []
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise PromptError("each message needs a string 'role'")
-        out.append(f"<|im_start|>{message['role']}\n{_content_text(message.get('content'))}<|im_end|>\n")
-    out.append("<|im_start|>assistant\n")
+    while token:
+        token, code = token >> _ID_BITS, token & ((1 << _ID_BITS) - 1)
+        out.append(chr(code))
+    return "".join(out)
+
+
+def decode(ids: list[int]) -> str:
+    return "".join(id_piece(t) for t in ids)
+
+
+def _content_text(content: str | list[dict[str, str]] | None, delimiter: str = "\n") -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    # llama-server joins text parts with a delimiter, none before the first non-empty one
+    text = ""
+    for part in content:
+        text += (delimiter if text else "") + part["text"]
+    return text
+
+
+def render_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Apply the ChatML template: every message (``content`` a string, None, or text parts), then the
+    generation prompt; a last assistant message is left open instead, for the model to continue it
+    (llama-server's assistant prefill: the generation prompt, then that message's text, its parts joined
+    by a blank line)."""
+    prefill = bool(messages) and messages[-1]["role"] == "assistant"
+    closed = messages[:-1] if prefill else messages
+    out = [f"<|im_start|>{m['role']}\n{_content_text(m.get('content'))}<|im_end|>\n" for m in closed]
+    if prefill:
+        out.append("<|im_start|>assistant\n" + _content_text(messages[-1].get("content"), "\n\n"))
+    elif add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
     return "".join(out)
 
 
@@ -98,9 +125,9 @@ def prompt_texts(prompt: Any) -> list[str]:
     token ids (one prompt, as llama-server reads it), or a list of those (several prompts: llama-server runs
     each as its own task)."""
     if _one_prompt(prompt):
-        return [_prompt_text(prompt)]
+        return [prompt_text(prompt)]
     if isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
-        return [_prompt_text(p) for p in prompt]
+        return [prompt_text(p) for p in prompt]
     raise PromptError("'prompt' must be a string, an array of token ids, or an array of those")
 
 
@@ -118,7 +145,8 @@ def _one_prompt(prompt: Any) -> bool:
     return any(_token(t) for t in prompt) or not prompt
 
 
-def _prompt_text(prompt: str | list[int | str]) -> str:
+def prompt_text(prompt: str | list[int | str]) -> str:
+    """One prompt as text: a token id stands for a 4-character piece (one token)."""
     if isinstance(prompt, str):
         return prompt
     return "".join(t if isinstance(t, str) else f"{t % 65536:04x}" for t in prompt)

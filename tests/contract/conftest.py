@@ -17,7 +17,8 @@ import pytest
 
 from macpool import tiny_model
 from macpool.redis_server import free_port
-from tests.conftest import Server, SpawnFactory
+from macpool.stack import Stack
+from tests.conftest import Server, SpawnFactory, spawner
 from tests.inprocess import LocalStack
 
 PARALLEL = 2
@@ -58,12 +59,17 @@ def _start_sim(servers: LocalStack) -> Target:
     return Target("sim", server.url, server, model="tiny.gguf", slow_request={"max_tokens": 900})
 
 
-def _start_llama_server(spawn: SpawnFactory) -> Target:
+def _required_binary() -> str:
     binary = _llama_server_binary()
     if binary is None:
         if os.environ.get("CI"):
             pytest.fail("llama-server binary missing in CI (macpool dev build-llama-server)")
         pytest.skip("llama-server not built: run `macpool dev build-llama-server`")
+    return binary
+
+
+def _start_llama_server(spawn: SpawnFactory) -> Target:
+    binary = _required_binary()
     # "small": ~5 ms a token on one idle thread (tiny: ~0.3 ms), so a long request keeps a slot busy
     model = tiny_model.ensure("small")
     port = free_port()
@@ -95,3 +101,30 @@ def target(request: pytest.FixtureRequest, spawn: SpawnFactory) -> Iterator[Targ
         yield _start_sim(request.getfixturevalue("local_stack"))
     else:
         yield _start_llama_server(spawn)
+
+
+# every API of macpool/apis.py from one server: the FIM model answers /infill, --reranking adds rerank and
+# the embeddings (llama-server still generates with it)
+API_FLAGS = ("--parallel", str(PARALLEL), "--ctx-size", str(CTX_SIZE), "--reranking")
+
+
+@pytest.fixture(scope="module", params=["sim", "llama-server"])
+def api_target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    """One server per test module, for tests that read answers and leave nothing another test reads."""
+    if request.param == "sim":
+        with LocalStack() as servers:
+            served = servers.sim(
+                "sim", "--preset", "m5max-128g-14b-q4", *API_FLAGS, "--speed", "20", "--model", "fim.gguf",
+            )
+            yield Target("sim", served.url, served, model="fim.gguf")
+        return
+    binary = _required_binary()
+    model = tiny_model.ensure("fim")
+    with Stack(logs=tmp_path_factory.mktemp("llama-server"), keep_logs=True) as stack:
+        port = free_port()
+        argv = [
+            binary, "-m", str(model), "--alias", model.name, "--host", "127.0.0.1", "--port", str(port),
+            *API_FLAGS, "--no-webui", "-t", "1",
+        ]
+        server = spawner(stack)(argv=argv, port=port, name="llama-server", timeout=60)
+        yield Target("llama-server", server.url, server, model=model.name)

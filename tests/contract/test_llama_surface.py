@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from node_agent.heartbeat import decoded_so_far
-from tests.contract.conftest import Target
+from tests.contract.conftest import SLOW_REQUEST_S, Target
 
 METRIC_NAMES = [
     "prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total", "tokens_predicted_total",
@@ -274,3 +274,44 @@ def test_how_many_generations_a_request_runs(target: Target, fields: dict[str, o
     response = httpx.post(target.url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     assert [c["index"] for c in response.json()["choices"]] == list(range(choices))
+
+
+LEAVING = {
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "Tell a long story."}]}),
+    "responses": ("/v1/responses", {"input": "Tell a long story."}),
+}
+
+
+@pytest.mark.parametrize("api", list(LEAVING))
+def test_a_client_leaving_a_stream_cancels_its_task(target: Target, api: str) -> None:
+    # llama-server cancels a streamed task at its first write after the client went away, in every dialect
+    path, body = LEAVING[api]
+    n = target.slow_request["max_tokens"]
+    request = {**body, "max_tokens": n, "max_output_tokens": n, "stream": True}
+    with httpx.stream("POST", target.url + path, json=request, timeout=120) as response:
+        assert response.status_code == 200
+        chunks = response.iter_raw()  # kept: dropping the generator closes the stream
+        next(chunks)  # the first event: the task holds its slot
+        assert any(slot["is_processing"] for slot in get(target, "/slots").json())
+    left, decoded = time.monotonic(), 0
+    while busy := [slot for slot in get(target, "/slots").json() if slot["is_processing"]]:
+        decoded = max([decoded, *(slot["next_token"][0]["n_decoded"] for slot in busy)])
+        assert time.monotonic() - left < 30, "the slot was not freed when the client left"
+        time.sleep(0.02)
+    assert decoded < 0.8 * n, "the task ran on after its client left"
+
+
+@pytest.mark.parametrize("api", list(LEAVING))
+def test_a_client_leaving_a_whole_answer_cancels_its_task_once_the_server_is_quiet(
+    target: Target, api: str
+) -> None:
+    # a task answered whole is cancelled once llama-server has had no result of any task for a second and
+    # looks at the connection: so this test sends nothing while it waits (a /slots poll would be such a
+    # result, and keep the abandoned task running to its end)
+    path, body = LEAVING[api]
+    n = target.slow_request["max_tokens"]
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(target.url + path, json={**body, "max_tokens": n, "max_output_tokens": n},
+                   timeout=httpx.Timeout(30, read=0.1))
+    time.sleep(SLOW_REQUEST_S / 2)  # the answer would take SLOW_REQUEST_S
+    assert not any(slot["is_processing"] for slot in get(target, "/slots").json())

@@ -198,3 +198,19 @@ def test_children_take_the_lowest_idle_slots_and_keep_no_cache() -> None:
     run_until_done(e, parent, child)
     assert child.n_cache == parent.n_cache == parent.n_prompt - 1
     assert e.slots[0].cached.startswith(text) and e.slots[1].cached == ""
+
+
+def test_a_pooled_task_processes_its_prompt_from_scratch_and_generates_nothing() -> None:
+    # embeddings and rerank: llama-server's stateless tasks reuse no cache and sample no token
+    e = engine(slots=1)
+    text = "the same words again " * 20
+    first = task(text)
+    e.submit(first)
+    run_until_done(e, first)
+    pooled = Task(prompt=text, n_prompt=tokens.count(text), n_predict=0, pooled=True)
+    e.submit(pooled)
+    assert pooled.n_cache == 0 and pooled.n_past == 0  # the slot holds the whole text: none of it is reused
+    run_until_done(e, pooled)
+    assert (pooled.n_decoded, pooled.finish_reason) == (0, "stop")
+    assert e.slots[0].task is None and e.counters.tokens_predicted_total == first.n_decoded
+    assert e.counters.prompt_tokens_total == first.n_prompt + pooled.n_prompt
