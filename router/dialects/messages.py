@@ -8,13 +8,30 @@ refusal for capacity is a 529 ``overloaded_error``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from macpool.errors import error_body
 from router.dialects.base import Dialect, Usage, last_object, number
-from router.dialects.chat import message_parts
+from router.dialects.chat import MAX_PARTS, message_parts
 
 DEFAULT_MAX_TOKENS = 4096  # what llama-server gives a Messages request without max_tokens (server-chat.cpp)
+
+
+# Claude Code's system prompt opens with a billing line whose cch= stamp changes with every request;
+# llama-server writes it as fffff so that turns share their cached prefix (server-chat.cpp), and so do we
+_BILLING_STAMP = re.compile(r"\A(x-anthropic-billing-header:.*?cch=)[^;]{5};", re.DOTALL)
+
+
+def without_billing_stamp(system: Any) -> Any:
+    """``system`` (a string or text blocks) with its billing stamp written as llama-server writes it."""
+    if isinstance(system, str):
+        return _BILLING_STAMP.sub(r"\1fffff;", system, count=1)
+    if isinstance(system, list):
+        return [{**block, "text": without_billing_stamp(block["text"])}
+                if isinstance(block, dict) and isinstance(block.get("text"), str) else block
+                for block in system]
+    return system
 
 
 def without_cache_control(value: Any) -> Any:
@@ -27,6 +44,14 @@ def without_cache_control(value: Any) -> Any:
     return value
 
 
+def as_blocks(message: Any) -> Any:
+    """A message with its content as blocks: Claude Code sends a message as a list of blocks in one turn and
+    as a plain string in the next, which llama-server renders alike."""
+    if isinstance(message, dict) and isinstance(message.get("content"), str):
+        return {**message, "content": [{"type": "text", "text": message["content"]}]}
+    return message
+
+
 class Messages(Dialect):
     name = "messages"
     limit_fields = ("max_tokens",)
@@ -36,7 +61,11 @@ class Messages(Dialect):
 
     def prefix_parts(self, payload: dict[str, Any]) -> list[bytes]:
         head = {key: payload[key] for key in ("tools", "system") if payload.get(key)}
+        if "system" in head:
+            head["system"] = without_billing_stamp(head["system"])
         messages = payload.get("messages")
+        if isinstance(messages, list):
+            messages = [as_blocks(message) for message in messages[:MAX_PARTS]]
         return message_parts(without_cache_control(head), without_cache_control(messages))
 
     def usage(self, head: bytes, tail: bytes) -> Usage | None:

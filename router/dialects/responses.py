@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from macpool.contract import generations
 from router.dialects.base import Dialect, Usage, last_object, number
 from router.dialects.chat import message_parts
 
@@ -16,6 +17,9 @@ from router.dialects.chat import message_parts
 class Responses(Dialect):
     name = "responses"
     limit_fields = ("max_output_tokens",)
+
+    def generations(self, payload: dict[str, Any]) -> int:
+        return generations(payload)  # llama-server passes n on: n > 1 runs n generations
 
     def prefix_parts(self, payload: dict[str, Any]) -> list[bytes]:
         head = {key: payload[key] for key in ("tools", "instructions") if payload.get(key)}

@@ -63,8 +63,23 @@ def test_an_anthropic_conversation_keeps_its_prefix_wherever_the_cache_markers_s
     second = prefix_hashes(MESSAGES.prefix_parts(turn2), "m")
     # turn 1's whole prompt but its newest message (whose marker moved) is a prefix turn 2 holds
     assert set(first[1:]) <= set(second)
+    # the next turn sends the newest message of this one as a plain string
+    plain = [{**m, "content": m["content"][0]["text"]} if i == len(turn1["messages"]) - 1 else m
+             for i, m in enumerate(turn1["messages"])]
+    resent = {**turn1, "messages": [*plain, {"role": "assistant", "content": "ok"}]}
+    assert set(first) <= set(prefix_hashes(MESSAGES.prefix_parts(resent), "m"))
     other_system = {**turn2, "system": "another agent " + LONG}
     assert set(first).isdisjoint(prefix_hashes(MESSAGES.prefix_parts(other_system), "m"))
+
+
+def test_claude_codes_billing_stamp_does_not_break_its_prefix() -> None:
+    def turn(stamp: str) -> dict[str, Any]:
+        system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; cch={stamp};"},
+                  {"type": "text", "text": "You are Claude Code. " + LONG}]
+        return {**_anthropic_turn(1), "system": system}
+
+    assert prefix_hashes(MESSAGES.prefix_parts(turn("a5145")), "m") == prefix_hashes(
+        MESSAGES.prefix_parts(turn("0e9d1")), "m")
 
 
 def test_a_responses_conversation_extends_its_instructions_and_items() -> None:
