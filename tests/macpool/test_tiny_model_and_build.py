@@ -35,6 +35,7 @@ def test_tiny_model_has_the_recordings_shape(cache: Path) -> None:
     assert meta["llama.attention.head_count"] == 4
     assert meta["llama.attention.head_count_kv"] == 2
     assert meta["llama.vocab_size"] == 259
+    assert meta["llama.context_length"] == 65536  # a coding agent's turn fits, a token a byte
     assert meta["tokenizer.ggml.model"] == "llama"
     assert "<|im_start|>" in meta["tokenizer.chat_template"]
 
