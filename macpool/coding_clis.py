@@ -10,6 +10,7 @@ update checks, plugin or marketplace fetches (docs/coding-clis.md says which set
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -126,7 +127,7 @@ def _check_version(cli: str, root: Path) -> None:
         try:
             done = subprocess.run([str(executable(cli, root)), "--version"], env=env, capture_output=True,
                                   text=True, timeout=60, check=False)
-        except OSError as exc:
+        except (OSError, subprocess.TimeoutExpired) as exc:
             raise InstallError(f"{pinned.spec} installed but does not run: {exc}") from None
     if pinned.version not in done.stdout:
         said = (done.stdout + done.stderr).strip().replace("\n", " ")[:200]
@@ -161,7 +162,9 @@ class Headless:
             try:
                 out, err = process.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # the CLI's own children too (codex.js runs a binary)
+                # the whole group: the CLI's own children too (codex.js runs the native binary)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 process.communicate()
                 raise
         return subprocess.CompletedProcess(self.argv, process.returncode, out, err)

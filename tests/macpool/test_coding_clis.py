@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from macpool import coding_clis, tiny_model
@@ -30,7 +31,7 @@ from tests.capture_server import (
     summary,
     through,
 )
-from tests.conftest import SpawnFactory, metric, require_coding_cli
+from tests.conftest import SpawnFactory, metric, require_coding_cli, wait_until
 from tests.e2e.conftest import require_llama_server
 from tests.inprocess import LocalStack
 
@@ -116,6 +117,24 @@ def test_a_command_that_is_not_the_pinned_version_is_not_put_in_place(
     with pytest.raises(coding_clis.InstallError, match=r"`fake-cli --version` says: 0\.9\.9$"):
         coding_clis.ensure("fake")
     assert [p.name for p in (tmp_path / "cache" / "npm").iterdir()] == [".fake-cli-1.0.0.lock"]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_a_turn_writes_its_files_and_past_its_timeout_ends_what_it_started(tmp_path: Path) -> None:
+    work, env = tmp_path / "work", {"PATH": os.defpath}
+    argv = ["sh", "-c", "sleep 60 & echo $! > sleeper; cat settings.toml; wait"]
+    turn = coding_clis.Headless(argv, env, {work / "settings.toml": "a = 1\n"}, work)
+    with pytest.raises(subprocess.TimeoutExpired):
+        turn.run(timeout=1)
+    sleeper = int((work / "sleeper").read_text())
+    wait_until(lambda: gone(sleeper), 5, "the turn's own child gone")
+    assert coding_clis.Headless(["cat", "settings.toml"], env, {}, work).run().stdout == "a = 1\n"
 
 
 # --- one turn against the stand-in ----------------------------------------------------------------
