@@ -38,7 +38,6 @@ from tests.inprocess import LocalStack
 CLIS = ("claude", "codex")
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "clients"
 TURN_FILES = {"claude": FIXTURES / "claude-code-turn.json", "codex": FIXTURES / "codex-turn.json"}
-MODEL_PATHS = {"claude": "/v1/messages", "codex": "/v1/responses"}
 
 
 # --- install ---------------------------------------------------------------------------------------
@@ -261,6 +260,8 @@ CLAUDE_RETRIES: dict[str, tuple[list[Planned], list[str], int, float]] = {
                                                    ["503", "ok"], 0, 0.3),
     "529, x-should-retry false": ([anthropic_refusal(529, **NO_RETRY)], ["529"], 1, 0),
     "503, Retry-After past 60 s": ([anthropic_refusal(503, **{RA: "61"})], ["503"], 1, 0),
+    # sent again at once without an optional beta: a 400 is never an answer to retry later
+    "400": ([anthropic_refusal(400, "invalid_request_error")], ["400", "ok"], 0, 0),
     "overloaded error event": ([StreamError()], ["stream-error", "ok"], 0, 0.3),
     "api_error event": ([StreamError("api_error")], ["stream-error", "ok"], 0, 0),
 }
