@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fairness": ("bench.fairness", "flooding vs light tenant: the light one's queue wait, fair vs FIFO"),
     "placement": ("bench.placement", "a mixed pool of Macs at 0.5x-4x load: macpool vs LiteLLM vs nginx"),
     "models": ("bench.models", "model A -> B -> A on Macs holding one at a time: cold starts, memory"),
+    "prefill": ("bench.prefill", "llama-server's prefill of a recorded Claude Code or Codex turn"),
 }
 
 

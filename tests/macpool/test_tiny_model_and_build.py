@@ -1,4 +1,5 @@
-"""The tiny-model generator and the llama-server build helper (no real build here)."""
+"""The tiny-model generator, the llama-server build helper (no real build here) and what ``macpool dev test``
+prepares."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from macpool import dev, llama_build, tiny_model
+from macpool import coding_clis, dev, llama_build, tiny_model
 
 
 @pytest.fixture
@@ -35,6 +36,7 @@ def test_tiny_model_has_the_recordings_shape(cache: Path) -> None:
     assert meta["llama.attention.head_count"] == 4
     assert meta["llama.attention.head_count_kv"] == 2
     assert meta["llama.vocab_size"] == 259
+    assert meta["llama.context_length"] == 65536  # a coding agent's turn fits, a token a byte
     assert meta["tokenizer.ggml.model"] == "llama"
     assert "<|im_start|>" in meta["tokenizer.chat_template"]
 
@@ -145,3 +147,18 @@ def test_the_test_command_uses_the_given_binary_and_builds_nothing(
     with pytest.raises(SystemExit, match="not a file"):
         dev._ensure_llama_server()
 
+
+
+def test_the_test_command_installs_the_coding_clis_or_says_why_not(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "no-npm-here"))
+    monkeypatch.delenv("CI", raising=False)
+    dev._ensure_coding_clis()  # locally: a line each, and their tests skip
+    warnings = capsys.readouterr().err.splitlines()
+    assert [w.startswith("warning: npm not found, needed for ") for w in warnings] == [True, True]
+    specs = [pinned.spec + ":" for pinned in coding_clis.PACKAGES.values()]
+    assert [w.split()[6] for w in warnings] == specs
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(SystemExit, match=r"^macpool dev test: npm not found"):
+        dev._ensure_coding_clis()
