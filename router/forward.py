@@ -48,7 +48,6 @@ _STREAMED = (STREAM_HEADER, "1")
 _AGENT_MIDSTREAM = b'"upstream_midstream"'
 _TAIL = 512
 _TAIL_CHUNKS = 3  # the last chunks of an answer kept (as references) to read its usage from at its end
-_DONE = b"data: [DONE]\n\n"  # an OpenAI stream's last event
 _ERROR_DOCUMENT_BYTES = 65536  # a node's error answer is read whole to be put in the caller's dialect
 # an agent saying node_full is asked again (5 ms apart, doubling) for up to 0.5 s before another node is tried
 _CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
@@ -489,6 +488,9 @@ class Relay(Response):
         self.node_id = hold.node.node_id
         self.upstream = upstream
         self.first = first
+        # the first chunk with an event (a long prefill may send keep-alive comments first): where a stream
+        # says its prompt's usage
+        self.head = first if b"data:" in first else b""
         self.chunks = chunks
         self.status_code = upstream.status
         self.streaming = http.content_type(upstream).startswith("text/event-stream")
@@ -561,7 +563,7 @@ class Relay(Response):
         metrics.duration.observe(time.monotonic() - call.arrived)
         if self.outcome != "200":
             return
-        usage = call.dialect.usage(self.first, b"".join(self.tail))
+        usage = call.dialect.usage(self.head, b"".join(self.tail))
         if usage is not None:
             metrics.count_usage(call.model, usage)
 
@@ -574,7 +576,7 @@ class Relay(Response):
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
             self.ended = self.first.endswith(b"\n\n")
-            self.done = self.streaming and self.first.endswith(_DONE)
+            self.done = self.streaming and self.first.endswith(self.call.dialect.stream_end)
             self.tail.append(self.first)
         while True:
             self.phase, self.progress_at = "read", time.monotonic()
@@ -586,11 +588,13 @@ class Relay(Response):
             if chunk is None:
                 break
             self.phase, self.progress_at = "send", time.monotonic()
+            if not self.head and b"data:" in chunk:
+                self.head = chunk
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.ended = chunk.endswith(b"\n\n")
-            # the OpenAI SDK closes the connection once it reads [DONE], often before the node's end of the
-            # body reaches the router: that stream was served whole, not left early
-            self.done = self.streaming and chunk.endswith(_DONE)
+            # a client closes the connection once it reads the stream's last event ([DONE], message_stop),
+            # often before the node's end of the body reaches the router: that stream was served whole
+            self.done = self.streaming and chunk.endswith(self.call.dialect.stream_end)
             self.tail.append(chunk)
         self.phase, self.progress_at = "send", time.monotonic()
         await send({"type": "http.response.body", "body": b"", "more_body": False})

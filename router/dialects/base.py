@@ -59,6 +59,8 @@ class Dialect:
     """An API's bodies and answers as the router reads them; these defaults are OpenAI's."""
 
     name = "openai"
+    stream_end = b"data: [DONE]\n\n"  # how the stream's last event ends
+
 
     def streamed(self, payload: dict[str, Any]) -> bool:
         return payload.get("stream") is True

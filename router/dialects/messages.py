@@ -55,6 +55,7 @@ def as_blocks(message: Any) -> Any:
 class Messages(Dialect):
     name = "messages"
     limit_fields = ("max_tokens",)
+    stream_end = b'"message_stop"}\n\n'
 
     def output_limit(self, payload: dict[str, Any]) -> int:
         return super().output_limit(payload) or DEFAULT_MAX_TOKENS

@@ -17,6 +17,7 @@ from router.dialects.chat import message_parts
 class Responses(Dialect):
     name = "responses"
     limit_fields = ("max_output_tokens",)
+    stream_end = b'"response.completed"}\n\n'
 
     def generations(self, payload: dict[str, Any]) -> int:
         return generations(payload)  # llama-server passes n on: n > 1 runs n generations

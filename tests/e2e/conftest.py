@@ -56,20 +56,22 @@ class RealSetup:
     logs: Path
 
     def agent_argv(self, redis_url: str, node_id: str, port: int, parallel: int, ctx_per_slot: int,
-                   *extra: str) -> list[str]:
-        """An agent supervising its own llama-server on one thread (servers share two cores with the rest)."""
+                   *extra: str, llama_args: tuple[str, ...] = ()) -> list[str]:
+        """An agent supervising its own llama-server on one thread (servers share two cores with the rest);
+        ``llama_args`` go to llama-server."""
         return macpool_argv(
             "agent", "run", "--redis-url", redis_url, "--node-id", node_id, "--port", str(port),
             "--llama-server", str(self.binary), "--model", str(self.model), "--parallel", str(parallel),
             "--ctx-per-slot", str(ctx_per_slot), "--llama-log", str(self.logs / f"llama-{node_id}.log"),
-            *extra, "--", "-t", "1",
+            *extra, "--", "-t", "1", *llama_args,
         )
 
     def agent(self, stack: Stack, redis_url: str, node_id: str, parallel: int, ctx_per_slot: int,
-              *extra: str) -> Proc:
+              *extra: str, llama_args: tuple[str, ...] = ()) -> Proc:
         """Start ``agent_argv``'s agent on ``stack``, without waiting: ``/status`` says when it serves."""
         port = free_port()
-        argv = self.agent_argv(redis_url, node_id, port, parallel, ctx_per_slot, *extra)
+        argv = self.agent_argv(redis_url, node_id, port, parallel, ctx_per_slot, *extra,
+                               llama_args=llama_args)
         return stack.spawn(f"agent-{node_id}", argv, port, ready="/status", wait=False)
 
 
