@@ -1,13 +1,12 @@
 """The pool's store in Redis, as one typed API: dataclasses in, dataclasses out.
 
-Only this module knows the scripts' argument order, the record formats and the reservation member names;
-the key names are :mod:`macpool.store.keys`'. Every call takes ``now`` (ms), so tests pass the time instead
-of sleeping.
+Only this module knows the scripts' arguments and the records they keep (JSON documents whose fields
+lib.lua names, written from these dataclasses); the key names are :mod:`macpool.store.keys`'. Every call
+takes ``now`` (ms), so tests pass the time instead of sleeping.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from collections.abc import Collection, Iterable, Sequence
@@ -28,12 +27,6 @@ ReserveStatus = Literal["reserved", "queued", "full", "shed", "limited"]
 AffinityOutcome = Literal["", "hit", "miss", "overridden"]
 ANONYMOUS = "anonymous"  # the tenant of every request when the router has no API keys
 QUEUE_LEASE_MS = 3_000  # a waiter's place in the queue (renewed on every attempt), and a slot handed to it
-
-
-def members(request_id: str, slots: int) -> list[str]:
-    """The reservation members of a request holding ``slots`` slots on one node: rid, rid#2, ..., rid#k
-    (lib.lua's ``members`` builds the same)."""
-    return [request_id, *(f"{request_id}#{i}" for i in range(2, slots + 1))]
 
 
 @dataclass(frozen=True)
@@ -170,11 +163,13 @@ class Store:
         kwargs = pool.connection_kwargs
         return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
-    def _admission(self, nodes: Iterable[str], now: int | None) -> tuple[list[str], list[str | int]]:
-        """An admission script's KEYS, declaring ``nodes``, and its first ARGV (lib.lua): the nodes
-        declared, the events channel, the time."""
+    def _admission(
+        self, nodes: Iterable[str], now: int | None, call: dict[str, Any],
+    ) -> tuple[list[str], list[str | int]]:
+        """An admission script's KEYS, declaring ``nodes``, and its ARGV (lib.lua): the nodes declared, the
+        events channel, the time, then the call's own arguments by name (``call``, as one JSON document)."""
         keys, declared = self.keys.admission(nodes)
-        return keys, [declared, self.keys.events, now_ms() if now is None else now]
+        return keys, [declared, self.keys.events, now_ms() if now is None else now, _json(call)]
 
     # --- admission ---------------------------------------------------------------------------------
 
@@ -182,8 +177,8 @@ class Store:
         """Reserve slots on the node holding the prompt's prefix or the candidate that would answer soonest
         (least utilised, unmeasured), or queue the request, or say why not - in one atomic call."""
         nodes = [*(c.node_id for c in request.candidates), *request.excluded, *self.known_nodes]
-        keys, common = self._admission(nodes, now)
-        raw = await self._reserve(keys=keys, args=[*common, _encode(request)])
+        keys, args = self._admission(nodes, now, _reserve_call(request))
+        raw = await self._reserve(keys=keys, args=args)
         status, affinity = _text(raw[0]), _text(raw[3])
         if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
             raise ValueError(f"reserve.lua answered {raw!r}")
@@ -193,18 +188,16 @@ class Store:
 
     async def release(self, release: Release, now: int | None = None) -> int:
         """Give the slots back, handing them to waiting requests; the slots released."""
-        keys, common = self._admission([release.node_id], now)
-        args: list[str | int] = [
-            *common, release.request_id, release.node_id, release.tenant, release.slots,
-            "1" if release.failed else "0", release.queue_lease_ms,
-        ]
+        call = {"rid": release.request_id, "node": release.node_id, "tenant": release.tenant,
+                "slots": release.slots, "failed": release.failed, "queue_lease": release.queue_lease_ms}
+        keys, args = self._admission([release.node_id], now, call)
         return int(await self._release(keys=keys, args=args))
 
     async def offer(self, node_id: str, queue_lease_ms: int = QUEUE_LEASE_MS, now: int | None = None) -> int:
         """Hand ``node_id``'s free slots to waiting requests, as a release does, for slots no release
         announces (the node just became ready, or its capacity grew); the slots handed over."""
-        keys, common = self._admission([node_id], now)
-        return int(await self._offer(keys=keys, args=[*common, node_id, queue_lease_ms]))
+        keys, args = self._admission([node_id], now, {"node": node_id, "queue_lease": queue_lease_ms})
+        return int(await self._offer(keys=keys, args=args))
 
     async def leave_queue(
         self, request_id: str, nodes: Sequence[str] = (), queue_lease_ms: int = QUEUE_LEASE_MS,
@@ -216,29 +209,21 @@ class Store:
         # the node that handed it slots, if one did: declared, so that they can be given back (were it
         # to hand it others before the script runs, those lapse with the queue lease)
         record = await self.redis.hget(self.keys.queue_meta, request_id)
-        mark = _QueueRecord.parse(_text(record)).mark if record else ""
+        mark = _QueueRecord.parse(record).mark if record else ""
         granted = [mark[2:]] if mark.startswith("g:") else []
-        keys, common = self._admission([*nodes, *granted, *self.known_nodes], now)
-        args: list[str | int] = [*common, request_id, queue_lease_ms, *nodes]
+        call = {"rid": request_id, "queue_lease": queue_lease_ms, "nodes": list(nodes)}
+        keys, args = self._admission([*nodes, *granted, *self.known_nodes], now, call)
         return int(await self._leave(keys=keys, args=args)) == 2
 
     async def renew(self, leases: Sequence[Lease], lease_ms: int, now: int | None = None) -> list[bool]:
-        """Extend each lease to ``now + lease_ms``, in one round trip. For each, True when it was gone
-        (Redis restarted empty, or it had expired) and has been counted again."""
-        expiry = (now_ms() if now is None else now) + lease_ms
-        calls: list[tuple[list[str], list[str | int]]] = [
-            (self._lease_keys(lease), [expiry, lease_ms, lease.tenant, _held_record(lease),
-                                       *members(lease.request_id, lease.slots)])
-            for lease in leases
-        ]
-        if isinstance(self.redis, RedisCluster):  # (its pipelines do not reload a script Redis forgot)
-            results = await asyncio.gather(*(self._renew(keys=k, args=a) for k, a in calls))
-        else:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for keys, args in calls:
-                    await self._renew(keys=keys, args=args, client=pipe)
-                results = await pipe.execute()
-        return [int(result) == 2 for result in results]
+        """Extend each lease to ``now + lease_ms``, in one call. For each, True when it was gone (Redis
+        restarted empty, or it had expired) and has been counted again."""
+        if not leases:
+            return []
+        now = now_ms() if now is None else now
+        call = {"expiry": now + lease_ms, "lease": lease_ms, "leases": [_lease(lease) for lease in leases]}
+        keys, args = self._admission([lease.node_id for lease in leases], now, call)
+        return [int(result) == 2 for result in await self._renew(keys=keys, args=args)]
 
     async def drain(self, node_id: str, drained: bool) -> None:
         """Mark a node drained (routers send it nothing new) or not, and tell every router at once."""
@@ -252,13 +237,8 @@ class Store:
 
     async def forget(self, lease: Lease) -> None:
         """Remove a lease without handing its slots on: a renewal that crossed its release brought it back."""
-        await self._forget(keys=self._lease_keys(lease),
-                           args=[lease.tenant, *members(lease.request_id, lease.slots)])
-
-    def _lease_keys(self, lease: Lease) -> list[str]:
-        """renew.lua's and forget.lua's KEYS."""
-        keys = self.keys
-        return [keys.reservations(lease.node_id), keys.in_flight, keys.in_flight_count, keys.held]
+        keys, args = self._admission([lease.node_id], None, _lease(lease))
+        await self._forget(keys=keys, args=args)
 
     # --- router liveness ---------------------------------------------------------------------------
 
@@ -269,8 +249,8 @@ class Store:
         now = now_ms() if now is None else now
         index = await self.redis.zrange(self.keys.nodes, 0, -1)
         nodes = [_text(cast(str | bytes, node_id)) for node_id in index]
-        keys, common = self._admission(nodes, now)  # (reclaim may give back slots on any node)
-        args: list[str | int] = [*common, router, now + alive_ms, queue_lease_ms]
+        call = {"router": router, "alive_until": now + alive_ms, "queue_lease": queue_lease_ms}
+        keys, args = self._admission(nodes, now, call)  # (reclaim may give back slots on any node)
         return int(await self._beat(keys=keys, args=args))
 
     # --- the node agent ----------------------------------------------------------------------------
@@ -279,11 +259,9 @@ class Store:
         """Write one heartbeat atomically and announce it. None when written, else the URL of the agent
         started later that holds this node id ("" if unknown): this beat was refused."""
         keys = [self.keys.node(doc.node_id), self.keys.nodes]
-        args: list[str | int | float] = [
-            self.keys.events, doc.node_id, doc.encode(), doc.capacity, doc.state, "\n".join(doc.models),
-            ttl_ms, doc.updated_at_ms or now_ms(), doc.instance, doc.started_at_ms, doc.total_slots,
-        ]
-        result = await self._heartbeat(keys=keys, args=args)
+        call = {"id": doc.node_id, "ttl": ttl_ms, "at": doc.updated_at_ms or now_ms(),
+                "fields": _node_fields(doc)}
+        result = await self._heartbeat(keys=keys, args=[self.keys.events, doc.encode(), _json(call)])
         if result == 1:
             return None
         return NodeDoc.decode(result).url if result else ""
@@ -313,7 +291,7 @@ class Store:
             ids_raw, drained_raw, waiting_raw, meta_raw, *loads = await pipe.execute()
         snapshot = PoolSnapshot(drained={_text(d) for d in drained_raw},
                                 in_flight=_in_flight(tenants, *loads) if tenants else {})
-        records = {_text(k): _QueueRecord.parse(_text(v)) for k, v in meta_raw.items()}
+        records = {_text(k): _QueueRecord.parse(v) for k, v in meta_raw.items()}
         for rid in waiting_raw:
             record = records.get(_text(rid))
             if record is None or record.mark:
@@ -355,16 +333,22 @@ class _QueueRecord:
     generations: int
 
     @classmethod
-    def parse(cls, text: str) -> _QueueRecord:
-        f = text.split("\t")
-        return cls(f[0], f[1], f[4], int(f[9]))
+    def parse(cls, raw: str | bytes) -> _QueueRecord:
+        doc = json.loads(raw)
+        return cls(doc["priority"], doc["tenant"], doc["mark"], doc["generations"])
 
 
-def _held_record(lease: Lease) -> str:
-    """What K.held keeps of a lease its router holds (lib.lua's ``track``); "" when no router is named."""
-    if not lease.router:
-        return ""
-    return f"{lease.router}\t{lease.node_id}\t{lease.tenant}\t{lease.slots}"
+def _node_fields(doc: NodeDoc) -> dict[str, str]:
+    """What the scripts read of a node's heartbeat, by name, as its hash keeps them (heartbeat.lua writes
+    them beside the document; lib.lua's ``usable`` reads them)."""
+    return {"capacity": str(doc.capacity), "state": doc.state, "models": "\n".join(doc.models),
+            "slots": str(doc.total_slots), "instance": doc.instance, "started": str(doc.started_at_ms)}
+
+
+def _lease(lease: Lease) -> dict[str, Any]:
+    """A lease as renew.lua and forget.lua read it."""
+    return {"rid": lease.request_id, "node": lease.node_id, "tenant": lease.tenant, "slots": lease.slots,
+            "router": lease.router}
 
 
 def _in_flight(tenants: Sequence[str], counts: list[Any], expired: list[Any]) -> dict[str, int]:
@@ -378,9 +362,9 @@ def _in_flight(tenants: Sequence[str], counts: list[Any], expired: list[Any]) ->
     return out
 
 
-def _encode(request: ReserveRequest) -> str:
+def _reserve_call(request: ReserveRequest) -> dict[str, Any]:
     """The request as reserve.lua reads it (a random number per candidate breaks the last ties)."""
-    fields: dict[str, Any] = {
+    return {
         "rid": request.request_id, "lease": request.lease_ms, "queue_size": request.queue_size,
         "enqueue": request.enqueue, "dequeue": request.dequeue, "priority": request.priority,
         "tenant": request.tenant, "model": request.model, "key_limit": request.key_limit,
@@ -389,10 +373,13 @@ def _encode(request: ReserveRequest) -> str:
         "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
         "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
         "batch_cost": request.batch_cost,
-        "candidates": [[c.node_id, c.tokens_per_s, random.random(), c.ttft_s, c.decode_s]
-                       for c in request.candidates],
+        "candidates": [{"id": c.node_id, "tokens_per_s": c.tokens_per_s, "tie": random.random(),
+                        "ttft": c.ttft_s, "decode": c.decode_s} for c in request.candidates],
     }
-    return json.dumps(fields, separators=(",", ":"))
+
+
+def _json(document: dict[str, Any]) -> str:
+    return json.dumps(document, separators=(",", ":"))
 
 
 def _text(value: str | bytes) -> str:

@@ -4,22 +4,24 @@
 one pool in one Redis Cluster hash slot, so the scripts run unchanged on Redis Cluster and on managed Redis in
 cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or behind Sentinel only.
 
-``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the NodeDoc JSON), ``capacity``, ``state``,
-                      ``models`` (newline-separated), ``slots`` (llama-server's), ``instance`` and ``started``
-                      (which agent process holds the id, and since when). A dead Mac disappears with its TTL;
-                      of two agents under one id, the one started last holds it.
+``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the NodeDoc JSON), and what the scripts read
+                      of it (macpool/store/api.py ``_node_fields``): ``capacity``, ``state``, ``models``
+                      (newline-separated), ``slots`` (llama-server's), ``instance`` and ``started`` (which
+                      agent process holds the id, and since when). A dead Mac disappears with its TTL; of two
+                      agents under one id, the one started last holds it.
 ``{p}nodes``          ZSET node id -> last heartbeat (ms): the index routers read; expired entries are pruned.
 ``{p}resv:{id}``      ZSET reservation member -> lease expiry (ms): one member per slot a request holds on
-                      that node (``rid``, then ``rid#2`` .. ``rid#k``: macpool/store/api.py ``members``).
+                      that node (``rid``, then ``rid#2`` .. ``rid#k``: lib.lua ``members``).
 ``{p}drained``        SET of node ids an operator drained.
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
-``{p}qmeta``          HASH waiter id -> its record (the format is in lib.lua).
+``{p}qmeta``          HASH waiter id -> its record, a JSON document (its fields: lib.lua ``record``).
 ``{p}inflight``       ZSET "tenant \t request id" -> lease expiry: every request in flight, by tenant.
 ``{p}inflight:count`` HASH tenant -> how many members ``{p}inflight`` holds for it (the scripts prune
                       expired members and keep the count with them).
 ``{p}routers``        ZSET router id -> until when it counts as alive (ms), which each router beats.
-``{p}held``           HASH request id -> "router \t node \t tenant \t slots": the reservations each router
-                      holds, given back by any router's next beat once that router stops beating.
+``{p}held``           HASH request id -> {router, node, tenant, slots} (JSON; lib.lua ``held_record``): the
+                      reservations each router holds, given back by any router's next beat once that router
+                      stops beating.
 ``{p}affinity``       HASH prompt-prefix hash -> the node that last served it;
 ``{p}affinity:lru``   ZSET prefix hash -> last use (ms), which bounds it to the newest N entries.
 ``{p}desired:{id}``   STRING ``active`` or ``standby``: what the autoscaler wants of a standby-capable agent,

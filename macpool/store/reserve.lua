@@ -1,20 +1,21 @@
 -- Reserve slots for one request on the best candidate node, or queue it, or say why not (Store.reserve).
--- ARGV after the common three: the request, as JSON (macpool/store/api.py, Store._reserve_request).
+-- ARGS: the request (ReserveRequest in macpool/store/api.py, by the same names; each candidate
+-- {id, tokens_per_s, tie (a random number: the last tie-break), ttft, decode}).
 -- Returns {status, node, count, affinity[, slots]}: status reserved (node, its reservations now, the
 -- affinity outcome, the slots it holds), queued (count: the requests waiting), full, shed or limited (count:
 -- what the tenant has in flight and queued).
-local req = cjson.decode(ARGV[4])
+local req = ARGS
 local now, rid, lease, gens = NOW, req.rid, req.lease, req.generations
 local prio, tenant, model = req.priority, req.tenant, req.model
 local queue_lease = req.queue_lease  -- waiters renew their place every attempt, so this is short
-local excluded = table.concat(req.excluded, '\n')  -- nodes its router no longer sends it to (record format)
+local excluded = req.excluded  -- nodes its router no longer sends it to
 local prefixes = req.prefixes  -- prompt-prefix hashes, longest first
 local nodes = {}  -- every candidate's id, as given
-for i, c in ipairs(req.candidates) do nodes[i] = c[1] end
+for i, c in ipairs(req.candidates) do nodes[i] = c.id end
 
 -- this request leaves the queue: if it runs several generations, the slots held back for it go on
 local function leave(e)
-  if e.gens > 1 then pass_on(nodes, now, queue_lease) end
+  if e.generations > 1 then pass_on(nodes, now, queue_lease) end
 end
 
 local function dequeue(me)
@@ -65,8 +66,8 @@ local function take_handed_over(me)
     remember(node)
     leave(me)
     local outcome = ''
-    if me.hashed ~= '' then
-      outcome = me.pref == node and 'hit' or (me.pref ~= '' and 'overridden' or 'miss')
+    if me.hashed then
+      outcome = me.preferred == node and 'hit' or (me.preferred ~= '' and 'overridden' or 'miss')
     end
     return {'reserved', node, redis.call('ZCOUNT', rkey, now, '+inf'), outcome, k}
   end
@@ -74,10 +75,8 @@ local function take_handed_over(me)
     -- declined: the slots go on to the next in line (this request, still marked, is not among them); on a
     -- node not declared they lapse with the short queue lease
     release(node, rid, me.tenant, now, queue_lease, false)
-    me.declined, turned_down = excluded, true
-    if not declined(me, node) then
-      me.declined = excluded == '' and node or excluded .. '\n' .. node
-    end
+    me.declined, turned_down = {unpack(excluded)}, true
+    if not declined(me, node) then me.declined[#me.declined + 1] = node end
   end
   -- (or a handed-over slot that lapsed before it was taken: this request waits on like any other)
   me.mark = ''
@@ -100,18 +99,18 @@ end
 -- the same model, and those ahead of it asking for another model that run several generations (who may hold
 -- slots back on the nodes it could go to)
 local function scan_queue(entries, me)
-  local mine = {rid = rid, prio = prio, tenant = tenant, enq = me and me.enq or now}
+  local mine = {rid = rid, priority = prio, tenant = tenant, arrival = me and me.arrival or now}
   local q = {ahead = {}, others = {}, waiting = 0, waiting_batch = 0, last_batch = nil}
   for _, e in ipairs(entries) do
     if e.mark == '' and e.rid ~= rid then
       q.waiting = q.waiting + 1
-      if e.prio == 'batch' then
+      if e.priority == 'batch' then
         q.waiting_batch = q.waiting_batch + 1
         if q.last_batch == nil or before(now, q.last_batch, e) then q.last_batch = e end
       end
       if e.model == model then
         if before(now, e, mine) then q.ahead[#q.ahead + 1] = e end
-      elseif e.gens > 1 and before(now, e, mine) then
+      elseif e.generations > 1 and before(now, e, mine) then
         q.others[#q.others + 1] = e
       end
     end
@@ -120,37 +119,30 @@ local function scan_queue(entries, me)
 end
 
 -- the candidates that take requests now: candidate c is node ids[c], with ns[c] reservations, capacity
--- caps[c], llama-server's slots[c], tps[c] / rnd[c] to break ties, and ttft[c] / decode[c] for the time it
--- would take to answer (Candidate in api.py; decode 0: not measured) (arrays, not a table per candidate:
--- this runs for every request, over every candidate)
-local ids, ns, caps, slots, tps, rnd, ttft, decode, known = {}, {}, {}, {}, {}, {}, {}, {}, {}
+-- caps[c], llama-server's slots[c], the models mods[c], tps[c] / rnd[c] to break ties, and ttft[c] /
+-- decode[c] for the time it would take to answer (Candidate in api.py; decode 0: not measured) (arrays,
+-- not a table per candidate: this runs for every request, over every candidate)
+local ids, ns, caps, slots, mods, tps, rnd, ttft, decode, known = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
 local function read_candidates()
   for _, cand in ipairs(req.candidates) do
-    local id = cand[1]
+    local id = cand.id
     known[id] = true
-    local f = redis.call('HMGET', node_key(id), 'capacity', 'state', 'slots')
-    local cap = tonumber(f[1])
-    if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, id) == 0 then
+    local node = usable(id)
+    if node then
       local rkey = resv_key(id)
       redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
       local c = #ids + 1
-      ids[c], ns[c], caps[c], slots[c] = id, redis.call('ZCARD', rkey), cap, tonumber(f[3])
-      tps[c], rnd[c], ttft[c], decode[c] = cand[2], cand[3], cand[4] or 0, cand[5] or 0
+      ids[c], ns[c], caps[c], slots[c], mods[c] = id, redis.call('ZCARD', rkey), node.cap, node.slots,
+        node.models
+      tps[c], rnd[c], ttft[c], decode[c] = cand.tokens_per_s, cand.tie, cand.ttft, cand.decode
     end
   end
 end
 
--- the models candidate `c` serves, read only for a waiter asking for another name than this request
-local mods = {}
-local function models_of(c)
-  if mods[c] == nil then mods[c] = redis.call('HGET', node_key(ids[c]), 'models') or '' end
-  return mods[c]
-end
-
 -- whether queue entry `e` could run on candidate `c` (it needs k slots there)
 local function runs_on(e, c)
-  local k = need(e.gens, slots[c])
-  return k <= caps[c] and not declined(e, ids[c]) and (e.model == model or serves(models_of(c), e.model)), k
+  local k = need(e.generations, slots[c])
+  return k <= caps[c] and not declined(e, ids[c]) and (e.model == model or serves(mods[c], e.model)), k
 end
 
 -- the node a request running several generations waits on when it fits on none now: of those it could run
@@ -171,10 +163,8 @@ end
 -- this request is not sent: its router tried it, or its circuit is open, or it is too small for this request)
 local function runs_elsewhere(e, node)
   if not node_key(node) then return true end  -- (not declared: as far as this call can tell, it does)
-  local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
-  local cap = tonumber(f[1])
-  return cap ~= nil and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, node) == 0
-    and serves(f[3], e.model) and not declined(e, node) and need(e.gens, tonumber(f[4])) <= cap
+  local n = usable(node)
+  return n ~= nil and eligible(e, n)
 end
 
 -- A request ahead running several generations that fits on none of the candidates now waits for slots to
@@ -184,7 +174,7 @@ end
 local function hold_back(q)
   local several = q.others
   for _, e in ipairs(q.ahead) do
-    if e.gens > 1 then several[#several + 1] = e end
+    if e.generations > 1 then several[#several + 1] = e end
   end
   if #several > 1 then table.sort(several, function(a, b) return before(now, a, b) end) end
   local held_back, waiting_on = {}, {}
@@ -293,8 +283,10 @@ end
 local function renew_place(me, q)
   redis.call('ZADD', K.queue, now + queue_lease, rid)
   local was, changed = me.hold, false
-  if not turned_down and me.declined ~= excluded then me.declined, changed = excluded, true end
-  if me.gens > 1 then me.hold = designate(me) end
+  if not turned_down and table.concat(me.declined, '\n') ~= table.concat(excluded, '\n') then
+    me.declined, changed = excluded, true
+  end
+  if me.generations > 1 then me.hold = designate(me) end
   if changed or me.hold ~= was then redis.call('HSET', K.qmeta, rid, record(me)) end
   if me.hold ~= was and was ~= '' then pass_on({was}, now, queue_lease) end  -- it waits elsewhere now
   return {'queued', '', q.waiting + 1, ''}
@@ -316,10 +308,10 @@ local function join_queue(q, pref)
     waiting = waiting - 1
   end
   redis.call('ZADD', K.queue, now + queue_lease, rid)
-  local entry = {prio = prio, tenant = tenant, model = model, enq = now, mark = '', pref = pref,
-                 hashed = #prefixes > 0 and '1' or '', passes = 0, declined = excluded, gens = gens, hold = ''}
-  if gens > 1 then entry.hold = designate(entry) end
-  redis.call('HSET', K.qmeta, rid, record(entry))
+  local e = {priority = prio, tenant = tenant, model = model, arrival = now, mark = '', preferred = pref,
+             hashed = #prefixes > 0, passes = 0, declined = excluded, generations = gens, hold = ''}
+  if gens > 1 then e.hold = designate(e) end
+  redis.call('HSET', K.qmeta, rid, record(e))
   redis.call('PEXPIRE', K.queue, lease * 2)
   redis.call('PEXPIRE', K.qmeta, lease * 2)
   return {'queued', '', waiting + 1, ''}

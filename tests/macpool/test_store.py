@@ -102,9 +102,9 @@ def test_a_node_that_becomes_ready_is_offered_to_the_queue(redis_url: str) -> No
 
 def test_the_admission_scripts_share_one_library_and_the_others_stand_alone() -> None:
     library = source("lib").strip()
-    for name in ("reserve", "release", "leave", "offer"):
+    for name in ("reserve", "release", "leave", "offer", "beat", "renew", "forget"):
         assert source(name).startswith(library)
-    for name in ("renew", "heartbeat", "deregister"):
+    for name in ("heartbeat", "deregister"):
         assert "local function queue_entries" not in source(name)
 
 

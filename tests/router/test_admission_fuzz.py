@@ -31,6 +31,7 @@ left), that no node has free slots its first waiter fits in.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -184,9 +185,10 @@ def read(r: redis.Redis | redis.RedisCluster, nodes: list[str], tenants: list[st
     entries = {}
     for rid, expiry in queue:
         if expiry > now and rid in meta:
-            f = meta[rid].split("\t")
-            entries[rid] = Entry(rid, f[0], f[1], f[2], int(f[3]), f[4], f[5], int(f[7] or 0),
-                                 frozenset(d for d in f[8].split("\n") if d), int(f[9] or 1), f[10])
+            d = json.loads(meta[rid])
+            entries[rid] = Entry(rid, d["priority"], d["tenant"], d["model"], d["arrival"], d["mark"],
+                                 d["preferred"], d["passes"], frozenset(d["declined"]), d["generations"],
+                                 d["hold"])
     in_flight: dict[str, dict[str, float]] = {tenant: {} for tenant in tenants}
     members: dict[str, int] = {}
     for member, expiry in flying:

@@ -6,6 +6,7 @@ routers is in test_tenants.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -552,8 +553,8 @@ def test_a_waiter_with_no_node_to_wait_on_holds_back_every_node_it_could_run_on(
         store.ask(f"busy-{node}", [node])
     assert store.ask("pair", ["a", "b"], generations=2).status == "queued"
     meta = store.r.hget(KEYS.queue_meta, "pair")
-    assert meta is not None and meta.split("\t")[10] == "a"
-    store.r.hset(KEYS.queue_meta, "pair", "\t".join([*meta.split("\t")[:10], ""]))
+    assert meta is not None and json.loads(meta)["hold"] == "a"
+    store.r.hset(KEYS.queue_meta, "pair", json.dumps({**json.loads(meta), "hold": ""}))
     store.tick()
     assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
 
