@@ -55,6 +55,13 @@ class ReserveRequest:
     serve the model but that its router no longer sends it to (tried already, circuit open): while it
     waits, no slot there is handed to it nor held back for it. ``generations``: how many it runs at once;
     on each node it needs ``slots_needed`` free slots.
+
+    ``prompt_tokens`` (0: not counted) and ``output_tokens`` (its own output limit; 0: it sets none): what it
+    holds of a node's KV cache, ``min(prompt + output, seq_ctx)`` tokens, its output being the node's
+    ``n_predict`` when it sets none, else the rest of the context (``NodeDoc``; ``seq_ctx`` unknown:
+    ``prompt + output_tokens``). A node whose slots share one pool of cells admits it only while the tokens
+    reserved there leave room for it, and one that could never hold it is no candidate. Not counted: it holds
+    no tokens, and slots alone bound it.
     """
 
     request_id: str
@@ -77,13 +84,16 @@ class ReserveRequest:
     generations: int = 1
     router: str = ""  # the router that will hold the slots ("": none named, so no liveness tracking)
     batch_cost: float = 0.0  # how much each request running beside it slows a node's decode (Candidate)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class Reservation:
     """The answer to a :class:`ReserveRequest`.
 
-    ``reserved``: ``slots`` slots on ``node_id``, which now has ``count`` reservations. ``queued``: ``count``
+    ``reserved``: ``slots`` slots and ``tokens`` tokens on ``node_id``, which now has ``count`` reservations
+    (``ReserveRequest``: tokens 0 when it was not counted). ``queued``: ``count``
     requests wait, this one included. ``full``; ``shed`` (a batch request turned away, or a queued one whose
     place an interactive request took); ``limited`` (the tenant has ``count`` requests in flight and queued,
     its limit). ``affinity``: "" (no prompt prefix), hit, miss or overridden.
@@ -94,6 +104,7 @@ class Reservation:
     count: int = 0
     affinity: AffinityOutcome = ""
     slots: int = 0
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,13 +123,15 @@ class Release:
 
 @dataclass(frozen=True)
 class Lease:
-    """What a running request holds in Redis: ``slots`` slots on ``node_id``."""
+    """What a running request holds in Redis: ``slots`` slots and ``tokens`` tokens on ``node_id`` (as its
+    :class:`Reservation` said: a renewal writes them again if Redis lost them)."""
 
     request_id: str
     node_id: str
     tenant: str = ANONYMOUS
     slots: int = 1
     router: str = ""  # the router holding it (its reservations are given back when it stops beating)
+    tokens: int = 0
 
 
 class PoolSnapshot(BaseModel):
@@ -126,6 +139,7 @@ class PoolSnapshot(BaseModel):
 
     nodes: dict[str, NodeDoc] = Field(default_factory=dict)
     reservations: dict[str, int] = Field(default_factory=dict)
+    reserved_tokens: dict[str, int] = Field(default_factory=dict)  # node -> the tokens its reservations hold
     drained: set[str] = Field(default_factory=set)
     queue_depth: int = 0
     queued_slots: int = 0  # the slots the waiting requests will hold: one per generation each runs at once
@@ -182,9 +196,9 @@ class Store:
         status, affinity = _text(raw[0]), _text(raw[3])
         if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
             raise ValueError(f"reserve.lua answered {raw!r}")
-        slots = int(raw[4]) if len(raw) > 4 else 0
+        slots, tokens = (int(raw[4]), int(raw[5])) if len(raw) > 5 else (0, 0)
         return Reservation(cast(ReserveStatus, status), _text(raw[1]), int(raw[2]),
-                           cast(AffinityOutcome, affinity), slots)
+                           cast(AffinityOutcome, affinity), slots, tokens)
 
     async def release(self, release: Release, now: int | None = None) -> int:
         """Give the slots back, handing them to waiting requests; the slots released."""
@@ -207,12 +221,15 @@ class Store:
         generations (their free slots were held back for it). True when slots had been handed to it (they go
         to the next in line)."""
         # the node that handed it slots, if one did: declared, so that they can be given back (were it
-        # to hand it others before the script runs, those lapse with the queue lease)
-        record = await self.redis.hget(self.keys.queue_meta, request_id)
-        mark = _QueueRecord.parse(record).mark if record else ""
+        # to hand it others before the script runs, those lapse with the queue lease); and the node it
+        # waits on, whose free slots were held back for it
+        raw = await self.redis.hget(self.keys.queue_meta, request_id)
+        record = _QueueRecord.parse(raw) if raw else None
+        mark, hold = (record.mark, record.hold) if record else ("", "")
         granted = [mark[2:]] if mark.startswith("g:") else []
         call = {"rid": request_id, "queue_lease": queue_lease_ms, "nodes": list(nodes)}
-        keys, args = self._admission([*nodes, *granted, *self.known_nodes], now, call)
+        keys, args = self._admission([*nodes, *granted, *([hold] if hold else []), *self.known_nodes], now,
+                                     call)
         return int(await self._leave(keys=keys, args=args)) == 2
 
     async def renew(self, leases: Sequence[Lease], lease_ms: int, now: int | None = None) -> list[bool]:
@@ -310,15 +327,19 @@ class Store:
         async with self.redis.pipeline(transaction=False) as pipe:
             for node_id in ids:
                 pipe.hget(self.keys.node(node_id), "doc")
-                pipe.zcount(self.keys.reservations(node_id), now, "+inf")
+                pipe.zrangebyscore(self.keys.reservations(node_id), now, "+inf")
+                pipe.hgetall(self.keys.tokens(node_id))
             results = await pipe.execute()
         gone = []
-        for node_id, raw, count in zip(ids, results[0::2], results[1::2], strict=True):
+        for node_id, raw, live, tokens in zip(ids, results[0::3], results[1::3], results[2::3], strict=True):
             if raw is None:
                 gone.append(node_id)
                 continue
             snapshot.nodes[node_id] = NodeDoc.decode(raw)
-            snapshot.reservations[node_id] = int(count)
+            snapshot.reservations[node_id] = len(live)
+            # (an expired reservation's tokens stay until a script prunes it: only the live ones count)
+            held = {_text(member) for member in live}
+            snapshot.reserved_tokens[node_id] = sum(int(n) for rid, n in tokens.items() if _text(rid) in held)
         if gone:
             await self.redis.zrem(self.keys.nodes, *gone)
 
@@ -331,24 +352,27 @@ class _QueueRecord:
     tenant: str
     mark: str  # "": waiting
     generations: int
+    hold: str  # the node it waits on ("": none, or every node it could run on)
 
     @classmethod
     def parse(cls, raw: str | bytes) -> _QueueRecord:
         doc = json.loads(raw)
-        return cls(doc["priority"], doc["tenant"], doc["mark"], doc["generations"])
+        return cls(doc["priority"], doc["tenant"], doc["mark"], doc["generations"], doc["hold"])
 
 
 def _node_fields(doc: NodeDoc) -> dict[str, str]:
     """What the scripts read of a node's heartbeat, by name, as its hash keeps them (heartbeat.lua writes
     them beside the document; lib.lua's ``usable`` reads them)."""
     return {"capacity": str(doc.capacity), "state": doc.state, "models": "\n".join(doc.models),
-            "slots": str(doc.total_slots), "instance": doc.instance, "started": str(doc.started_at_ms)}
+            "slots": str(doc.total_slots), "seq_ctx": str(doc.seq_ctx), "kv_cells": str(doc.kv_cells),
+            "kv_unified": "1" if doc.kv_unified else "0", "n_predict": str(doc.n_predict),
+            "instance": doc.instance, "started": str(doc.started_at_ms)}
 
 
 def _lease(lease: Lease) -> dict[str, Any]:
     """A lease as renew.lua and forget.lua read it."""
     return {"rid": lease.request_id, "node": lease.node_id, "tenant": lease.tenant, "slots": lease.slots,
-            "router": lease.router}
+            "tokens": lease.tokens, "router": lease.router}
 
 
 def _in_flight(tenants: Sequence[str], counts: list[Any], expired: list[Any]) -> dict[str, int]:
@@ -372,7 +396,8 @@ def _reserve_call(request: ReserveRequest) -> dict[str, Any]:
         "affinity_abs": request.affinity_abs, "affinity_rel": request.affinity_rel,
         "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
         "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
-        "batch_cost": request.batch_cost,
+        "batch_cost": request.batch_cost, "prompt_tokens": request.prompt_tokens,
+        "output_tokens": request.output_tokens,
         "candidates": [{"id": c.node_id, "tokens_per_s": c.tokens_per_s, "tie": random.random(),
                         "ttft": c.ttft_s, "decode": c.decode_s} for c in request.candidates],
     }

@@ -6,12 +6,15 @@ cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or b
 
 ``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the NodeDoc JSON), and what the scripts read
                       of it (macpool/store/api.py ``_node_fields``): ``capacity``, ``state``, ``models``
-                      (newline-separated), ``slots`` (llama-server's), ``instance`` and ``started`` (which
+                      (newline-separated), ``slots`` (llama-server's), its KV cache (``seq_ctx``,
+                      ``kv_unified``, ``kv_cells``, ``n_predict``), ``instance`` and ``started`` (which
                       agent process holds the id, and since when). A dead Mac disappears with its TTL; of two
                       agents under one id, the one started last holds it.
 ``{p}nodes``          ZSET node id -> last heartbeat (ms): the index routers read; expired entries are pruned.
 ``{p}resv:{id}``      ZSET reservation member -> lease expiry (ms): one member per slot a request holds on
                       that node (``rid``, then ``rid#2`` .. ``rid#k``: lib.lua ``members``).
+``{p}tokens:{id}``    HASH request id -> the tokens it holds on that node (none: 0), beside its reservations;
+                      the scripts drop an entry with its request's reservations.
 ``{p}drained``        SET of node ids an operator drained.
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
 ``{p}qmeta``          HASH waiter id -> its record, a JSON document (its fields: lib.lua ``record``).
@@ -68,6 +71,9 @@ class Keys:
     def reservations(self, node_id: str) -> str:
         return f"{self.prefix}resv:{node_id}"
 
+    def tokens(self, node_id: str) -> str:
+        return f"{self.prefix}tokens:{node_id}"
+
     def desired(self, node_id: str) -> str:
         return f"{self.prefix}desired:{node_id}"
 
@@ -81,8 +87,9 @@ class Keys:
 
     def admission(self, nodes: Iterable[str] = ()) -> tuple[list[str], str]:
         """The KEYS and the first ARGV of an admission script: the pool-wide keys, then each of ``nodes``'
-        heartbeat and reservations; ARGV[1] names those nodes, one per line. A script touches no other key:
-        a node not declared is one it cannot see (lib.lua)."""
+        heartbeat, reservations and tokens; ARGV[1] names those nodes, one per line. A script touches no
+        other key: a node not declared is one it cannot see (lib.lua)."""
         declared = list(dict.fromkeys(nodes))
-        per_node = [key for node_id in declared for key in (self.node(node_id), self.reservations(node_id))]
+        per_node = [key for node_id in declared
+                    for key in (self.node(node_id), self.reservations(node_id), self.tokens(node_id))]
         return [*self.pool_wide(), *per_node], "\n".join(declared)
