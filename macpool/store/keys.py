@@ -13,8 +13,8 @@ cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or b
 ``{p}nodes``          ZSET node id -> last heartbeat (ms): the index routers read; expired entries are pruned.
 ``{p}resv:{id}``      ZSET reservation member -> lease expiry (ms): one member per slot a request holds on
                       that node (``rid``, then ``rid#2`` .. ``rid#k``: lib.lua ``members``).
-``{p}tokens:{id}``    HASH request id -> the tokens it holds on that node (none: 0), beside its reservations;
-                      the scripts drop an entry with its request's reservations.
+``{p}tokens:{id}``    HASH request id -> the tokens it holds of that node's KV cache (one holding none has no
+                      entry): written, pruned and removed with its reservations, with the same TTL.
 ``{p}drained``        SET of node ids an operator drained.
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
 ``{p}qmeta``          HASH waiter id -> its record, a JSON document (its fields: lib.lua ``record``).
