@@ -85,6 +85,15 @@ class NodeDoc(BaseModel):
     slot_tokens_per_s: float | None = None
     slot_concurrency: float | None = None
     ctx_per_slot: int = 0
+    # llama-server's KV cache, as admission counts it in tokens (0 / -1: unknown, and then only slots count):
+    # the most tokens (prompt + output) one request may hold - its context per sequence, the whole context
+    # when the slots share one pool of cells (kv_unified); the cells of its cache in all, and those it holds
+    # now (for the dashboard); and its output limit for a request that sets none (-1: none)
+    seq_ctx: int = 0
+    kv_unified: bool = False
+    kv_cells: int = 0
+    kv_cells_used: int = 0
+    n_predict: int = -1
     sizing: str = ""  # supervise mode: the slots llama-server runs with, and why
     llama_build: str = ""
     agent_version: str = ""

@@ -338,7 +338,7 @@ class Admission:
         node_id = attempt.node_id
         node = next(doc for doc in docs if doc.node_id == node_id)
         lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, slots=attempt.slots,
-                      affinity=attempt.affinity)
+                      tokens=attempt.tokens, affinity=attempt.affinity)
         self.leases.hold(lease)
         self.pool.reserved(node_id, attempt.count)
         return lease

@@ -33,6 +33,7 @@ class Lease:
     node: NodeDoc
     tenant: str = ANONYMOUS
     slots: int = 1  # one per generation it runs at once (0: not known - however many it holds)
+    tokens: int = 0  # of the node's KV cache, as its reservation said (0: none counted)
     acquired_at: float = field(default_factory=time.monotonic)
     released: bool = False
     queued_s: float = 0.0
@@ -41,7 +42,7 @@ class Lease:
 
     def stored(self, router: str) -> StoredLease:
         """What this lease holds in Redis, for ``router``."""
-        return StoredLease(self.request_id, self.node.node_id, self.tenant, self.slots, router)
+        return StoredLease(self.request_id, self.node.node_id, self.tenant, self.slots, router, self.tokens)
 
 
 class Leases:

@@ -13,11 +13,10 @@ from macpool.store.api import (
     ReserveRequest,
     ReserveStatus,
     Store,
-    members,
 )
 from macpool.store.keys import DEFAULT_PREFIX, Keys
 
 __all__ = [
     "ANONYMOUS", "DEFAULT_PREFIX", "QUEUE_LEASE_MS", "AffinityOutcome", "Candidate", "Keys", "Lease",
-    "PoolSnapshot", "Release", "Reservation", "ReserveRequest", "ReserveStatus", "Store", "members",
+    "PoolSnapshot", "Release", "Reservation", "ReserveRequest", "ReserveStatus", "Store",
 ]

@@ -1,13 +1,12 @@
 """The pool's store in Redis, as one typed API: dataclasses in, dataclasses out.
 
-Only this module knows the scripts' argument order, the record formats and the reservation member names;
-the key names are :mod:`macpool.store.keys`'. Every call takes ``now`` (ms), so tests pass the time instead
-of sleeping.
+Only this module knows the scripts' arguments and the records they keep (JSON documents whose fields
+lib.lua names, written from these dataclasses); the key names are :mod:`macpool.store.keys`'. Every call
+takes ``now`` (ms), so tests pass the time instead of sleeping.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from collections.abc import Collection, Iterable, Sequence
@@ -28,12 +27,6 @@ ReserveStatus = Literal["reserved", "queued", "full", "shed", "limited"]
 AffinityOutcome = Literal["", "hit", "miss", "overridden"]
 ANONYMOUS = "anonymous"  # the tenant of every request when the router has no API keys
 QUEUE_LEASE_MS = 3_000  # a waiter's place in the queue (renewed on every attempt), and a slot handed to it
-
-
-def members(request_id: str, slots: int) -> list[str]:
-    """The reservation members of a request holding ``slots`` slots on one node: rid, rid#2, ..., rid#k
-    (lib.lua's ``members`` builds the same)."""
-    return [request_id, *(f"{request_id}#{i}" for i in range(2, slots + 1))]
 
 
 @dataclass(frozen=True)
@@ -62,6 +55,13 @@ class ReserveRequest:
     serve the model but that its router no longer sends it to (tried already, circuit open): while it
     waits, no slot there is handed to it nor held back for it. ``generations``: how many it runs at once;
     on each node it needs ``slots_needed`` free slots.
+
+    ``prompt_tokens`` (0: not counted) and ``output_tokens`` (its own output limit; 0: it sets none): what it
+    holds of a node's KV cache, ``min(prompt + output, seq_ctx)`` tokens, its output being the node's
+    ``n_predict`` when it sets none, else the rest of the context (``NodeDoc``; ``seq_ctx`` unknown:
+    ``prompt + output_tokens``). A node whose slots share one pool of cells admits it only while the tokens
+    reserved there leave room for it, and one that could never hold it is no candidate. Not counted: it holds
+    no tokens, and slots alone bound it.
     """
 
     request_id: str
@@ -84,13 +84,16 @@ class ReserveRequest:
     generations: int = 1
     router: str = ""  # the router that will hold the slots ("": none named, so no liveness tracking)
     batch_cost: float = 0.0  # how much each request running beside it slows a node's decode (Candidate)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class Reservation:
     """The answer to a :class:`ReserveRequest`.
 
-    ``reserved``: ``slots`` slots on ``node_id``, which now has ``count`` reservations. ``queued``: ``count``
+    ``reserved``: ``slots`` slots and ``tokens`` tokens on ``node_id``, which now has ``count`` reservations
+    (``ReserveRequest``: tokens 0 when it was not counted). ``queued``: ``count``
     requests wait, this one included. ``full``; ``shed`` (a batch request turned away, or a queued one whose
     place an interactive request took); ``limited`` (the tenant has ``count`` requests in flight and queued,
     its limit). ``affinity``: "" (no prompt prefix), hit, miss or overridden.
@@ -101,6 +104,7 @@ class Reservation:
     count: int = 0
     affinity: AffinityOutcome = ""
     slots: int = 0
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,13 +123,15 @@ class Release:
 
 @dataclass(frozen=True)
 class Lease:
-    """What a running request holds in Redis: ``slots`` slots on ``node_id``."""
+    """What a running request holds in Redis: ``slots`` slots and ``tokens`` tokens on ``node_id`` (as its
+    :class:`Reservation` said: a renewal writes them again if Redis lost them)."""
 
     request_id: str
     node_id: str
     tenant: str = ANONYMOUS
     slots: int = 1
     router: str = ""  # the router holding it (its reservations are given back when it stops beating)
+    tokens: int = 0
 
 
 class PoolSnapshot(BaseModel):
@@ -133,6 +139,7 @@ class PoolSnapshot(BaseModel):
 
     nodes: dict[str, NodeDoc] = Field(default_factory=dict)
     reservations: dict[str, int] = Field(default_factory=dict)
+    reserved_tokens: dict[str, int] = Field(default_factory=dict)  # node -> the tokens its reservations hold
     drained: set[str] = Field(default_factory=set)
     queue_depth: int = 0
     queued_slots: int = 0  # the slots the waiting requests will hold: one per generation each runs at once
@@ -170,11 +177,13 @@ class Store:
         kwargs = pool.connection_kwargs
         return str(kwargs["path"]) if "path" in kwargs else f"{kwargs.get('host')}:{kwargs.get('port')}"
 
-    def _admission(self, nodes: Iterable[str], now: int | None) -> tuple[list[str], list[str | int]]:
-        """An admission script's KEYS, declaring ``nodes``, and its first ARGV (lib.lua): the nodes
-        declared, the events channel, the time."""
+    def _admission(
+        self, nodes: Iterable[str], now: int | None, call: dict[str, Any],
+    ) -> tuple[list[str], list[str | int]]:
+        """An admission script's KEYS, declaring ``nodes``, and its ARGV (lib.lua): the nodes declared, the
+        events channel, the time, then the call's own arguments by name (``call``, as one JSON document)."""
         keys, declared = self.keys.admission(nodes)
-        return keys, [declared, self.keys.events, now_ms() if now is None else now]
+        return keys, [declared, self.keys.events, now_ms() if now is None else now, _json(call)]
 
     # --- admission ---------------------------------------------------------------------------------
 
@@ -182,29 +191,27 @@ class Store:
         """Reserve slots on the node holding the prompt's prefix or the candidate that would answer soonest
         (least utilised, unmeasured), or queue the request, or say why not - in one atomic call."""
         nodes = [*(c.node_id for c in request.candidates), *request.excluded, *self.known_nodes]
-        keys, common = self._admission(nodes, now)
-        raw = await self._reserve(keys=keys, args=[*common, _encode(request)])
+        keys, args = self._admission(nodes, now, _reserve_call(request))
+        raw = await self._reserve(keys=keys, args=args)
         status, affinity = _text(raw[0]), _text(raw[3])
         if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
             raise ValueError(f"reserve.lua answered {raw!r}")
-        slots = int(raw[4]) if len(raw) > 4 else 0
+        slots, tokens = (int(raw[4]), int(raw[5])) if len(raw) > 5 else (0, 0)
         return Reservation(cast(ReserveStatus, status), _text(raw[1]), int(raw[2]),
-                           cast(AffinityOutcome, affinity), slots)
+                           cast(AffinityOutcome, affinity), slots, tokens)
 
     async def release(self, release: Release, now: int | None = None) -> int:
         """Give the slots back, handing them to waiting requests; the slots released."""
-        keys, common = self._admission([release.node_id], now)
-        args: list[str | int] = [
-            *common, release.request_id, release.node_id, release.tenant, release.slots,
-            "1" if release.failed else "0", release.queue_lease_ms,
-        ]
+        call = {"rid": release.request_id, "node": release.node_id, "tenant": release.tenant,
+                "slots": release.slots, "failed": release.failed, "queue_lease": release.queue_lease_ms}
+        keys, args = self._admission([release.node_id], now, call)
         return int(await self._release(keys=keys, args=args))
 
     async def offer(self, node_id: str, queue_lease_ms: int = QUEUE_LEASE_MS, now: int | None = None) -> int:
         """Hand ``node_id``'s free slots to waiting requests, as a release does, for slots no release
         announces (the node just became ready, or its capacity grew); the slots handed over."""
-        keys, common = self._admission([node_id], now)
-        return int(await self._offer(keys=keys, args=[*common, node_id, queue_lease_ms]))
+        keys, args = self._admission([node_id], now, {"node": node_id, "queue_lease": queue_lease_ms})
+        return int(await self._offer(keys=keys, args=args))
 
     async def leave_queue(
         self, request_id: str, nodes: Sequence[str] = (), queue_lease_ms: int = QUEUE_LEASE_MS,
@@ -214,31 +221,26 @@ class Store:
         generations (their free slots were held back for it). True when slots had been handed to it (they go
         to the next in line)."""
         # the node that handed it slots, if one did: declared, so that they can be given back (were it
-        # to hand it others before the script runs, those lapse with the queue lease)
-        record = await self.redis.hget(self.keys.queue_meta, request_id)
-        mark = _QueueRecord.parse(_text(record)).mark if record else ""
+        # to hand it others before the script runs, those lapse with the queue lease); and the node it
+        # waits on, whose free slots were held back for it
+        raw = await self.redis.hget(self.keys.queue_meta, request_id)
+        record = _QueueRecord.parse(raw) if raw else None
+        mark, hold = (record.mark, record.hold) if record else ("", "")
         granted = [mark[2:]] if mark.startswith("g:") else []
-        keys, common = self._admission([*nodes, *granted, *self.known_nodes], now)
-        args: list[str | int] = [*common, request_id, queue_lease_ms, *nodes]
+        call = {"rid": request_id, "queue_lease": queue_lease_ms, "nodes": list(nodes)}
+        keys, args = self._admission([*nodes, *granted, *([hold] if hold else []), *self.known_nodes], now,
+                                     call)
         return int(await self._leave(keys=keys, args=args)) == 2
 
     async def renew(self, leases: Sequence[Lease], lease_ms: int, now: int | None = None) -> list[bool]:
-        """Extend each lease to ``now + lease_ms``, in one round trip. For each, True when it was gone
-        (Redis restarted empty, or it had expired) and has been counted again."""
-        expiry = (now_ms() if now is None else now) + lease_ms
-        calls: list[tuple[list[str], list[str | int]]] = [
-            (self._lease_keys(lease), [expiry, lease_ms, lease.tenant, _held_record(lease),
-                                       *members(lease.request_id, lease.slots)])
-            for lease in leases
-        ]
-        if isinstance(self.redis, RedisCluster):  # (its pipelines do not reload a script Redis forgot)
-            results = await asyncio.gather(*(self._renew(keys=k, args=a) for k, a in calls))
-        else:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for keys, args in calls:
-                    await self._renew(keys=keys, args=args, client=pipe)
-                results = await pipe.execute()
-        return [int(result) == 2 for result in results]
+        """Extend each lease to ``now + lease_ms``, in one call. For each, True when it was gone (Redis
+        restarted empty, or it had expired) and has been counted again."""
+        if not leases:
+            return []
+        now = now_ms() if now is None else now
+        call = {"expiry": now + lease_ms, "lease": lease_ms, "leases": [_lease(lease) for lease in leases]}
+        keys, args = self._admission([lease.node_id for lease in leases], now, call)
+        return [int(result) == 2 for result in await self._renew(keys=keys, args=args)]
 
     async def drain(self, node_id: str, drained: bool) -> None:
         """Mark a node drained (routers send it nothing new) or not, and tell every router at once."""
@@ -252,13 +254,8 @@ class Store:
 
     async def forget(self, lease: Lease) -> None:
         """Remove a lease without handing its slots on: a renewal that crossed its release brought it back."""
-        await self._forget(keys=self._lease_keys(lease),
-                           args=[lease.tenant, *members(lease.request_id, lease.slots)])
-
-    def _lease_keys(self, lease: Lease) -> list[str]:
-        """renew.lua's and forget.lua's KEYS."""
-        keys = self.keys
-        return [keys.reservations(lease.node_id), keys.in_flight, keys.in_flight_count, keys.held]
+        keys, args = self._admission([lease.node_id], None, _lease(lease))
+        await self._forget(keys=keys, args=args)
 
     # --- router liveness ---------------------------------------------------------------------------
 
@@ -269,8 +266,8 @@ class Store:
         now = now_ms() if now is None else now
         index = await self.redis.zrange(self.keys.nodes, 0, -1)
         nodes = [_text(cast(str | bytes, node_id)) for node_id in index]
-        keys, common = self._admission(nodes, now)  # (reclaim may give back slots on any node)
-        args: list[str | int] = [*common, router, now + alive_ms, queue_lease_ms]
+        call = {"router": router, "alive_until": now + alive_ms, "queue_lease": queue_lease_ms}
+        keys, args = self._admission(nodes, now, call)  # (reclaim may give back slots on any node)
         return int(await self._beat(keys=keys, args=args))
 
     # --- the node agent ----------------------------------------------------------------------------
@@ -279,11 +276,9 @@ class Store:
         """Write one heartbeat atomically and announce it. None when written, else the URL of the agent
         started later that holds this node id ("" if unknown): this beat was refused."""
         keys = [self.keys.node(doc.node_id), self.keys.nodes]
-        args: list[str | int | float] = [
-            self.keys.events, doc.node_id, doc.encode(), doc.capacity, doc.state, "\n".join(doc.models),
-            ttl_ms, doc.updated_at_ms or now_ms(), doc.instance, doc.started_at_ms, doc.total_slots,
-        ]
-        result = await self._heartbeat(keys=keys, args=args)
+        call = {"id": doc.node_id, "ttl": ttl_ms, "at": doc.updated_at_ms or now_ms(),
+                "fields": _node_fields(doc)}
+        result = await self._heartbeat(keys=keys, args=[self.keys.events, doc.encode(), _json(call)])
         if result == 1:
             return None
         return NodeDoc.decode(result).url if result else ""
@@ -313,7 +308,7 @@ class Store:
             ids_raw, drained_raw, waiting_raw, meta_raw, *loads = await pipe.execute()
         snapshot = PoolSnapshot(drained={_text(d) for d in drained_raw},
                                 in_flight=_in_flight(tenants, *loads) if tenants else {})
-        records = {_text(k): _QueueRecord.parse(_text(v)) for k, v in meta_raw.items()}
+        records = {_text(k): _QueueRecord.parse(v) for k, v in meta_raw.items()}
         for rid in waiting_raw:
             record = records.get(_text(rid))
             if record is None or record.mark:
@@ -332,15 +327,19 @@ class Store:
         async with self.redis.pipeline(transaction=False) as pipe:
             for node_id in ids:
                 pipe.hget(self.keys.node(node_id), "doc")
-                pipe.zcount(self.keys.reservations(node_id), now, "+inf")
+                pipe.zrangebyscore(self.keys.reservations(node_id), now, "+inf")
+                pipe.hgetall(self.keys.tokens(node_id))
             results = await pipe.execute()
         gone = []
-        for node_id, raw, count in zip(ids, results[0::2], results[1::2], strict=True):
+        for node_id, raw, live, tokens in zip(ids, results[0::3], results[1::3], results[2::3], strict=True):
             if raw is None:
                 gone.append(node_id)
                 continue
             snapshot.nodes[node_id] = NodeDoc.decode(raw)
-            snapshot.reservations[node_id] = int(count)
+            snapshot.reservations[node_id] = len(live)
+            # (an expired reservation's tokens stay until a script prunes it: only the live ones count)
+            held = {_text(member) for member in live}
+            snapshot.reserved_tokens[node_id] = sum(int(n) for rid, n in tokens.items() if _text(rid) in held)
         if gone:
             await self.redis.zrem(self.keys.nodes, *gone)
 
@@ -353,18 +352,27 @@ class _QueueRecord:
     tenant: str
     mark: str  # "": waiting
     generations: int
+    hold: str  # the node it waits on ("": none, or every node it could run on)
 
     @classmethod
-    def parse(cls, text: str) -> _QueueRecord:
-        f = text.split("\t")
-        return cls(f[0], f[1], f[4], int(f[9]))
+    def parse(cls, raw: str | bytes) -> _QueueRecord:
+        doc = json.loads(raw)
+        return cls(doc["priority"], doc["tenant"], doc["mark"], doc["generations"], doc["hold"])
 
 
-def _held_record(lease: Lease) -> str:
-    """What K.held keeps of a lease its router holds (lib.lua's ``track``); "" when no router is named."""
-    if not lease.router:
-        return ""
-    return f"{lease.router}\t{lease.node_id}\t{lease.tenant}\t{lease.slots}"
+def _node_fields(doc: NodeDoc) -> dict[str, str]:
+    """What the scripts read of a node's heartbeat, by name, as its hash keeps them (heartbeat.lua writes
+    them beside the document; lib.lua's ``usable`` reads them)."""
+    return {"capacity": str(doc.capacity), "state": doc.state, "models": "\n".join(doc.models),
+            "slots": str(doc.total_slots), "seq_ctx": str(doc.seq_ctx), "kv_cells": str(doc.kv_cells),
+            "kv_unified": "1" if doc.kv_unified else "0", "n_predict": str(doc.n_predict),
+            "instance": doc.instance, "started": str(doc.started_at_ms)}
+
+
+def _lease(lease: Lease) -> dict[str, Any]:
+    """A lease as renew.lua and forget.lua read it."""
+    return {"rid": lease.request_id, "node": lease.node_id, "tenant": lease.tenant, "slots": lease.slots,
+            "tokens": lease.tokens, "router": lease.router}
 
 
 def _in_flight(tenants: Sequence[str], counts: list[Any], expired: list[Any]) -> dict[str, int]:
@@ -378,9 +386,9 @@ def _in_flight(tenants: Sequence[str], counts: list[Any], expired: list[Any]) ->
     return out
 
 
-def _encode(request: ReserveRequest) -> str:
+def _reserve_call(request: ReserveRequest) -> dict[str, Any]:
     """The request as reserve.lua reads it (a random number per candidate breaks the last ties)."""
-    fields: dict[str, Any] = {
+    return {
         "rid": request.request_id, "lease": request.lease_ms, "queue_size": request.queue_size,
         "enqueue": request.enqueue, "dequeue": request.dequeue, "priority": request.priority,
         "tenant": request.tenant, "model": request.model, "key_limit": request.key_limit,
@@ -388,11 +396,15 @@ def _encode(request: ReserveRequest) -> str:
         "affinity_abs": request.affinity_abs, "affinity_rel": request.affinity_rel,
         "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
         "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
-        "batch_cost": request.batch_cost,
-        "candidates": [[c.node_id, c.tokens_per_s, random.random(), c.ttft_s, c.decode_s]
-                       for c in request.candidates],
+        "batch_cost": request.batch_cost, "prompt_tokens": request.prompt_tokens,
+        "output_tokens": request.output_tokens,
+        "candidates": [{"id": c.node_id, "tokens_per_s": c.tokens_per_s, "tie": random.random(),
+                        "ttft": c.ttft_s, "decode": c.decode_s} for c in request.candidates],
     }
-    return json.dumps(fields, separators=(",", ":"))
+
+
+def _json(document: dict[str, Any]) -> str:
+    return json.dumps(document, separators=(",", ":"))
 
 
 def _text(value: str | bytes) -> str:

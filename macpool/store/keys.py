@@ -4,22 +4,27 @@
 one pool in one Redis Cluster hash slot, so the scripts run unchanged on Redis Cluster and on managed Redis in
 cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or behind Sentinel only.
 
-``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the NodeDoc JSON), ``capacity``, ``state``,
-                      ``models`` (newline-separated), ``slots`` (llama-server's), ``instance`` and ``started``
-                      (which agent process holds the id, and since when). A dead Mac disappears with its TTL;
-                      of two agents under one id, the one started last holds it.
+``{p}node:{id}``      HASH, TTL = heartbeat TTL. Fields: ``doc`` (the NodeDoc JSON), and what the scripts read
+                      of it (macpool/store/api.py ``_node_fields``): ``capacity``, ``state``, ``models``
+                      (newline-separated), ``slots`` (llama-server's), its KV cache (``seq_ctx``,
+                      ``kv_unified``, ``kv_cells``, ``n_predict``), ``instance`` and ``started`` (which
+                      agent process holds the id, and since when). A dead Mac disappears with its TTL; of two
+                      agents under one id, the one started last holds it.
 ``{p}nodes``          ZSET node id -> last heartbeat (ms): the index routers read; expired entries are pruned.
 ``{p}resv:{id}``      ZSET reservation member -> lease expiry (ms): one member per slot a request holds on
-                      that node (``rid``, then ``rid#2`` .. ``rid#k``: macpool/store/api.py ``members``).
+                      that node (``rid``, then ``rid#2`` .. ``rid#k``: lib.lua ``members``).
+``{p}tokens:{id}``    HASH request id -> the tokens it holds of that node's KV cache (one holding none has no
+                      entry): written, pruned and removed with its reservations, with the same TTL.
 ``{p}drained``        SET of node ids an operator drained.
 ``{p}queue``          ZSET waiter id -> lease expiry (ms): the global, bounded wait queue.
-``{p}qmeta``          HASH waiter id -> its record (the format is in lib.lua).
+``{p}qmeta``          HASH waiter id -> its record, a JSON document (its fields: lib.lua ``record``).
 ``{p}inflight``       ZSET "tenant \t request id" -> lease expiry: every request in flight, by tenant.
 ``{p}inflight:count`` HASH tenant -> how many members ``{p}inflight`` holds for it (the scripts prune
                       expired members and keep the count with them).
 ``{p}routers``        ZSET router id -> until when it counts as alive (ms), which each router beats.
-``{p}held``           HASH request id -> "router \t node \t tenant \t slots": the reservations each router
-                      holds, given back by any router's next beat once that router stops beating.
+``{p}held``           HASH request id -> {router, node, tenant, slots} (JSON; lib.lua ``held_record``): the
+                      reservations each router holds, given back by any router's next beat once that router
+                      stops beating.
 ``{p}affinity``       HASH prompt-prefix hash -> the node that last served it;
 ``{p}affinity:lru``   ZSET prefix hash -> last use (ms), which bounds it to the newest N entries.
 ``{p}desired:{id}``   STRING ``active`` or ``standby``: what the autoscaler wants of a standby-capable agent,
@@ -66,6 +71,9 @@ class Keys:
     def reservations(self, node_id: str) -> str:
         return f"{self.prefix}resv:{node_id}"
 
+    def tokens(self, node_id: str) -> str:
+        return f"{self.prefix}tokens:{node_id}"
+
     def desired(self, node_id: str) -> str:
         return f"{self.prefix}desired:{node_id}"
 
@@ -79,8 +87,9 @@ class Keys:
 
     def admission(self, nodes: Iterable[str] = ()) -> tuple[list[str], str]:
         """The KEYS and the first ARGV of an admission script: the pool-wide keys, then each of ``nodes``'
-        heartbeat and reservations; ARGV[1] names those nodes, one per line. A script touches no other key:
-        a node not declared is one it cannot see (lib.lua)."""
+        heartbeat, reservations and tokens; ARGV[1] names those nodes, one per line. A script touches no
+        other key: a node not declared is one it cannot see (lib.lua)."""
         declared = list(dict.fromkeys(nodes))
-        per_node = [key for node_id in declared for key in (self.node(node_id), self.reservations(node_id))]
+        per_node = [key for node_id in declared
+                    for key in (self.node(node_id), self.reservations(node_id), self.tokens(node_id))]
         return [*self.pool_wide(), *per_node], "\n".join(declared)

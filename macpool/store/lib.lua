@@ -1,34 +1,63 @@
--- Shared by the admission scripts (reserve.lua, release.lua, leave.lua, beat.lua, offer.lua), which are
--- this file followed by their own text (macpool/store/scripts.py).
+-- Shared by the admission scripts (reserve, release, leave, offer, beat, renew, forget), which are this file
+-- followed by their own text (macpool/store/scripts.py).
 --
 -- Every key a script touches is in KEYS (Keys.admission): the pool-wide keys, in Keys.pool_wide() order,
--- then the heartbeat and reservations of each node the call declares, whose ids ARGV[1] lists one per line.
--- No key name is built here: a node not declared is one this call cannot see (node_key and resv_key answer
--- nil), and each use of them says what that means. ARGV[2] is the events channel, ARGV[3] the time (ms);
--- each script's own arguments follow.
+-- then the heartbeat, reservations and tokens of each node the call declares, whose ids ARGV[1] lists one per
+-- line. No key name is built here: a node not declared is one this call cannot see (node_key, resv_key and
+-- toks_key answer nil), and each use of them says what that means. ARGV[2] is the events channel, ARGV[3]
+-- the time (ms), ARGV[4] the call's own arguments, one JSON document of named fields (ARGS;
+-- macpool/store/api.py writes it and each script's header names its fields).
 local K = {queue = KEYS[1], qmeta = KEYS[2], drained = KEYS[3], affinity = KEYS[4], lru = KEYS[5],
            routers = KEYS[6], inflight = KEYS[7], counts = KEYS[8], held = KEYS[9], events = ARGV[2]}
 local NOW = tonumber(ARGV[3])
-local NODE, RESV = {}, {}  -- declared node id -> its heartbeat key, its reservations key
+local ARGS = cjson.decode(ARGV[4])
+local NODE, RESV, TOKS = {}, {}, {}  -- declared node id -> its heartbeat, reservations and tokens keys
 do
   local i = 10
   for id in string.gmatch(ARGV[1], '[^\n]+') do
-    NODE[id], RESV[id] = KEYS[i], KEYS[i + 1]
-    i = i + 2
+    NODE[id], RESV[id], TOKS[id] = KEYS[i], KEYS[i + 1], KEYS[i + 2]
+    i = i + 3
   end
 end
 local function node_key(id) return NODE[id] end
 local function resv_key(id) return RESV[id] end
+local function toks_key(id) return TOKS[id] end
 
--- Queue entries: K.queue holds each waiter's lease expiry (short, renewed on each attempt), K.qmeta its
--- record "priority \t tenant \t model \t arrival \t mark \t preferred \t hashed \t passes \t declined \t
--- generations \t hold", mark being "" (waiting), "g:<node>" (a release reserved its slots on <node> for it: it
--- only has to take them) or "shed" (an interactive request took its place); the preferred node holds its
--- prompt prefix (affinity); declined lists (newline-separated) the nodes it turned a handed-over slot down on
--- - nodes its router no longer sends it to (tried already, or circuit open there): no slot there is handed to
--- it again, nor held back for it from later arrivals; generations is how many it runs at once (each holds a
--- slot); hold is the node it waits on when it fits on none now.
--- A request holding k slots is k members of its node's reservations (see members()).
+-- The records the scripts keep are JSON documents; these are the only places that name their fields
+-- (macpool/store/api.py reads the few it needs by the same names).
+--
+-- The queue record, K.qmeta: waiter id -> {priority, tenant, model, arrival (ms), mark, preferred, hashed,
+-- passes, declined, generations, prompt_tokens, output_tokens, hold}. mark: "" (waiting), "g:<node>" (a
+-- release reserved its slots on <node> for it: it only has to take them) or "shed" (an interactive request
+-- took its place). preferred: the node holding its prompt prefix (affinity; hashed: it has prefixes at
+-- all); passes: how often a hand-over passed it over for affinity. declined: the nodes it turned a
+-- handed-over slot down on - nodes its router no longer sends it to (tried already, or circuit open there):
+-- no slot there is handed to it again, nor held back for it from later arrivals. generations: how many it
+-- runs at once (each holds a slot); prompt_tokens and output_tokens: what it holds of a node's KV cache
+-- (tokens_on); hold: the node it waits on when it fits on none now ("": every node it could run on).
+-- K.queue holds each waiter's lease expiry (short, renewed on each attempt): a queue entry is the record
+-- with its id, `rid`.
+local function record(e)
+  return cjson.encode({priority = e.priority, tenant = e.tenant, model = e.model, arrival = e.arrival,
+                       mark = e.mark, preferred = e.preferred, hashed = e.hashed, passes = e.passes,
+                       declined = e.declined, generations = e.generations, prompt_tokens = e.prompt_tokens,
+                       output_tokens = e.output_tokens, hold = e.hold})
+end
+
+local function entry(rid, text)
+  local e = cjson.decode(text)
+  e.rid = rid
+  return e
+end
+
+-- The held record, K.held: request id -> {router, node, tenant, slots}, the reservations each router holds
+-- (see reclaim).
+local function held_record(router, node, tenant, k)
+  return cjson.encode({router = router, node = node, tenant = tenant, slots = k})
+end
+
+-- A request holding k slots is k members of its node's reservations (see members()); one holding t tokens
+-- there (t > 0) is also an entry rid -> t of the node's tokens, which come and go with its reservations.
 -- Queue order, for each model: interactive before batch, then the tenant with the fewest requests in flight,
 -- then the oldest - except that a release may hand its slot to a request that prefers that node among the
 -- first AFFINITY_SKIP equally ranked ones (passing each over at most MAX_PASSES times). Both are trimmed when
@@ -36,17 +65,7 @@ local function resv_key(id) return RESV[id] end
 local AFFINITY_SKIP = 8  -- queued requests a hand-over may look past the head for one this node has cached
 local MAX_PASSES = 4  -- ... and how often one request may be passed over that way
 
-local function fields(s)
-  local out, start = {}, 1
-  while true do
-    local i = string.find(s, '\t', start, true)
-    if not i then out[#out + 1] = string.sub(s, start); return out end
-    out[#out + 1] = string.sub(s, start, i - 1)
-    start = i + 1
-  end
-end
-
--- every live queue entry as {rid, prio, tenant, model, enq, mark}; expired entries are dropped here
+-- every live queue entry; expired entries are dropped here
 local function queue_entries(now)
   local qkey, mkey = K.queue, K.qmeta
   if redis.call('EXISTS', qkey) == 0 then return {} end
@@ -60,27 +79,17 @@ local function queue_entries(now)
   if #ids == 0 then return out end
   local metas = redis.call('HMGET', mkey, unpack(ids))
   for i, rid in ipairs(ids) do
-    if metas[i] then
-      local f = fields(metas[i])
-      out[#out + 1] = {rid = rid, prio = f[1], tenant = f[2], model = f[3], enq = tonumber(f[4]),
-                       mark = f[5], pref = f[6], hashed = f[7], passes = tonumber(f[8]),
-                       declined = f[9], gens = tonumber(f[10]), hold = f[11]}
-    end
+    if metas[i] then out[#out + 1] = entry(rid, metas[i]) end
   end
   return out
 end
 
--- the qmeta record of queue entry `e`
-local function record(e)
-  local f = {e.prio, e.tenant, e.model, e.enq, e.mark, e.pref, e.hashed, e.passes, e.declined, e.gens,
-             e.hold or ''}
-  return table.concat(f, '\t')
-end
-
 -- whether queue entry `e` turned down a slot on `node` before
 local function declined(e, node)
-  if e.declined == '' then return false end
-  return string.find('\n' .. e.declined .. '\n', '\n' .. node .. '\n', 1, true) ~= nil
+  for _, id in ipairs(e.declined) do
+    if id == node then return true end
+  end
+  return false
 end
 
 -- Requests in flight, by tenant, across every router: K.inflight holds "tenant \t rid" -> lease expiry, and
@@ -130,11 +139,11 @@ end
 
 -- queue order: interactive first, then the tenant with fewer requests in flight, then the oldest
 local function before(now, a, b)
-  local pa, pb = a.prio == 'batch' and 1 or 0, b.prio == 'batch' and 1 or 0
+  local pa, pb = a.priority == 'batch' and 1 or 0, b.priority == 'batch' and 1 or 0
   if pa ~= pb then return pa < pb end
   local la, lb = tenant_load(a.tenant, now), tenant_load(b.tenant, now)
   if la ~= lb then return la < lb end
-  if a.enq ~= b.enq then return a.enq < b.enq end
+  if a.arrival ~= b.arrival then return a.arrival < b.arrival end
   return a.rid < b.rid
 end
 
@@ -167,15 +176,76 @@ local function held(rkey, rid)
   return k
 end
 
--- reserve k slots on `node` (declared) for `rid` until now + lease. A hand-over's lease is a short one, what
--- is left of the waiter's place in the queue (`short`): it must not cut short the TTL of the key the node's
--- other reservations live in
-local function reserve(node, rid, tenant, now, lease, k, short)
-  local rkey, ttl = resv_key(node), lease * 2
-  redis.call('ZADD', rkey, unpack(scored(rid, k, now + lease)))
+-- the tokens a request of `prompt` tokens (0: not counted) and output limit `output` (0: none) holds of
+-- `node`'s KV cache: prompt and output within the context one sequence may hold (seq_ctx), the output being
+-- the node's default limit (n_predict) when the request sets none, else the rest of that context
+local function tokens_on(prompt, output, node)
+  if prompt <= 0 then return 0 end
+  if node.seq_ctx <= 0 then return prompt + output end
+  if output <= 0 then output = node.n_predict > 0 and node.n_predict or node.seq_ctx - prompt end
+  return math.min(prompt + output, node.seq_ctx)
+end
+
+-- whether `node` could ever hold a request of k slots, t tokens and `prompt` tokens of prompt: within its
+-- capacity, its shared cells (if its slots share them), and a prompt shorter than one sequence's context
+local function could_hold(node, k, t, prompt)
+  return k <= node.cap and (node.cells == 0 or t <= node.cells)
+    and (node.seq_ctx <= 0 or prompt < node.seq_ctx)
+end
+
+-- whether k slots and t tokens fit in what `node` (tallied) has free now
+local function fits(node, k, t)
+  return node.n + k <= node.cap and (node.cells == 0 or node.used + t <= node.cells)
+end
+
+-- the slots and the tokens queue entry `e` would hold on `node`
+local function size_on(e, node)
+  return need(e.generations, node.slots), tokens_on(e.prompt_tokens, e.output_tokens, node)
+end
+
+-- reserve k slots and t tokens on `node` (declared) for `rid` until `expiry`, in keys that live at least
+-- `ttl` ms more. A hand-over's lease is a short one, what is left of the waiter's place in the queue
+-- (`short`): it must not cut short the TTL of the keys the node's other reservations live in
+local function reserve(node, rid, tenant, expiry, ttl, k, t, short)
+  local rkey = resv_key(node)
+  redis.call('ZADD', rkey, unpack(scored(rid, k, expiry)))
   if not short or redis.call('PTTL', rkey) < ttl then redis.call('PEXPIRE', rkey, ttl) end
-  in_flight(tenant, rid, now + lease)
+  if t > 0 then
+    local tkey = toks_key(node)
+    redis.call('HSET', tkey, rid, t)
+    if not short or redis.call('PTTL', tkey) < ttl then redis.call('PEXPIRE', tkey, ttl) end
+  end
+  in_flight(tenant, rid, expiry)
   loads[tenant] = nil
+end
+
+-- a running request's k slots and t tokens on `node` (declared) last until `expiry`; false when they were
+-- gone (Redis lost its data, or the lease had expired) and have been written again: the request still runs,
+-- and were it not counted the pool would read idle and admit past what the node holds
+local function extend(node, rid, tenant, k, t, expiry, lease)
+  local rkey, tkey = resv_key(node), toks_key(node)
+  local had = redis.call('ZSCORE', rkey, rid)
+  redis.call('ZADD', rkey, unpack(scored(rid, k, expiry)))
+  redis.call('PEXPIRE', rkey, lease * 2)
+  if not had and t > 0 then redis.call('HSET', tkey, rid, t) end
+  redis.call('PEXPIRE', tkey, lease * 2)  -- (the tokens a lease holds live as long as its slots)
+  in_flight(tenant, rid, expiry)
+  loads[tenant] = nil
+  return had ~= false
+end
+
+-- take the k slots `rid` holds on `node` (nil or 0: however many it holds), and its tokens, out of the
+-- node's reservations, and the request out of those in flight; the slots removed. On a node not declared,
+-- only its count in flight goes: its slots and tokens lapse with their lease.
+local function drop(node, rid, tenant, k)
+  not_in_flight(tenant, rid)
+  loads[tenant] = nil
+  local rkey = resv_key(node)
+  if not rkey then return 0 end
+  redis.call('HDEL', toks_key(node), rid)
+  if not k or k <= 0 then k = held(rkey, rid) end
+  if k <= 0 then return 0 end
+  return redis.call('ZREM', rkey, unpack(members(rid, k)))
 end
 
 local function serves(models, model)
@@ -187,27 +257,66 @@ local function serves(models, model)
   return false
 end
 
--- whether queue entry `e` waits for a slot `node` could give it (`models`, `slots`, `cap`: the node's)
-local function eligible(e, node, models, slots, cap)
-  return e.mark == '' and serves(models, e.model) and not declined(e, node) and need(e.gens, slots) <= cap
+-- node `id` as its heartbeat says, if it takes requests now - declared, ready, with capacity, not drained:
+-- {id, cap (capacity), models (newline-separated), slots (llama-server's; 0: unknown), seq_ctx (the tokens
+-- one sequence may hold; 0: unknown), cells (the cells its slots share, which bound the tokens reserved
+-- there; 0: none shared or unknown, and slots alone bound it), n_predict}; else nil
+local function usable(id)
+  local key = node_key(id)
+  if not key then return nil end
+  local f = redis.call('HMGET', key, 'capacity', 'state', 'models', 'slots', 'seq_ctx', 'kv_unified',
+                       'kv_cells', 'n_predict')
+  local cap = tonumber(f[1])
+  if not cap or cap <= 0 or f[2] ~= 'ready' or redis.call('SISMEMBER', K.drained, id) == 1 then return nil end
+  return {id = id, cap = cap, models = f[3], slots = tonumber(f[4]) or 0, seq_ctx = tonumber(f[5]) or 0,
+          cells = f[6] == '1' and tonumber(f[7]) or 0, n_predict = tonumber(f[8]) or -1}
 end
 
--- whether waiter `e` takes `free` slots of `node` (it fits), or holds them back for itself (it waits on it)
-local function claims(e, node, free, slots)
-  return need(e.gens, slots) <= free or e.hold == '' or e.hold == node
+-- `node` (usable) with its reservations whose lease ended by `now` dropped (and their tokens), and what the
+-- others hold: n (reservations) and used (tokens; read only where cells bound them)
+local function tally(node, now)
+  local rkey = resv_key(node.id)
+  local over = redis.call('ZRANGEBYSCORE', rkey, '-inf', now)
+  if #over > 0 then
+    redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
+    redis.call('HDEL', toks_key(node.id), unpack(over))
+  end
+  node.n, node.used = redis.call('ZCARD', rkey), 0
+  if node.cells > 0 then
+    for _, t in ipairs(redis.call('HVALS', toks_key(node.id))) do node.used = node.used + tonumber(t) end
+  end
+  return node
 end
 
--- which of `ranked` (the waiters `node` could serve, in queue order) takes the node's next slots, `free` of
--- them, and the ones passed over for it. The head, or - prefix affinity within fairness - among the first few
--- requests exactly as deserving as the head (same class, same tenant load) one whose prompt this node holds;
--- a request can be passed over at most MAX_PASSES times, so nobody waits long for it. A request running
--- several generations that does not fit in `free` holds the slots back for itself only on the node it waits
--- on (`hold`; none: every node): elsewhere the requests behind it go first.
--- nil: the head needs more than `free` and nobody may pass it.
-local function pick(now, node, ranked, free, slots)
+-- whether queue entry `e` waits for a slot `node` (usable) could give it
+local function eligible(e, node)
+  if e.mark ~= '' or not serves(node.models, e.model) or declined(e, node.id) then return false end
+  local k, t = size_on(e, node)
+  return could_hold(node, k, t, e.prompt_tokens)
+end
+
+-- whether waiter `e` fits in what `node` (tallied) has free
+local function fits_in(e, node)
+  return fits(node, size_on(e, node))
+end
+
+-- whether waiter `e` takes `node`'s free slots (it fits), or holds them back for itself (it waits on it)
+local function claims(e, node)
+  return fits_in(e, node) or e.hold == '' or e.hold == node.id
+end
+
+-- which of `ranked` (the waiters `node` could serve, in queue order) takes the node's next free slots, and
+-- the ones passed over for it. The head, or - prefix affinity within fairness - among the first few requests
+-- exactly as deserving as the head (same class, same tenant load) one whose prompt this node holds; a
+-- request can be passed over at most MAX_PASSES times, so nobody waits long for it. A request that does not
+-- fit in what is free (several generations, or more tokens than the shared cells have free) holds the slots
+-- back for itself only on the node it waits on (`hold`; none: every node): elsewhere the requests behind it
+-- go first.
+-- nil: the head needs more than is free and nobody may pass it.
+local function pick(now, node, ranked)
   local live = {}  -- the places in `ranked` of those who take or hold this node's slots, the first few
   for i, e in ipairs(ranked) do
-    if claims(e, node, free, slots) then
+    if claims(e, node) then
       live[#live + 1] = i
       if #live >= AFFINITY_SKIP then break end
     end
@@ -217,38 +326,39 @@ local function pick(now, node, ranked, free, slots)
   local head_load = tenant_load(head.tenant, now)
   for j, i in ipairs(live) do
     local e = ranked[i]
-    if e.prio ~= head.prio or tenant_load(e.tenant, now) ~= head_load then break end
-    if e.pref == node and need(e.gens, slots) <= free then return i, {unpack(live, 1, j - 1)} end
+    if e.priority ~= head.priority or tenant_load(e.tenant, now) ~= head_load then break end
+    if e.preferred == node.id and fits_in(e, node) then return i, {unpack(live, 1, j - 1)} end
     if e.passes >= MAX_PASSES then break end
   end
-  if need(head.gens, slots) <= free then return live[1], {} end
+  if fits_in(head, node) then return live[1], {} end
   return nil
 end
 
--- slots on `node` are free: reserve them for the first waiting requests that node can serve, in queue order,
--- and return how many were handed over. A request waits for all the slots it needs on one node at once, and
--- the requests behind it wait too: freed slots are held back for it, or single requests taking each one as it
--- frees could starve it (as they can in llama-server's own deferred queue, which lets them pass).
-local function hand_over(node, now, lease)
+-- whether a waiter running several generations or counting its tokens may not fit where one slot is free:
+-- the kind that waits on one node (`hold`)
+local function bulky(e)
+  return e.generations > 1 or e.prompt_tokens > 0
+end
+
+-- slots on node `id` are free: reserve them for the first waiting requests that node can serve, in queue
+-- order, and return how many were handed over. A request waits for all the slots (and tokens) it needs on
+-- one node at once, and the requests behind it wait too: freed slots are held back for it, or small requests
+-- taking each one as it frees could starve it (as they can in llama-server's own deferred queue, which lets
+-- them pass).
+local function hand_over(id, now, lease)
   if redis.call('EXISTS', K.queue) == 0 then return 0 end  -- nobody waits: the common case
-  if not node_key(node) then return 0 end  -- (not declared: its slots wait for the waiters' next look)
-  local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
-  local cap, slots = tonumber(f[1]), tonumber(f[4])
-  if not cap or cap <= 0 or f[2] ~= 'ready' or redis.call('SISMEMBER', K.drained, node) == 1 then
-    return 0
-  end
-  local rkey = resv_key(node)
-  redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
-  local free = cap - redis.call('ZCARD', rkey)
-  if free <= 0 then return 0 end
+  local node = usable(id)  -- (not declared: its slots wait for the waiters' next look)
+  if not node then return 0 end
+  tally(node, now)
+  if node.n >= node.cap then return 0 end
   local ranked = {}
   for _, e in ipairs(queue_entries(now)) do
-    if eligible(e, node, f[3], slots, cap) then ranked[#ranked + 1] = e end
+    if eligible(e, node) then ranked[#ranked + 1] = e end
   end
   local handed = 0
   while #ranked > 0 do
     table.sort(ranked, function(a, b) return before(now, a, b) end)
-    local i, passed = pick(now, node, ranked, free, slots)
+    local i, passed = pick(now, node, ranked)
     if not i then break end
     for _, j in ipairs(passed) do  -- passed over for affinity
       local p = ranked[j]
@@ -256,37 +366,30 @@ local function hand_over(node, now, lease)
       redis.call('HSET', K.qmeta, p.rid, record(p))
     end
     local e = ranked[i]
-    local k = need(e.gens, slots)
+    local k, t = size_on(e, node)
     -- the slots are the waiter's while its place in the queue lasts: they lapse with it (a waiter whose place
     -- lapsed asks again as a new arrival, which could take other slots besides, or wait behind these)
     local place = tonumber(redis.call('ZSCORE', K.queue, e.rid)) - now
-    reserve(node, e.rid, e.tenant, now, math.min(lease, place), k, true)
-    e.mark = 'g:' .. node
+    reserve(id, e.rid, e.tenant, now + math.min(lease, place), lease * 2, k, t, true)
+    e.mark = 'g:' .. id
     redis.call('HSET', K.qmeta, e.rid, record(e))
-    redis.call('PUBLISH', K.events, 'granted ' .. e.rid .. ' ' .. node .. ' ' .. k)
+    redis.call('PUBLISH', K.events, 'granted ' .. e.rid .. ' ' .. id .. ' ' .. k)
     table.remove(ranked, i)
-    free, handed = free - k, handed + k
-    if free == 0 then break end
+    node.n, node.used, handed = node.n + k, node.used + t, handed + k
+    if node.n >= node.cap then break end
   end
   return handed
 end
 
--- a waiter running several generations left the queue (it got its slots, was shed, or gave up): the free
--- slots the nodes it could run on held back for it go to the next in line now, not at their next release.
--- The queue is read and ranked once, not once per node: a full hand-over runs only on a node that will
--- hand a slot over.
-local function pass_on(nodes, now, lease)
+-- a waiter that waited on one node, or on every node it could run on, left the queue (it got its slots, was
+-- shed, or gave up): the free slots the nodes it could run on held back for it go to the next in line now,
+-- not at their next release. The queue is read and ranked once, not once per node: a full hand-over runs only
+-- on a node that will hand a slot over.
+local function pass_on(ids, now, lease)
   local waiting = nil  -- every waiter not yet handed a slot, in queue order
-  for _, node in ipairs(nodes) do
-    local f = {}
-    if node_key(node) then f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots') end
-    local cap, slots = tonumber(f[1]), tonumber(f[4])
-    local free = 0
-    if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, node) == 0 then
-      -- (a lease ending at `now` is over, as hand_over drops it)
-      free = cap - redis.call('ZCOUNT', resv_key(node), '(' .. now, '+inf')
-    end
-    if free > 0 then
+  for _, id in ipairs(ids) do
+    local node = usable(id)
+    if node and tally(node, now).n < node.cap then
       if waiting == nil then
         waiting = {}
         for _, e in ipairs(queue_entries(now)) do
@@ -297,12 +400,10 @@ local function pass_on(nodes, now, lease)
       local ranked = {}  -- the first of them this node could serve (pick looks no further)
       for _, e in ipairs(waiting) do
         if #ranked >= AFFINITY_SKIP then break end
-        if eligible(e, node, f[3], slots, cap) and claims(e, node, free, slots) then
-          ranked[#ranked + 1] = e
-        end
+        if eligible(e, node) and claims(e, node) then ranked[#ranked + 1] = e end
       end
-      if #ranked > 0 and pick(now, node, ranked, free, slots) then
-        hand_over(node, now, lease)
+      if #ranked > 0 and pick(now, node, ranked) then
+        hand_over(id, now, lease)
         waiting = nil  -- it marked some
       end
     end
@@ -313,13 +414,7 @@ end
 -- requests, unless `keep`; the slots nobody was handed are announced, one `freed` message each. On a node
 -- not declared, only the request's count in flight is given back: its slots lapse with their lease.
 local function release(node, rid, tenant, now, lease, keep, k)
-  not_in_flight(tenant, rid)
-  loads[tenant] = nil
-  local rkey = resv_key(node)
-  if not rkey then return 0 end
-  if not k or k <= 0 then k = held(rkey, rid) end
-  local removed = 0
-  if k > 0 then removed = redis.call('ZREM', rkey, unpack(members(rid, k))) end
+  local removed = drop(node, rid, tenant, k)
   if removed > 0 then
     local handed = keep and 0 or hand_over(node, now, lease)
     for _ = 1, removed - handed do
@@ -331,14 +426,13 @@ end
 
 -- Router liveness. K.routers holds each router's id -> until when it counts as alive (ms): it beats from a
 -- thread of its own, so a router that is only slow keeps beating. K.held holds the reservations each router
--- holds: request id -> "router \t node \t tenant \t slots". A router that stops beating has them given back
--- (and handed to waiters) by the next beat of any router (beat.lua): its crash costs capacity for its
--- liveness period, not for the lease.
+-- holds (held_record). A router that stops beating has them given back (and handed to waiters) by the next
+-- beat of any router (beat.lua): its crash costs capacity for its liveness period, not for the lease.
 
 -- `router` (if named) now holds k slots on `node` for `rid`
 local function track(router, rid, node, tenant, k)
   if not router or router == '' then return end
-  redis.call('HSET', K.held, rid, router .. '\t' .. node .. '\t' .. tenant .. '\t' .. k)
+  redis.call('HSET', K.held, rid, held_record(router, node, tenant, k))
 end
 
 local function untrack(rid)
@@ -356,9 +450,9 @@ local function reclaim(now, lease)
   local n = 0
   local all = redis.call('HGETALL', K.held)
   for i = 1, #all, 2 do
-    local f = fields(all[i + 1])
-    if is_dead[f[1]] then
-      n = n + release(f[2], all[i], f[3], now, lease, false, tonumber(f[4]))
+    local h = cjson.decode(all[i + 1])
+    if is_dead[h.router] then
+      n = n + release(h.node, all[i], h.tenant, now, lease, false, h.slots)
       redis.call('HDEL', K.held, all[i])
     end
   end

@@ -1,20 +1,23 @@
 -- Reserve slots for one request on the best candidate node, or queue it, or say why not (Store.reserve).
--- ARGV after the common three: the request, as JSON (macpool/store/api.py, Store._reserve_request).
--- Returns {status, node, count, affinity[, slots]}: status reserved (node, its reservations now, the
--- affinity outcome, the slots it holds), queued (count: the requests waiting), full, shed or limited (count:
--- what the tenant has in flight and queued).
-local req = cjson.decode(ARGV[4])
+-- ARGS: the request (ReserveRequest in macpool/store/api.py, by the same names; each candidate
+-- {id, tokens_per_s, tie (a random number: the last tie-break), ttft, decode}).
+-- Returns {status, node, count, affinity[, slots, tokens]}: status reserved (node, its reservations now, the
+-- affinity outcome, the slots and the tokens it holds), queued (count: the requests waiting), full, shed or
+-- limited (count: what the tenant has in flight and queued).
+local req = ARGS
 local now, rid, lease, gens = NOW, req.rid, req.lease, req.generations
 local prio, tenant, model = req.priority, req.tenant, req.model
+local prompt, output = req.prompt_tokens, req.output_tokens  -- (tokens_on in lib.lua)
 local queue_lease = req.queue_lease  -- waiters renew their place every attempt, so this is short
-local excluded = table.concat(req.excluded, '\n')  -- nodes its router no longer sends it to (record format)
+local excluded = req.excluded  -- nodes its router no longer sends it to
 local prefixes = req.prefixes  -- prompt-prefix hashes, longest first
 local nodes = {}  -- every candidate's id, as given
-for i, c in ipairs(req.candidates) do nodes[i] = c[1] end
+for i, c in ipairs(req.candidates) do nodes[i] = c.id end
 
--- this request leaves the queue: if it runs several generations, the slots held back for it go on
+-- this request leaves the queue: if it waited on a node, or on every node it could run on, the slots held
+-- back for it go on
 local function leave(e)
-  if e.gens > 1 then pass_on(nodes, now, queue_lease) end
+  if bulky(e) then pass_on(nodes, now, queue_lease) end
 end
 
 local function dequeue(me)
@@ -55,29 +58,29 @@ local function take_handed_over(me)
   local k = wanted and rkey and held(rkey, rid) or 0
   if k > 0 then
     -- the slots were handed over with the short queue lease (in case this waiter's router is dead): now
-    -- that the waiter is alive to take them, they get the full lease
+    -- that the waiter is alive to take them, they get the full lease, and so do its tokens
     redis.call('ZREM', K.queue, rid)
     redis.call('HDEL', K.qmeta, rid)
     redis.call('ZADD', rkey, 'XX', unpack(scored(rid, k, now + lease)))
     redis.call('PEXPIRE', rkey, lease * 2)  -- (the hand-over may have created the key, with a short TTL)
+    local t = tonumber(redis.call('HGET', toks_key(node), rid)) or 0
+    if t > 0 then redis.call('PEXPIRE', toks_key(node), lease * 2) end
     in_flight(tenant, rid, now + lease, true)
     track(req.router, rid, node, tenant, k)
     remember(node)
     leave(me)
     local outcome = ''
-    if me.hashed ~= '' then
-      outcome = me.pref == node and 'hit' or (me.pref ~= '' and 'overridden' or 'miss')
+    if me.hashed then
+      outcome = me.preferred == node and 'hit' or (me.preferred ~= '' and 'overridden' or 'miss')
     end
-    return {'reserved', node, redis.call('ZCOUNT', rkey, now, '+inf'), outcome, k}
+    return {'reserved', node, redis.call('ZCOUNT', rkey, now, '+inf'), outcome, k, t}
   end
   if not wanted then
     -- declined: the slots go on to the next in line (this request, still marked, is not among them); on a
     -- node not declared they lapse with the short queue lease
     release(node, rid, me.tenant, now, queue_lease, false)
-    me.declined, turned_down = excluded, true
-    if not declined(me, node) then
-      me.declined = excluded == '' and node or excluded .. '\n' .. node
-    end
+    me.declined, turned_down = {unpack(excluded)}, true
+    if not declined(me, node) then me.declined[#me.declined + 1] = node end
   end
   -- (or a handed-over slot that lapsed before it was taken: this request waits on like any other)
   me.mark = ''
@@ -97,21 +100,21 @@ local function over_key_limit(entries)
 end
 
 -- the other waiters: how many (and batch ones), the last batch one, those queued ahead of this request for
--- the same model, and those ahead of it asking for another model that run several generations (who may hold
--- slots back on the nodes it could go to)
+-- the same model, and those ahead of it asking for another model that may wait on a node (bulky: they may
+-- hold slots back on the nodes it could go to)
 local function scan_queue(entries, me)
-  local mine = {rid = rid, prio = prio, tenant = tenant, enq = me and me.enq or now}
+  local mine = {rid = rid, priority = prio, tenant = tenant, arrival = me and me.arrival or now}
   local q = {ahead = {}, others = {}, waiting = 0, waiting_batch = 0, last_batch = nil}
   for _, e in ipairs(entries) do
     if e.mark == '' and e.rid ~= rid then
       q.waiting = q.waiting + 1
-      if e.prio == 'batch' then
+      if e.priority == 'batch' then
         q.waiting_batch = q.waiting_batch + 1
         if q.last_batch == nil or before(now, q.last_batch, e) then q.last_batch = e end
       end
       if e.model == model then
         if before(now, e, mine) then q.ahead[#q.ahead + 1] = e end
-      elseif e.gens > 1 and before(now, e, mine) then
+      elseif bulky(e) and before(now, e, mine) then
         q.others[#q.others + 1] = e
       end
     end
@@ -119,85 +122,79 @@ local function scan_queue(entries, me)
   return q
 end
 
--- the candidates that take requests now: candidate c is node ids[c], with ns[c] reservations, capacity
--- caps[c], llama-server's slots[c], tps[c] / rnd[c] to break ties, and ttft[c] / decode[c] for the time it
--- would take to answer (Candidate in api.py; decode 0: not measured) (arrays, not a table per candidate:
--- this runs for every request, over every candidate)
-local ids, ns, caps, slots, tps, rnd, ttft, decode, known = {}, {}, {}, {}, {}, {}, {}, {}, {}
+-- the candidates that take requests now: candidate c is node at[c] (usable and tallied: lib.lua), with
+-- tps[c] / rnd[c] to break ties and ttft[c] / decode[c] for the time it would take to answer (Candidate in
+-- api.py; decode 0: not measured)
+local at, tps, rnd, ttft, decode, known = {}, {}, {}, {}, {}, {}
 local function read_candidates()
   for _, cand in ipairs(req.candidates) do
-    local id = cand[1]
-    known[id] = true
-    local f = redis.call('HMGET', node_key(id), 'capacity', 'state', 'slots')
-    local cap = tonumber(f[1])
-    if cap and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, id) == 0 then
-      local rkey = resv_key(id)
-      redis.call('ZREMRANGEBYSCORE', rkey, '-inf', now)
-      local c = #ids + 1
-      ids[c], ns[c], caps[c], slots[c] = id, redis.call('ZCARD', rkey), cap, tonumber(f[3])
-      tps[c], rnd[c], ttft[c], decode[c] = cand[2], cand[3], cand[4] or 0, cand[5] or 0
+    known[cand.id] = true
+    local node = usable(cand.id)
+    if node then
+      local c = #at + 1
+      at[c] = tally(node, now)
+      tps[c], rnd[c], ttft[c], decode[c] = cand.tokens_per_s, cand.tie, cand.ttft, cand.decode
     end
   end
 end
 
--- the models candidate `c` serves, read only for a waiter asking for another name than this request
-local mods = {}
-local function models_of(c)
-  if mods[c] == nil then mods[c] = redis.call('HGET', node_key(ids[c]), 'models') or '' end
-  return mods[c]
-end
-
--- whether queue entry `e` could run on candidate `c` (it needs k slots there)
+-- whether queue entry `e` could run on candidate `c`, and the slots and tokens it would hold there
 local function runs_on(e, c)
-  local k = need(e.gens, slots[c])
-  return k <= caps[c] and not declined(e, ids[c]) and (e.model == model or serves(models_of(c), e.model)), k
+  local node = at[c]
+  local k, t = size_on(e, node)
+  local ok = could_hold(node, k, t, e.prompt_tokens) and not declined(e, node.id)
+    and (e.model == model or serves(node.models, e.model))
+  return ok, k, t
 end
 
--- the node a request running several generations waits on when it fits on none now: of those it could run
--- on, the one with the most free slots (ties: the lowest id), so the fewest slots wait idle for it. Its free
--- slots are held back for it; the other nodes' go to the requests behind it meanwhile.
+-- the node a bulky request waits on when it fits on none now: of those it could run on, the one with the most
+-- free cells where they bind its tokens, then the most free slots (ties: the lowest id), so the least waits
+-- idle for it. Its free slots are held back for it; the other nodes' go to the requests behind it meanwhile.
 local function designate(e)
-  local best_id, most = '', -1
-  for c = 1, #ids do
-    if runs_on(e, c) then
-      local f = caps[c] - ns[c]
-      if f > most or (f == most and ids[c] < best_id) then best_id, most = ids[c], f end
+  local best, room, most = '', -1, -1
+  for c = 1, #at do
+    local ok, _, t = runs_on(e, c)
+    if ok then
+      local node = at[c]
+      local r = (t > 0 and node.cells > 0) and node.cells - node.used or math.huge
+      local f = node.cap - node.n
+      if r > room or (r == room and (f > most or (f == most and node.id < best))) then
+        best, room, most = node.id, r, f
+      end
     end
   end
-  return best_id
+  return best
 end
 
 -- whether `node`, not one of the candidates, could run queue entry `e` now (the node it waits on, say, where
 -- this request is not sent: its router tried it, or its circuit is open, or it is too small for this request)
 local function runs_elsewhere(e, node)
   if not node_key(node) then return true end  -- (not declared: as far as this call can tell, it does)
-  local f = redis.call('HMGET', node_key(node), 'capacity', 'state', 'models', 'slots')
-  local cap = tonumber(f[1])
-  return cap ~= nil and cap > 0 and f[2] == 'ready' and redis.call('SISMEMBER', K.drained, node) == 0
-    and serves(f[3], e.model) and not declined(e, node) and need(e.gens, tonumber(f[4])) <= cap
+  local n = usable(node)
+  return n ~= nil and eligible(e, n)
 end
 
--- A request ahead running several generations that fits on none of the candidates now waits for slots to
--- free on one (its `hold`): that node holds its free slots back for it (as hand_over does), from this request
--- too, and the request is not counted among those ahead taking the other nodes' free slots (waiting_on).
--- Slots held back for one are not room for those behind it, so they are looked at in queue order.
+-- A bulky request ahead that fits on none of the candidates now waits for room to free on one (its `hold`):
+-- that node holds its free slots back for it (as hand_over does), from this request too, and the request is
+-- not counted among those ahead taking the other nodes' free slots (waiting_on). Slots held back for one are
+-- not room for those behind it, so they are looked at in queue order.
 local function hold_back(q)
-  local several = q.others
+  local bulk = q.others
   for _, e in ipairs(q.ahead) do
-    if e.gens > 1 then several[#several + 1] = e end
+    if bulky(e) then bulk[#bulk + 1] = e end
   end
-  if #several > 1 then table.sort(several, function(a, b) return before(now, a, b) end) end
+  if #bulk > 1 then table.sort(bulk, function(a, b) return before(now, a, b) end) end
   local held_back, waiting_on = {}, {}
-  for _, e in ipairs(several) do
-    local fits, runs = false, {}
-    for c = 1, #ids do
-      local ok, k = runs_on(e, c)
+  for _, e in ipairs(bulk) do
+    local room, runs = false, {}
+    for c = 1, #at do
+      local ok, k, t = runs_on(e, c)
       if ok then
-        runs[ids[c]] = true
-        if ns[c] + k <= caps[c] and not held_back[ids[c]] then fits = true; break end
+        runs[at[c].id] = true
+        if fits(at[c], k, t) and not held_back[at[c].id] then room = true; break end
       end
     end
-    if not fits then
+    if not room then
       waiting_on[e.rid] = true
       local hold = e.hold
       if hold ~= '' and not runs[hold] and (known[hold] or not runs_elsewhere(e, hold)) then
@@ -213,20 +210,29 @@ local function hold_back(q)
   return held_back, waiting_on
 end
 
--- the candidate with the free slots this request needs that would answer it soonest - the least-utilised
--- one when some such candidate has not been measured (ties: lower utilisation, faster node, then random) - as
--- {id, util, n (its reservations), k (the slots it would hold)} or nil; the free slots of the candidates not
--- held back; and `open`: node id -> candidate number, for the nodes with room for this request
+-- `best` placed on candidate c
+local function place(best, c)
+  local node = at[c]
+  best.c, best.id, best.n = c, node.id, node.n
+  best.k, best.t = need(gens, node.slots), tokens_on(prompt, output, node)
+  return best
+end
+
+-- the candidate with the free slots (and cells) this request needs that would answer it soonest - the
+-- least-utilised one when some such candidate has not been measured (ties: lower utilisation, faster node,
+-- then random) - as {c, id, util, n (its reservations), k and t (the slots and the tokens it would hold)} or
+-- nil; the free slots of the candidates not held back; and `open`: node id -> candidate number, for the nodes
+-- with room for this request. A node that could never hold it is none of them.
 local function choose(held_back)
   local best, free, open = nil, 0, {}
   local measured = true
-  for c = 1, #ids do
-    local n, cap = ns[c], caps[c]
-    local k = need(gens, slots[c])
-    if not held_back[ids[c]] then
-      if n < cap then free = free + cap - n end
-      if n + k <= cap then
-        open[ids[c]] = c
+  for c = 1, #at do
+    local node = at[c]
+    if not held_back[node.id] then
+      if node.n < node.cap then free = free + node.cap - node.n end
+      local k, t = need(gens, node.slots), tokens_on(prompt, output, node)
+      if fits(node, k, t) and could_hold(node, k, t, prompt) then
+        open[node.id] = c
         measured = measured and decode[c] > 0
       end
     end
@@ -236,19 +242,19 @@ local function choose(held_back)
   -- for that time, which the first token measures), then its tokens are decoded beside the others
   local cost = {}
   for _, c in pairs(open) do
-    local m = ns[c] + need(gens, slots[c])
+    local m = at[c].n + need(gens, at[c].slots)
     cost[c] = measured and m * ttft[c] + decode[c] * (1 + req.batch_cost * m) or 0
   end
   local b = nil
   for _, c in pairs(open) do
     local better = b == nil or cost[c] < cost[b]
     if b ~= nil and cost[c] == cost[b] then
-      local u, ub = ns[c] / caps[c], ns[b] / caps[b]
+      local u, ub = at[c].n / at[c].cap, at[b].n / at[b].cap
       better = u < ub or (u == ub and (tps[c] > tps[b] or (tps[c] == tps[b] and rnd[c] < rnd[b])))
     end
     if better then b = c end
   end
-  if b ~= nil then best = {id = ids[b], util = ns[b] / caps[b], n = ns[b], k = need(gens, slots[b])} end
+  if b ~= nil then best = place({util = at[b].n / at[b].cap}, b) end
   return best, free, open
 end
 
@@ -266,11 +272,12 @@ local function apply_affinity(best, open)
       local o = open[owner]
       if o == nil then
         outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
-      elseif ns[o] - best.n >= req.affinity_abs and ns[o] / caps[o] > best.util * req.affinity_rel then
+      elseif at[o].n - best.n >= req.affinity_abs and at[o].n / at[o].cap > best.util * req.affinity_rel then
         outcome = 'overridden'
         break
       else
-        best.id, best.n, best.k, outcome = owner, ns[o], need(gens, slots[o]), 'hit'
+        place(best, o)
+        outcome = 'hit'
         break
       end
     end
@@ -278,23 +285,31 @@ local function apply_affinity(best, open)
   return outcome, pref
 end
 
--- the slots on `best` left to the requests ahead: all of theirs, except those that turned down a slot there,
--- could never run there (more generations at once than it holds) or wait on another node
-local function slots_ahead(best, open, q, waiting_on)
-  local n = 0
+-- whether `best` leaves the requests ahead their share: the free slots of the candidates not held back
+-- (`free`) cover theirs and this request's, and where `best`'s cells bind, its free cells cover the tokens of
+-- those of them that fit there and this request's. Those ahead that turned down a slot there, could never run
+-- there or wait on another node do not count.
+local function leaves_room(best, free, q, waiting_on)
+  local node = at[best.c]
+  local k, t = best.k, best.t
   for _, e in ipairs(q.ahead) do
-    local ok, k = runs_on(e, open[best.id])
-    if ok and not waiting_on[e.rid] then n = n + k end
+    local ok, ke, te = runs_on(e, best.c)
+    if ok and not waiting_on[e.rid] then
+      k = k + ke
+      if node.cells > 0 and fits(node, ke, te) then t = t + te end
+    end
   end
-  return n
+  return k <= free and (node.cells == 0 or node.used + t <= node.cells)
 end
 
 -- still waiting: renew its place (and the nodes it turns down: circuits close, and open)
 local function renew_place(me, q)
   redis.call('ZADD', K.queue, now + queue_lease, rid)
   local was, changed = me.hold, false
-  if not turned_down and me.declined ~= excluded then me.declined, changed = excluded, true end
-  if me.gens > 1 then me.hold = designate(me) end
+  if not turned_down and table.concat(me.declined, '\n') ~= table.concat(excluded, '\n') then
+    me.declined, changed = excluded, true
+  end
+  if bulky(me) then me.hold = designate(me) end
   if changed or me.hold ~= was then redis.call('HSET', K.qmeta, rid, record(me)) end
   if me.hold ~= was and was ~= '' then pass_on({was}, now, queue_lease) end  -- it waits elsewhere now
   return {'queued', '', q.waiting + 1, ''}
@@ -316,10 +331,11 @@ local function join_queue(q, pref)
     waiting = waiting - 1
   end
   redis.call('ZADD', K.queue, now + queue_lease, rid)
-  local entry = {prio = prio, tenant = tenant, model = model, enq = now, mark = '', pref = pref,
-                 hashed = #prefixes > 0 and '1' or '', passes = 0, declined = excluded, gens = gens, hold = ''}
-  if gens > 1 then entry.hold = designate(entry) end
-  redis.call('HSET', K.qmeta, rid, record(entry))
+  local e = {priority = prio, tenant = tenant, model = model, arrival = now, mark = '', preferred = pref,
+             hashed = #prefixes > 0, passes = 0, declined = excluded, generations = gens,
+             prompt_tokens = prompt, output_tokens = output, hold = ''}
+  if bulky(e) then e.hold = designate(e) end
+  redis.call('HSET', K.qmeta, rid, record(e))
   redis.call('PEXPIRE', K.queue, lease * 2)
   redis.call('PEXPIRE', K.qmeta, lease * 2)
   return {'queued', '', waiting + 1, ''}
@@ -351,12 +367,12 @@ local function main()
   local held_back, waiting_on = hold_back(q)
   local best, free, open = choose(held_back)
   local outcome, pref = apply_affinity(best, open)
-  if best and slots_ahead(best, open, q, waiting_on) + best.k <= free then
-    reserve(best.id, rid, tenant, now, lease, best.k)
+  if best and leaves_room(best, free, q, waiting_on) then
+    reserve(best.id, rid, tenant, now + lease, lease * 2, best.k, best.t)
     track(req.router, rid, best.id, tenant, best.k)
     if me then dequeue(me) end
     remember(best.id)
-    return {'reserved', best.id, best.n + best.k, outcome, best.k}
+    return {'reserved', best.id, best.n + best.k, outcome, best.k, best.t}
   end
   if not req.enqueue then return {'full', '', q.waiting, ''} end
   if me then return renew_place(me, q) end

@@ -13,4 +13,4 @@ def source(name: str) -> str:
     return text
 
 
-SHARING_LIB = frozenset({"reserve", "release", "leave", "beat", "offer"})
+SHARING_LIB = frozenset({"reserve", "release", "leave", "offer", "beat", "renew", "forget"})

@@ -75,6 +75,28 @@ def test_the_pool_read_counts_waiters_as_of_the_time_given(redis_url: str) -> No
     with_store(redis_url, Keys(), scenario)
 
 
+def test_a_heartbeat_says_how_tokens_count_and_the_pool_read_sums_them(redis_url: str) -> None:
+    """The KV cache a heartbeat announces bounds what a node admits, and the pool read gives each node's
+    reserved tokens - those of live reservations only."""
+
+    async def scenario(store: Store) -> None:
+        t = now_ms()
+        doc = node("n1", 4).model_copy(update={"seq_ctx": 16_384, "kv_unified": True, "kv_cells": 16_384})
+        await store.heartbeat(doc, 60_000)
+        await store.heartbeat(node("n2", 4), 60_000)  # its cache unknown: slots alone
+        for rid, on, lease in (("short", "n1", 1_000), ("long", "n1", LEASE), ("other", "n2", LEASE)):
+            ask = ReserveRequest(rid, [Candidate(on)], lease, model="m", prompt_tokens=4_000,
+                                 output_tokens=96)
+            assert (await store.reserve(ask, now=t)).tokens == 4_096
+        big = ReserveRequest("big", [Candidate("n1")], LEASE, model="m", prompt_tokens=9_000)
+        assert (await store.reserve(big, now=t)).status == "full"  # 8K held, 16K wanted (no output limit)
+        pool = await store.read_pool(now=t + 1_001)  # the short lease has ended
+        assert pool.reservations == {"n1": 1, "n2": 1}
+        assert pool.reserved_tokens == {"n1": 4_096, "n2": 4_096}
+
+    with_store(redis_url, Keys(), scenario)
+
+
 def test_a_node_that_becomes_ready_is_offered_to_the_queue(redis_url: str) -> None:
     """Slots no release announces (a node just ready) go to the waiters in queue order, as a release's would,
     and only while they are free."""
@@ -102,9 +124,9 @@ def test_a_node_that_becomes_ready_is_offered_to_the_queue(redis_url: str) -> No
 
 def test_the_admission_scripts_share_one_library_and_the_others_stand_alone() -> None:
     library = source("lib").strip()
-    for name in ("reserve", "release", "leave", "offer"):
+    for name in ("reserve", "release", "leave", "offer", "beat", "renew", "forget"):
         assert source(name).startswith(library)
-    for name in ("renew", "heartbeat", "deregister"):
+    for name in ("heartbeat", "deregister"):
         assert "local function queue_entries" not in source(name)
 
 

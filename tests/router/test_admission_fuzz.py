@@ -2,16 +2,22 @@
 promise, read straight from Redis. Seeded and bounded: a failure names its seed and the calls that led to it
 (``MACPOOL_FUZZ_SEEDS=200 MACPOOL_FUZZ_OPS=500`` runs more).
 
-The calls are those routers make, on 2-5 nodes of capacity 1-6 with llama-server's slots known or not:
-arrivals (1-4 generations, interactive or batch, 1-3 tenants, some with prompt prefixes, some excluding a
-node, some naming the model's alias or no model), waiters re-checking (taking the slots handed to them, or
-turning them down), releases (by count, or 0: however many it holds; some failed, most of those followed by
-the request's retry elsewhere), a cancelled reservation undone on every candidate, waiters leaving the queue
-(with and without their nodes), renewals, routers dying or stalling past their waiters' queue lease, and
-time passing the leases; heartbeats change a node's capacity, slots and state, or it goes; operators drain.
+The calls are those routers make, on 2-5 nodes of capacity 1-6 with llama-server's slots known or not, and its
+KV cache known or not (one pool of cells the slots share, or a context per slot): arrivals (1-4 generations,
+interactive or batch, 1-3 tenants, their prompt and output tokens counted or not, some with prompt prefixes,
+some excluding a node, some naming the model's alias or no model), waiters re-checking (taking the slots
+handed to them, or turning them down), releases (by count, or 0: however many it holds; some failed, most of
+those followed by the request's retry elsewhere), a cancelled reservation undone on every candidate, waiters
+leaving the queue (with and without their nodes), renewals, routers dying or stalling past their waiters'
+queue lease, and time passing the leases; heartbeats change a node's capacity, slots, KV cache and state, or
+it goes; operators drain.
 
 Checked after every call:
-- a node gains reservations only while ready, undrained and within its capacity;
+- a node gains reservations only while ready, undrained and within its capacity, and only while the tokens
+  reserved on a node whose slots share their cells stay within those cells;
+- the tokens a node records are those of its requests' reservations: each entry beside its request's
+  reservations (expired ones are pruned with them), a running request's as its reservation said, a waiter
+  handed slots holds the tokens it needs there, and the records expire with the reservations;
 - a request holds 0 or need(generations, slots) reservations - rid, rid#2 .. rid#k - on one node only, is in
   its tenant's in-flight set exactly while it holds them, and holds nothing once finished;
 - a waiting request holds nothing, a waiter marked ``g:<node>`` holds its slots on that node, one marked
@@ -24,13 +30,16 @@ Checked after every call:
   more than are free, and nobody may pass it for affinity - unless a later step of the same call reordered
   the queue (another hand-over, or the caller's own reservation);
 - a request reserving by itself takes no slots held back for a waiter ahead of it (whatever model name it
-  asked for), and leaves free slots enough for the waiters ahead of it that could run where it went;
+  asked for), and leaves free slots enough for the waiters ahead of it that could run where it went (and,
+  where cells bind, the cells those that fit there need);
 and, once every live waiter has re-checked until nothing changes (with no waiter of a dead or stalled router
-left), that no node has free slots its first waiter fits in.
+left), that no node has free slots its first waiter fits in; and, at the end, once every request is
+released or gone, that no node holds any reservation or token.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -65,9 +74,28 @@ class NodeView:
     slots: int
     drained: bool
     members: dict[str, float]  # every reservation member -> its expiry, live or not
+    seq_ctx: int = 0
+    cells: int = 0  # the cells its slots share (0: none shared, or unknown)
+    n_predict: int = -1
+    tokens: dict[str, int] = field(default_factory=dict)  # request id -> the tokens it holds (recorded)
+    tokens_ttl: int = -2  # the tokens key's PTTL
 
     def active(self) -> bool:
         return self.cap > 0 and self.state == "ready" and not self.drained
+
+    def tokens_on(self, prompt: int, output: int) -> int:
+        """The tokens a request holds here (lib.lua's tokens_on)."""
+        if prompt <= 0:
+            return 0
+        if self.seq_ctx <= 0:
+            return prompt + output
+        if output <= 0:
+            output = self.n_predict if self.n_predict > 0 else self.seq_ctx - prompt
+        return min(prompt + output, self.seq_ctx)
+
+    def could_hold(self, k: int, t: int, prompt: int) -> bool:
+        return (k <= self.cap and (self.cells == 0 or t <= self.cells)
+                and (self.seq_ctx <= 0 or prompt < self.seq_ctx))
 
     def serves(self, model: str) -> bool:
         return model == "" or model in self.models
@@ -87,7 +115,12 @@ class Entry:
     passes: int
     declined: frozenset[str]
     gens: int
-    hold: str  # the node a waiter running several generations waits on ("": none, so every node it runs on)
+    prompt: int
+    output: int
+    hold: str  # the node a bulky waiter waits on ("": none, so every node it runs on)
+
+    def bulky(self) -> bool:
+        return self.gens > 1 or self.prompt > 0
 
 
 @dataclass
@@ -121,6 +154,19 @@ class View:
         view = self.nodes[node]
         return max(view.cap - sum(map(len, self.live(node).values())), 0) if view.active() else 0
 
+    def used(self, node: str) -> int:
+        """The tokens the live reservations on ``node`` hold."""
+        return sum(self.nodes[node].tokens.get(rid, 0) for rid in self.live(node))
+
+    def size(self, e: Entry, node: str) -> tuple[int, int]:
+        view = self.nodes[node]
+        return slots_needed(e.gens, view.slots), view.tokens_on(e.prompt, e.output)
+
+    def room(self, node: str, k: int, t: int) -> bool:
+        """Whether k slots and t tokens fit in what ``node`` has free."""
+        cells = self.nodes[node].cells
+        return k <= self.free(node) and (cells == 0 or self.used(node) + t <= cells)
+
     def load(self, tenant: str) -> int:
         return len(self.tenants.get(tenant, ()))  # (as the scripts count it: a lease ending now too)
 
@@ -131,11 +177,10 @@ class View:
     def eligible(self, e: Entry, node: str) -> bool:
         view = self.nodes[node]
         return (e.mark == "" and view.serves(e.model) and node not in e.declined
-                and slots_needed(e.gens, view.slots) <= view.cap)
+                and view.could_hold(*self.size(e, node), e.prompt))
 
     def fits(self, e: Entry, nodes: list[str]) -> bool:
-        return any(self.eligible(e, n) and slots_needed(e.gens, self.nodes[n].slots) <= self.free(n)
-                   for n in nodes)
+        return any(self.eligible(e, n) and self.room(n, *self.size(e, n)) for n in nodes)
 
     def claimants(self, node: str) -> list[Entry]:
         """The waiters, in queue order, that take ``node``'s free slots (they fit) or hold them back (they
@@ -168,25 +213,30 @@ def read(r: redis.Redis | redis.RedisCluster, nodes: list[str], tenants: list[st
     for node in nodes:
         pipe.hgetall(KEYS.node(node))
         pipe.zrange(KEYS.reservations(node), 0, -1, withscores=True)
+        pipe.hgetall(KEYS.tokens(node))
+        pipe.pttl(KEYS.tokens(node))
     pipe.smembers(KEYS.drained)
     pipe.zrange(KEYS.queue, 0, -1, withscores=True)
     pipe.hgetall(KEYS.queue_meta)
     pipe.zrange(KEYS.in_flight, 0, -1, withscores=True)
     pipe.hgetall(KEYS.in_flight_count)
     replies = pipe.execute()
-    drained, queue, meta, flying, counts = replies[2 * len(nodes):]
+    drained, queue, meta, flying, counts = replies[4 * len(nodes):]
     views = {}
     for i, node in enumerate(nodes):
-        h, members = replies[2 * i], replies[2 * i + 1]
+        h, members, tokens, ttl = replies[4 * i:4 * i + 4]
         views[node] = NodeView(int(h.get("capacity", 0)), h.get("state", ""),
                                [m for m in h.get("models", "").split("\n") if m], int(h.get("slots", 0)),
-                               node in drained, dict(members))
+                               node in drained, dict(members), int(h.get("seq_ctx", 0)),
+                               int(h.get("kv_cells", 0)) if h.get("kv_unified") == "1" else 0,
+                               int(h.get("n_predict", -1)), {rid: int(t) for rid, t in tokens.items()}, ttl)
     entries = {}
     for rid, expiry in queue:
         if expiry > now and rid in meta:
-            f = meta[rid].split("\t")
-            entries[rid] = Entry(rid, f[0], f[1], f[2], int(f[3]), f[4], f[5], int(f[7] or 0),
-                                 frozenset(d for d in f[8].split("\n") if d), int(f[9] or 1), f[10])
+            d = json.loads(meta[rid])
+            entries[rid] = Entry(rid, d["priority"], d["tenant"], d["model"], d["arrival"], d["mark"],
+                                 d["preferred"], d["passes"], frozenset(d["declined"]), d["generations"],
+                                 d["prompt_tokens"], d["output_tokens"], d["hold"])
     in_flight: dict[str, dict[str, float]] = {tenant: {} for tenant in tenants}
     members: dict[str, int] = {}
     for member, expiry in flying:
@@ -210,9 +260,12 @@ class Request:
     model: str
     prefixes: tuple[str, ...]
     excluded: frozenset[str]  # nodes its router no longer sends it to (tried, or circuit open)
+    prompt: int = 0  # its tokens, as its router counts them (0: not counted)
+    output: int = 0
     state: str = "new"  # waiting, running, done; dead: its router died
     node: str = ""
     slots: int = 0
+    tokens: int = 0
     nodes: list[str] = field(default_factory=list)  # its candidates at its last attempt
     queued: bool = False  # it waited in the queue
     stalled: bool = False  # its router stalled past its queue lease: its place may be gone
@@ -251,8 +304,11 @@ class Fuzz:
         self.key_limit = rng.choice([0, 0, 0, 3, 6])
         self.requests: dict[str, Request] = {}
         self.log: list[str] = []
+        self.kv: dict[str, dict[str, int]] = {}  # node -> its KV cache, as its heartbeat says
         for node in self.nodes:
-            self.write_node(node, rng.randint(1, 6), rng.choice([0, 0, 1, 2, 3, 4]), "ready")
+            slots = rng.choice([0, 0, 1, 2, 3, 4])
+            self.kv[node] = self.random_kv(slots)
+            self.write_node(node, rng.randint(1, 6), slots, "ready")
         self.api.store.known_nodes = frozenset(self.nodes)  # (as the routers' pool reads find them)
 
     def close(self) -> None:
@@ -262,9 +318,21 @@ class Fuzz:
 
     # --- calls, as routers make them ----------------------------------------------------------------
 
+    def random_kv(self, slots: int) -> dict[str, int]:
+        """A KV cache: unknown, one pool of cells the slots share, or a context per slot."""
+        rng = self.rng
+        unknown = {"seq_ctx": 0, "kv_unified": 0, "kv_cells": 0, "n_predict": -1}
+        what = rng.random()
+        if what < 0.3:
+            return unknown
+        ctx, n_predict = rng.choice([4096, 8192, 16384]), rng.choice([-1, -1, 512, 2048])
+        if what < 0.75:
+            return {"seq_ctx": ctx, "kv_unified": 1, "kv_cells": ctx, "n_predict": n_predict}
+        return {"seq_ctx": ctx, "kv_unified": 0, "kv_cells": ctx * max(slots, 1), "n_predict": n_predict}
+
     def write_node(self, node: str, cap: int, slots: int, state: str) -> None:
         models = "m\nalias" if self.aliases else "m"
-        fields = {"capacity": cap, "state": state, "models": models, "slots": slots}
+        fields = {"capacity": cap, "state": state, "models": models, "slots": slots, **self.kv[node]}
         self.r.hset(KEYS.node(node), mapping=fields)
 
     def view(self) -> View:
@@ -278,8 +346,9 @@ class Fuzz:
         for node in self.nodes:
             v = view.nodes[node]
             stale = self.rng.random() < 0.05
+            k, t = slots_needed(req.gens, v.slots), v.tokens_on(req.prompt, req.output)
             if (v.serves(req.model) and node not in req.excluded
-                    and (stale or (v.active() and slots_needed(req.gens, v.slots) <= v.cap))):
+                    and (stale or (v.active() and v.could_hold(k, t, req.prompt)))):
                 out.append(node)
         return out
 
@@ -290,12 +359,18 @@ class Fuzz:
             queue_size=self.queue_size, enqueue=True, dequeue=dequeue, priority=req.priority,
             tenant=req.tenant, model=req.model, key_limit=self.key_limit, batch_queue_max=self.batch_max,
             prefixes=req.prefixes, queue_lease_ms=QUEUE_LEASE, excluded=sorted(req.excluded),
-            generations=req.gens,
+            generations=req.gens, prompt_tokens=req.prompt, output_tokens=req.output,
         )
         req.nodes = nodes
+        before = self.view()
         reply = self.api.run(self.api.store.reserve(request, self.now))
         if reply.status == "reserved":
-            req.state, req.node, req.slots = "running", reply.node_id, reply.slots
+            req.state, req.node, req.slots, req.tokens = "running", reply.node_id, reply.slots, reply.tokens
+            v = before.nodes[reply.node_id]
+            me = before.entries.get(req.rid)
+            handed = me is not None and me.mark == "g:" + req.node and before.present(req.node, req.rid)
+            expected = v.tokens.get(req.rid, 0) if handed else v.tokens_on(req.prompt, req.output)
+            assert req.tokens == expected, f"{req.rid} holds {req.tokens} tokens on {req.node}: {expected}?"
         elif reply.status == "queued":
             req.state, req.queued = "waiting", True
         else:
@@ -304,7 +379,7 @@ class Fuzz:
 
     def renew(self, req: Request, now: int) -> bool:
         """Renew its lease until now + LEASE; True when it was gone (and was counted again)."""
-        lease = Lease(req.rid, req.node, req.tenant, req.slots)
+        lease = Lease(req.rid, req.node, req.tenant, req.slots, tokens=req.tokens)
         return self.api.run(self.api.store.renew([lease], LEASE, now))[0]
 
     def arrive(self, req: Request) -> Steps:
@@ -331,7 +406,7 @@ class Fuzz:
         reply = self.ask(req, nodes, dequeue=True)
         self.log.append(f"recheck {req.rid} {sorted(req.excluded)} on {nodes} (was {me}) -> {reply}")
         steps = Steps()
-        passed_on = nodes if req.gens > 1 else []  # what leaving the queue passes on
+        passed_on = nodes if req.gens > 1 or req.prompt > 0 else []  # what leaving the queue passes on
         mark = me.mark if me is not None else ""
         handed = mark[2:] if mark.startswith("g:") else ""
         if mark == "shed" or (handed in nodes and before.present(handed, req.rid) > 0):
@@ -369,6 +444,8 @@ class Fuzz:
         if me is not None and me.mark.startswith("g:") and before.present(me.mark[2:], req.rid) > 0:
             steps.hand([me.mark[2:]])
         steps.hand(nodes)
+        if me is not None and me.hold and me.hold not in nodes:
+            steps.hand([me.hold])  # (the node it waited on is in its record)
         return steps
 
     def settle(self, stalled: Request | None = None) -> None:
@@ -406,12 +483,14 @@ class Fuzz:
         rid = f"r{len(self.requests) + 1:04d}"
         if like is not None:  # a failed-over request asking again, excluding the node it failed on
             return Request(rid, like.gens, like.priority, like.tenant, like.model, like.prefixes,
-                           like.excluded | {like.node})
+                           like.excluded | {like.node}, like.prompt, like.output)
         prefixes = tuple(rng.sample(["p1", "p2", "p3"], rng.randint(1, 2))) if rng.random() < 0.4 else ()
         excluded = frozenset(rng.sample(self.nodes, 1)) if rng.random() < 0.1 else frozenset()
         priority: Priority = "batch" if rng.random() < 0.3 else "interactive"
+        prompt = 0 if rng.random() < 0.3 else rng.randint(200, 6000)
+        output = 0 if rng.random() < 0.5 else rng.randint(100, 3000)
         return Request(rid, rng.choice([1, 1, 1, 2, 2, 3, 4]), priority, rng.choice(self.tenants),
-                       rng.choice(self.models), prefixes, excluded)
+                       rng.choice(self.models), prefixes, excluded, prompt, output)
 
     def step(self) -> None:
         """One random call (or a few: a failed request's release and its retry, an undone reservation),
@@ -487,14 +566,16 @@ class Fuzz:
             self.log.append(f"{node} is gone")
             self.check(before, Steps())
             return
-        elif what < 0.6:
+        elif what < 0.5:
             cap = self.rng.choice([0, 1, 2, 3, 4, 5, 6])
-        elif what < 0.85:
+        elif what < 0.7:
             slots = self.rng.choice([0, 1, 2, 3, 4])
+        elif what < 0.85:
+            self.kv[node] = self.random_kv(slots)
         else:
             state = "draining" if state == "ready" else "ready"
         self.write_node(node, cap, slots, state)
-        self.log.append(f"heartbeat {node} cap={cap} slots={slots} state={state}")
+        self.log.append(f"heartbeat {node} cap={cap} slots={slots} state={state} {self.kv[node]}")
         self.check(before, Steps())
 
     def a_drain(self) -> None:
@@ -575,6 +656,13 @@ class Fuzz:
                 assert v.active(), f"{node} gained {sorted(added)}: cap={v.cap} {v.state} drained={v.drained}"
                 total = sum(map(len, now_live.values()))
                 assert total <= v.cap, f"{node} holds {total} reservations, over its capacity {v.cap}"
+                used = after.used(node)
+                assert not v.cells or used <= v.cells, f"{node} holds {used} tokens, over its {v.cells} cells"
+            # each token record beside its request's reservations (pruned with them), expiring with them
+            requests = {m.split("#")[0] for m in v.members}
+            assert set(v.tokens) <= requests, f"{node} records tokens of {sorted(set(v.tokens) - requests)}"
+            assert not v.tokens or v.tokens_ttl > 0, f"{node}'s tokens {v.tokens} never expire"
+            assert all(t > 0 for t in v.tokens.values()), f"{node} records {v.tokens}"
             for rid, members in now_live.items():
                 assert rid not in holders, f"{rid} holds slots on {holders[rid]} and on {node}"
                 holders[rid] = node
@@ -582,10 +670,12 @@ class Fuzz:
                 assert sorted(members) == sorted([rid, *(f"{rid}#{i}" for i in range(2, k + 1))]), (
                     f"{rid}'s members on {node}: {sorted(members)}")
                 if added & set(members):
-                    gens = self.requests[rid].gens
+                    req = self.requests[rid]
                     assert set(members) <= added, f"{rid} added to the slots it held on {node}"
-                    assert k == slots_needed(gens, v.slots), (
-                        f"{rid} ({gens} generations) took {k} slots on {node} of slots={v.slots}")
+                    assert k == slots_needed(req.gens, v.slots), (
+                        f"{rid} ({req.gens} generations) took {k} slots on {node} of slots={v.slots}")
+                    assert v.could_hold(k, v.tokens_on(req.prompt, req.output), req.prompt), (
+                        f"{rid} ({req.prompt} + {req.output} tokens) on {node}, which can never hold it")
         in_flight = after.in_flight()
         assert set(in_flight) == set(holders), f"in flight {sorted(in_flight)}, holding {sorted(holders)}"
         for rid, tenant in in_flight.items():
@@ -595,13 +685,20 @@ class Fuzz:
             if req.state == "running":
                 assert holders.get(rid) == req.node and len(after.live(req.node)[rid]) == req.slots, (
                     f"{rid} runs with {req.slots} slots on {req.node}, Redis: {holders.get(rid)}")
+                recorded = after.nodes[req.node].tokens.get(rid, 0)
+                assert recorded == req.tokens, f"{rid} runs with {req.tokens} tokens, Redis: {recorded}"
                 assert e is None, f"{rid} runs and waits: {e}"
             elif req.state == "waiting" and not req.stalled:
                 assert e is not None, f"{rid} waits with no queue entry"
             elif req.state == "done":
                 assert rid not in holders and e is None, f"{rid} done, still holds {holders.get(rid)} / {e}"
             if e is not None and e.mark.startswith("g:"):
-                assert holders.get(rid) == e.mark[2:], f"{rid} marked {e.mark} holds {holders.get(rid)}"
+                node = e.mark[2:]
+                assert holders.get(rid) == node, f"{rid} marked {e.mark} holds {holders.get(rid)}"
+                if e.mark != getattr(before.entries.get(rid), "mark", ""):  # handed over by this call
+                    t = before.nodes[node].tokens_on(e.prompt, e.output)
+                    recorded = after.nodes[node].tokens.get(rid, 0)
+                    assert recorded == t, f"{rid} was handed {recorded} tokens on {node}, needs {t}"
             elif e is not None:
                 assert rid not in holders, f"{rid} waits ({e.mark or 'unmarked'}) and holds {holders[rid]}"
             if e is not None:
@@ -662,25 +759,26 @@ class Fuzz:
         """A request reserving by itself (not taking slots handed to it) took no slots held back for a waiter
         ahead of it (on the node that waiter waits on, whatever name it asked for), and left free slots on its
         candidates enough for the waiters ahead of it that could run on its node (those of its model: the
-        scripts order each model's queue). A waiter running several generations that fits on none of them -
-        counting no slots held back for one ahead of it - waits for one node to free, and is not counted among
-        those taking slots."""
+        scripts order each model's queue), and, where its node's cells bind, free cells enough for those of
+        them that fit there. A bulky waiter (several generations, or tokens counted) that fits on none of
+        them - counting no slots held back for one ahead of it - waits for one node to free, and is not
+        counted among those taking slots."""
         if not direct or req.state != "running":
             return
         node, slots = req.node, before.nodes[req.node].slots
         me = before.entries.get(req.rid)
         mine = Entry(req.rid, req.priority, req.tenant, req.model, me.enq if me else before.now, "", "", 0,
-                     req.excluded, req.gens, "")
+                     req.excluded, req.gens, req.prompt, req.output, "")
         everyone = [e for e in before.entries.values()
                     if e.rid != req.rid and e.mark == "" and before.order(e) < before.order(mine)]
         for e in everyone:  # whatever name (or none) each asked for
-            if (before.eligible(e, node) and slots_needed(e.gens, slots) > 1 and e.hold in ("", node)
+            if (before.eligible(e, node) and e.bulky() and e.hold in ("", node)
                     and not before.fits(e, self.nodes)):
                 raise AssertionError(f"{req.rid} took {req.slots} slots on {node} held back for {e}")
         ahead = [e for e in everyone if e.model == req.model and before.eligible(e, node)]
         held: set[str] = set()
         waiting_on = set()
-        for e in sorted((e for e in everyone if e.gens > 1), key=before.order):
+        for e in sorted((e for e in everyone if e.bulky()), key=before.order):
             runs = [n for n in req.nodes if before.eligible(e, n)]
             if not before.fits(e, [n for n in runs if n not in held]):
                 waiting_on.add(e.rid)
@@ -689,6 +787,35 @@ class Fuzz:
         wanted = sum(slots_needed(e.gens, slots) for e in ahead if e.rid not in waiting_on)
         left = sum(before.free(n) for n in req.nodes) - req.slots
         assert wanted <= left, f"{req.rid} took {node}'s slots, leaving {left} for {wanted} wanted by {ahead}"
+        cells = before.nodes[node].cells
+        if cells:
+            sizes = [before.size(e, node) for e in ahead if e.rid not in waiting_on]
+            tokens = sum(t for k, t in sizes if before.room(node, k, t))
+            used = before.used(node)
+            assert used + req.tokens + tokens <= cells, (
+                f"{req.rid} took {req.tokens} of {node}'s {cells} cells ({used} used), leaving too few for "
+                f"the {tokens} of {ahead}")
+
+    def finish(self) -> None:
+        """Every request released or gone, and time past every lease: nothing is held anywhere, and a
+        script looking at a node prunes what lapsed there."""
+        for req in self.requests.values():
+            if req.state == "running":
+                self.check(self.view(), self.release(req, True, False))
+            elif req.state == "waiting":
+                self.check(self.view(), self.leave(req, True))
+        self.now += LEASE + QUEUE_LEASE + 1_000
+        view = self.view()
+        for node in self.nodes:
+            assert not view.live(node) and view.used(node) == 0, f"{node} still holds {view.live(node)}"
+            if view.nodes[node].active():  # a reservation there (then given back) prunes what lapsed
+                probe = ReserveRequest(f"probe-{node}", [Candidate(node)], LEASE, model="")
+                assert self.api.run(self.api.store.reserve(probe, self.now)).status == "reserved"
+                self.api.run(self.api.store.release(Release(probe.request_id, node), self.now))
+                left = self.r.hlen(KEYS.tokens(node)), self.r.zcard(KEYS.reservations(node))
+                assert left == (0, 0), f"{node} keeps {left} token records and reservations"
+            else:
+                assert not view.nodes[node].tokens or view.nodes[node].tokens_ttl > 0
 
 
 def run(url: str, seed: int, ops: int) -> None:
@@ -697,6 +824,7 @@ def run(url: str, seed: int, ops: int) -> None:
         for _ in range(ops):
             fuzz.step()
         fuzz.settle()
+        fuzz.finish()
     except AssertionError as exc:
         trail = "\n".join(fuzz.log[-40:])
         raise AssertionError(f"seed {seed}: {exc}\nlast calls:\n{trail}") from None

@@ -6,6 +6,7 @@ routers is in test_tenants.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,9 +39,11 @@ class Store:
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         self.pubsub.subscribe(KEYS.events)
 
-    def node(self, node_id: str, cap: int, models: str = "m", slots: int = 0) -> None:
+    def node(self, node_id: str, cap: int, models: str = "m", slots: int = 0, **kv: int) -> None:
+        """A node as its heartbeat writes it; ``kv``: its KV cache (seq_ctx, kv_unified, kv_cells,
+        n_predict)."""
         self.r.hset(KEYS.node(node_id), mapping={"capacity": cap, "state": "ready", "models": models,
-                                                 "slots": slots})
+                                                 "slots": slots, **kv})
         store = self.api.store
         store.known_nodes = store.known_nodes | {node_id}  # (as its router's next pool read finds it)
 
@@ -64,6 +67,10 @@ class Store:
 
     def held(self, node: str) -> list[str]:
         return sorted(self.r.zrange(KEYS.reservations(node), 0, -1))
+
+    def tokens(self, node: str) -> dict[str, int]:
+        """The tokens each request holds on ``node``, as recorded."""
+        return {rid: int(t) for rid, t in self.r.hgetall(KEYS.tokens(node)).items()}
 
     def leave(self, rid: str, nodes: tuple[str, ...] = (), now: int | None = None) -> bool:
         """True when slots had been handed to it."""
@@ -552,8 +559,8 @@ def test_a_waiter_with_no_node_to_wait_on_holds_back_every_node_it_could_run_on(
         store.ask(f"busy-{node}", [node])
     assert store.ask("pair", ["a", "b"], generations=2).status == "queued"
     meta = store.r.hget(KEYS.queue_meta, "pair")
-    assert meta is not None and meta.split("\t")[10] == "a"
-    store.r.hset(KEYS.queue_meta, "pair", "\t".join([*meta.split("\t")[:10], ""]))
+    assert meta is not None and json.loads(meta)["hold"] == "a"
+    store.r.hset(KEYS.queue_meta, "pair", json.dumps({**json.loads(meta), "hold": ""}))
     store.tick()
     assert store.ask("late", ["a", "b"], enqueue=False).status == "full"
 
@@ -674,3 +681,163 @@ def test_a_lease_ending_now_is_over_also_for_a_waiter_passing_on_held_back_slots
     store.events()
     store.leave("pair", ("a",), now=t)  # a waiter of two generations leaves
     assert store.events() == ["granted single a 1"]
+
+
+# --- capacity counted in tokens -------------------------------------------------------------------------
+
+K = 1024
+UNIFIED_64K = {"seq_ctx": 64 * K, "kv_unified": 1, "kv_cells": 64 * K}  # 4 slots over one pool of cells
+
+
+def tokens(prompt: int, output: int = 0) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "output_tokens": output}
+
+
+def test_a_unified_node_admits_four_8k_requests_or_one_60k_request_not_five_of_either(store: Store) -> None:
+    store.node("a", 4, slots=4, **UNIFIED_64K)
+    for i in range(4):
+        answer = store.ask(f"small-{i}", ["a"], enqueue=False, **tokens(6 * K, 2 * K))
+        assert answer == Reservation("reserved", "a", i + 1, "", 1, 8 * K)
+    assert store.ask("small-4", ["a"], enqueue=False, **tokens(6 * K, 2 * K)).status == "full"  # (slots)
+    for i in range(4):
+        store.release(f"small-{i}", "a")
+    assert store.tokens("a") == {}
+    assert store.ask("big", ["a"], enqueue=False, **tokens(50 * K, 10 * K)).tokens == 60 * K
+    assert store.ask("big-2", ["a"], enqueue=False, **tokens(50 * K, 10 * K)).status == "full"
+    assert store.ask("small", ["a"], enqueue=False, **tokens(6 * K, 2 * K)).status == "full"  # 68K of 64K
+    assert store.ask("fits", ["a"], enqueue=False, **tokens(3 * K, 1 * K)).tokens == 4 * K  # 64K of 64K
+    assert store.tokens("a") == {"big": 60 * K, "fits": 4 * K}
+
+
+def test_the_tokens_a_request_holds_follow_its_limits_and_the_nodes(store: Store) -> None:
+    store.node("known", 8, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K)
+    store.node("limited", 8, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K, n_predict=512)
+    store.node("unknown", 8)
+    cases = [
+        ("known", tokens(1000, 300), 1300),  # its own output limit
+        ("known", tokens(1000), 16 * K),  # none: the rest of the context
+        ("known", tokens(15 * K, 4 * K), 16 * K),  # never past what one sequence holds
+        ("limited", tokens(1000), 1512),  # none: llama-server's default limit
+        ("unknown", tokens(1000), 1000),  # the context unknown: what it says
+        ("unknown", tokens(1000, 300), 1300),
+        ("known", tokens(0, 300), 0),  # not counted: slots alone
+    ]
+    for i, (node, counts, held) in enumerate(cases):
+        answer = store.ask(f"r{i}", [node], enqueue=False, **counts)
+        assert (answer.status, answer.tokens) == ("reserved", held), (node, counts, answer)
+        store.release(f"r{i}", node)
+
+
+def test_a_node_that_could_never_hold_a_request_is_no_candidate(store: Store) -> None:
+    store.node("short", 4, slots=4, seq_ctx=4 * K, kv_cells=16 * K)  # a context of 4K per slot
+    store.node("small", 4, kv_unified=1, kv_cells=8 * K)  # one pool of 8K cells, the context not known
+    store.node("long", 4, slots=4, seq_ctx=32 * K, kv_cells=128 * K)
+    store.ask("busy", ["long"])  # the other two are the least utilised
+    # a prompt past short's context, and 9K tokens, past small's cells
+    assert placed(store.ask("r1", ["short", "small", "long"], **tokens(5 * K, 4 * K))) == ("reserved", "long")
+    assert placed(store.ask("r2", ["short", "small", "long"], **tokens(4 * K, 5 * K))) == ("reserved", "long")
+    # only such nodes: it is placed nowhere (it waits, as a request whose router sent it nowhere would)
+    assert placed(store.ask("r3", ["short", "small"], **tokens(9 * K))) == ("queued", "")
+    assert store.held("short") == store.held("small") == []
+
+
+def test_non_unified_nodes_count_slots_only_and_record_the_tokens(store: Store) -> None:
+    store.node("a", 2, slots=2, seq_ctx=8 * K, kv_cells=16 * K)  # each slot has its own 8K
+    for rid in ("r1", "r2"):
+        assert store.ask(rid, ["a"], enqueue=False, **tokens(7 * K)).tokens == 8 * K
+    assert store.tokens("a") == {"r1": 8 * K, "r2": 8 * K}
+    assert store.ask("r3", ["a"], enqueue=False, **tokens(1 * K, 1 * K)).status == "full"  # (slots)
+
+
+def test_a_release_hands_its_slot_to_a_waiter_only_once_its_tokens_fit(store: Store) -> None:
+    store.node("a", 4, slots=4, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K)
+    for rid, size in (("r1", 6), ("r2", 6), ("r3", 3)):
+        store.ask(rid, ["a"], **tokens(size * K - 100, 100))
+    assert store.ask("w", ["a"], **tokens(7 * K, 1 * K)).status == "queued"  # 15K held: no room for 8K
+    store.tick()
+    assert store.ask("small", ["a"], **tokens(K - 100, 100)).status == "queued"  # (the cells wait for w)
+    store.events()
+    store.release("r3", "a")  # 12K held: still no room for w, and the small one waits behind it
+    assert store.events() == ["freed a"]
+    store.release("r1", "a")  # 6K held: w's 8K fit
+    assert store.events() == ["granted w a 1", "granted small a 1"]
+    assert store.tokens("a") == {"r2": 6 * K, "w": 8 * K, "small": K}
+    taken = store.ask("w", ["a"], dequeue=True, **tokens(7 * K, 1 * K))
+    assert taken == Reservation("reserved", "a", 3, "", 1, 8 * K)
+
+
+def test_a_waiter_leaving_gives_the_tokens_handed_to_it_on(store: Store) -> None:
+    store.node("a", 4, slots=4, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K)
+    half = tokens(7 * K, K - 1)  # two of them fill the cells
+    store.ask("r1", ["a"], **tokens(12 * K, 1))
+    store.ask("w1", ["a"], **half)
+    store.tick()
+    store.ask("w2", ["a"], **half)
+    store.events()
+    store.release("r1", "a")
+    assert store.events() == ["granted w1 a 1", "granted w2 a 1"]
+    store.ask("w3", ["a"], **half)
+    assert store.leave("w1")
+    assert store.events() == ["granted w3 a 1"]
+    assert store.tokens("a") == {"w2": 8 * K - 1, "w3": 8 * K - 1}
+
+
+def test_an_offer_hands_a_new_node_to_the_waiters_whose_tokens_fit_there(store: Store) -> None:
+    store.node("a", 1)
+    store.ask("busy", ["a"])
+    for rid, size in (("big", 20), ("m1", 10), ("m2", 10)):
+        assert store.ask(rid, ["a", "b"], **tokens(size * K - 100, 100)).status == "queued"
+        store.tick()
+    store.node("b", 4, slots=4, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K)
+    store.events()
+    assert store.api.run(store.api.store.offer("b", QUEUE_LEASE, store.now)) == 1
+    # big never fits on b (it waits for a), and b's cells hold one of the others, not both
+    assert store.events() == ["granted m1 b 1"]
+    assert store.tokens("b") == {"m1": 10 * K}
+
+
+def test_tokens_lapse_with_their_lease(store: Store) -> None:
+    store.node("a", 4, slots=4, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K)
+    t = store.now
+    store.ask("lost", ["a"], now=t, **tokens(12 * K, 1))  # its router dies: nobody releases it
+    assert store.ask("next", ["a"], enqueue=False, now=t + LEASE - 1, **tokens(12 * K, 1)).status == "full"
+    answer = store.ask("next", ["a"], enqueue=False, now=t + LEASE, **tokens(12 * K, 1))
+    assert answer.status == "reserved"
+    assert store.tokens("a") == {"next": 12 * K + 1}
+
+
+def test_a_dead_routers_tokens_are_given_back_by_the_next_beat(store: Store) -> None:
+    store.node("a", 4, slots=4, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K)
+    store.r.zadd(KEYS.nodes, {"a": store.now})  # (in the index, which a beat declares)
+    api = store.api
+    api.run(api.store.beat("crashed", 2_000, now=store.now))
+    assert store.ask("lost", ["a"], router="crashed", **tokens(12 * K, 1)).status == "reserved"
+    assert store.ask("w", ["a"], **tokens(8 * K, 1)).status == "queued"
+    store.events()
+    assert api.run(api.store.beat("live", 2_000, now=store.now + 2_001)) == 1  # (within w's queue lease)
+    assert store.events() == ["granted w a 1"]
+    assert store.tokens("a") == {"w": 8 * K + 1}
+
+
+def test_a_renewal_writes_lost_tokens_again_and_forget_takes_them_out(store: Store) -> None:
+    store.node("a", 4, slots=4, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K)
+    held = store.ask("r", ["a"], **tokens(12 * K, 1))
+    lease = Lease("r", "a", slots=held.slots, tokens=held.tokens)
+    store.r.delete(KEYS.reservations("a"), KEYS.tokens("a"))  # Redis restarted empty while it runs
+    assert store.api.run(store.api.store.renew([lease], LEASE, store.now)) == [True]
+    assert store.tokens("a") == {"r": 12 * K + 1}
+    assert store.ask("next", ["a"], enqueue=False, **tokens(8 * K, 1)).status == "full"
+    store.api.run(store.api.store.forget(lease))
+    assert store.tokens("a") == {} and store.held("a") == []
+
+
+def test_an_arrival_leaves_the_cells_a_waiter_ahead_fits_in(store: Store) -> None:
+    store.node("a", 4, slots=4, seq_ctx=16 * K, kv_unified=1, kv_cells=16 * K)
+    store.ask("r1", ["a"], **tokens(10 * K, 1))
+    assert store.ask("w", ["a"], **tokens(8 * K)).status == "queued"  # 8K (the rest of its context)
+    store.tick()
+    # the node's cache grows (a heartbeat: no release announces it): 22K free, room for w, yet not for w and
+    # an arrival of 16K besides - which waits behind w rather than take its cells
+    store.node("a", 4, slots=4, seq_ctx=16 * K, kv_unified=1, kv_cells=32 * K)
+    assert store.ask("late", ["a"], **tokens(15 * K, K)).status == "queued"
+    assert store.ask("w", ["a"], dequeue=True, **tokens(8 * K)).status == "reserved"
