@@ -106,7 +106,8 @@ class ProxyResponse(StreamingResponse):
         self.media_type = None
         self.background = None
         self.raw_headers = _response_headers(upstream)
-        self._dialect = APIS[endpoint].dialect  # a mid-stream failure ends the stream in its API's terms
+        api = APIS.get(endpoint)  # a mid-stream failure ends the stream in its API's terms
+        self._dialect = api.dialect if api else "chat"
         runtime.metrics.requests.labels(endpoint, str(upstream.status)).inc()
 
     async def _body(self) -> AsyncGenerator[bytes, None]:

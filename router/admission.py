@@ -81,6 +81,10 @@ class Ticket:
     # run at once by llama-server, each in a slot (several prompts, n > 1: macpool/contract.py generations);
     # such a request's candidates are the nodes large enough, so its "full" says nothing of the others
     generations: int = 1
+    # its prompt (router/tokens.py: a bound, or a node's exact count; 0: not counted) and its own output
+    # limit (0: none): what it holds of a node's KV cache
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
 
 class Admission:
@@ -284,6 +288,7 @@ class Admission:
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
             affinity_max_entries=settings.affinity_max_entries, excluded=self._excluded(tried),
             generations=ticket.generations, router=settings.router_id, batch_cost=BATCH_COST,
+            prompt_tokens=ticket.prompt_tokens, output_tokens=ticket.output_tokens,
         )
         try:
             attempt = await self.store.reserve(request)

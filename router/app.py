@@ -33,6 +33,7 @@ from macpool.store import ANONYMOUS, Keys, Store
 from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.events import drain_message
 from macpool.upstream import Upstream
+from router import tokens
 from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
 from router.aliases import Aliases
@@ -143,7 +144,8 @@ class Router:
             priority = self._priority(headers.get("x-macpool-priority"), key)
             body = await self._body(request)
             call = self._call(path, dialect, headers.raw, body, key, priority, arrived,
-                              headers.get("x-request-id"), affinity=self.settings.affinity and not api.light)
+                              headers.get("x-request-id"), affinity=self.settings.affinity and not api.light,
+                              light=api.light)
         except BadRequest as exc:
             self.metrics.requests.labels(model="", node="", status=str(exc.status)).inc()
             # a body refused before its end, or lost to an upgrade offer, leaves bytes unread: the connection
@@ -181,6 +183,7 @@ class Router:
         arrived: float,
         request_id: str | None,
         affinity: bool,
+        light: bool,
     ) -> Call:
         """The checked request (BadRequest when its body is not one the router can route)."""
         payload, asked = _inspect(body, self.settings.default_model)
@@ -191,6 +194,7 @@ class Router:
         # a body shorter than the shortest prefix worth steering for holds none: nothing to hash
         hashed = affinity and len(body) >= MIN_PREFIX_BYTES
         limit = key.max_concurrency if key and key.max_concurrency else self.settings.key_max_concurrency
+        counted = dialect.in_context and not light
         ticket = Ticket(
             tenant=key.tenant if key else ANONYMOUS,
             priority=priority,
@@ -198,6 +202,8 @@ class Router:
             model=model,
             prefixes=prefix_hashes(dialect.prefix_parts(payload), model) if hashed else (),
             generations=dialect.generations(payload),
+            prompt_tokens=tokens.bound(body) if counted else 0,
+            output_tokens=dialect.output_limit(payload) if counted else 0,
         )
         return Call(
             path=path,
@@ -209,6 +215,7 @@ class Router:
             arrived=arrived,
             ticket=ticket,
             dialect=dialect,
+            count_body=dialect.count_body(payload, body) if counted and dialect.count_path else None,
         )
 
     def shutdown_answer(self, request: Request) -> Response:

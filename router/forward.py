@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from macpool import upstream as http
 from macpool.asgi import Guard, end_stream
 from macpool.contract import NodeDoc, slots_needed
 from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER, connection_listed
+from router import tokens
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
 from router.cold_start import ColdStart
 from router.dialects import Dialect
@@ -49,6 +51,7 @@ _AGENT_MIDSTREAM = b'"upstream_midstream"'
 _TAIL = 512
 _TAIL_CHUNKS = 3  # the last chunks of an answer kept (as references) to read its usage from at its end
 _ERROR_DOCUMENT_BYTES = 65536  # a node's error answer is read whole to be put in the caller's dialect
+COUNT_TIMEOUT_S = 10.0  # a node counts a prompt in milliseconds; past this the bound stands
 # an agent saying node_full is asked again (5 ms apart, doubling) for up to 0.5 s before another node is tried
 _CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
 
@@ -82,11 +85,24 @@ class Call:
     ticket: Ticket = field(default_factory=Ticket)
     dialect: Dialect = CHAT  # its API's: what its answers and errors look like
     query: bytes = b""  # the query string, passed on
+    count_body: bytes | None = None  # what a node counts its prompt from (router/tokens.py)
+    exact: bool = False  # ticket.prompt_tokens is a node's count, not the router's bound
+    too_long: Response | None = None  # the last node's answer that the prompt is over its context
     node: str = ""  # the node it is sent to, while it is
 
     @property
     def generations(self) -> int:
         return self.ticket.generations
+
+    def counted(self, prompt_tokens: int) -> None:
+        """A node counted the prompt: the count replaces the bound."""
+        self.ticket = dataclasses.replace(self.ticket, prompt_tokens=prompt_tokens)
+        self.exact = True
+
+    def uncounted(self) -> None:
+        """No node counted a prompt whose bound could decide where it goes: admission does not count it (a
+        bound would keep it from nodes that may well take it; llama-server's own answer decides there)."""
+        self.ticket = dataclasses.replace(self.ticket, prompt_tokens=0)
 
     def error(self, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> Response:
         """An error answer in the caller's dialect."""
@@ -116,9 +132,22 @@ class Reserved:
 
 def fits(call: Call, node: NodeDoc, capacity: int | None = None) -> bool:
     """Whether ``node`` could run all of the request's generations at once, were it idle (with ``capacity``:
-    were that its capacity)."""
+    were that its capacity), and its prompt fits the node's context (as far as a node's count says)."""
     cap = node.capacity if capacity is None else capacity
-    return call.generations == 1 or slots_needed(call.generations, node.total_slots) <= cap
+    runs = call.generations == 1 or slots_needed(call.generations, node.total_slots) <= cap
+    return runs and (not call.exact or holds(node, call.ticket.prompt_tokens))
+
+
+def context(node: NodeDoc) -> int:
+    """The most tokens one request may hold on ``node`` (0: not known)."""
+    return node.seq_ctx or node.ctx_per_slot
+
+
+def holds(node: NodeDoc, prompt_tokens: int) -> bool:
+    """Whether a prompt of ``prompt_tokens`` is one llama-server on ``node`` takes (it refuses a prompt of
+    as many tokens as its context, or more)."""
+    ctx = context(node)
+    return ctx == 0 or prompt_tokens < ctx
 
 
 def full_capacity(node: NodeDoc) -> int:
@@ -130,11 +159,13 @@ def full_capacity(node: NodeDoc) -> int:
 
 
 class _Retry(Exception):
-    """This node cannot take the request, but another one may."""
+    """This node cannot take the request, but another one may. ``failed``: the node failed it (its slot is
+    not handed to a waiter, who would meet the same failure); not so for a prompt over its context."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, failed: bool = True) -> None:
         super().__init__(kind)
         self.kind = kind
+        self.failed = failed
 
 
 class Forwarder:
@@ -195,10 +226,11 @@ class Forwarder:
 
     async def _handle(self, call: Call) -> Response:
         self.pool.requests.mark()
-        if call.generations > 1:
-            too_large = self._too_large(call)
-            if too_large is not None:
-                return too_large
+        if call.ticket.prompt_tokens and not call.exact:
+            await self._count(call)
+        too_large = self._too_large(call) if call.generations > 1 else self._too_long(call)
+        if too_large is not None:
+            return too_large
         if self.cold_start.needed(call.model):
             refused = await self.cold_start.wait(call.ticket)
             if refused is not None:
@@ -206,9 +238,13 @@ class Forwarder:
         tried: set[str] = set()
         failures: set[str] = set()  # what each node tried answered
         for _ in range(self.settings.max_attempts):
+            if call.too_long is not None:  # a node counted the prompt over its context: any larger one?
+                too_long = self._too_long(call)
+                if too_long is not None:
+                    return too_long
             try:
                 docs = self.pool.candidates(call.model)
-                if tried and not [d for d in docs if d.node_id not in tried]:
+                if tried and not [d for d in docs if d.node_id not in tried and fits(call, d)]:
                     break
                 lease = await self.admission.acquire(
                     lambda: [d for d in self.pool.candidates(call.model)
@@ -258,9 +294,9 @@ class Forwarder:
         call.node = hold.node.node_id
         try:
             response = await self._open(call, hold)
-        except _Retry:
+        except _Retry as retry:
             call.node = ""
-            await hold.give_back(failed=True)
+            await hold.give_back(failed=retry.failed)
             raise
         except BaseException:  # cancelled because the client left (counted as the node's)
             await hold.give_back()
@@ -283,7 +319,12 @@ class Forwarder:
     def exhausted(self, call: Call, failures: set[str]) -> Response:
         """Every node tried refused before answering: a node that answered 503 (full; draining, loading,
         its llama-server down) makes the answer a 503 to retry later, whatever the other nodes tried did;
-        only nodes that could not be reached at all: 502."""
+        only nodes that could not be reached at all: 502; a prompt over the context of every node that could
+        take it: the last such node's 400."""
+        if failures == {"context"} and call.too_long is not None:
+            self.metrics.requests.labels(model=call.model, node="", status="400").inc()
+            return call.too_long
+        failures = failures - {"context"}
         mixed = len(failures) > 1
         if "node_full" in failures:
             message = "no node tried could take the request" if mixed else "every node tried was full"
@@ -293,6 +334,61 @@ class Forwarder:
             return self.rejection(self.admission.reject("no_nodes", message), call)
         self.metrics.requests.labels(model=call.model, node="", status="502").inc()
         return call.error(502, "no node could be reached", "upstream_unavailable")
+
+    async def _count(self, call: Call) -> None:
+        """Have a node of the model count the prompt exactly, where the router's bound could decide where
+        it goes (router/tokens.py); on any failure the bound stands."""
+        try:
+            docs = self.pool.candidates(call.model)
+        except (NoNodes, ModelNotFound):
+            return
+        dialect = call.dialect
+        if not tokens.worth_counting(call.ticket.prompt_tokens, docs):
+            return
+        hold = self.light.take(docs) if dialect.count_path and call.count_body else None
+        if hold is None:
+            call.uncounted()
+            return
+        node = hold.node
+        url = self._url(node.url, dialect.count_path, b"")
+        headers = [("content-type", "application/json"), ("x-request-id", call.request_id)]
+        if self.settings.agent_token:
+            headers.append((TOKEN_HEADER, self.settings.agent_token))
+        upstream: http.Response | None = None
+        try:
+            async with asyncio.timeout(COUNT_TIMEOUT_S):
+                upstream = await self.client.send("POST", url, headers, call.count_body, self._timeouts)
+                answer = await http.read(upstream) if upstream.status == 200 else b""
+            count = tokens.counted(json.loads(answer)) if answer else None
+        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+            log.info("node %s could not count a prompt (%s); the router's bound stands", node.node_id,
+                     type(exc).__name__, extra=_ids(node.node_id, call))
+            count = None
+        finally:
+            http.close(upstream)
+            await hold.give_back()
+        if count is not None:
+            call.counted(count)
+        else:
+            call.uncounted()
+
+    def _too_long(self, call: Call) -> Response | None:
+        """400 for a prompt a node counted over every context in the pool, else None: a prompt no node of its
+        model could ever take. Only on a node's count: the router's own bound never refuses."""
+        if not call.exact:
+            return None
+        docs = [doc for doc in self.pool.fresh_nodes() if not call.model or call.model in doc.models]
+        contexts = [context(doc) for doc in docs]
+        if not docs or any(ctx == 0 or call.ticket.prompt_tokens < ctx for ctx in contexts):
+            return None
+        return self.context_refusal(call, max(contexts))
+
+    def context_refusal(self, call: Call, largest: int) -> Response:
+        self.metrics.requests.labels(model=call.model, node="", status="400").inc()
+        # Anthropic's own wording, which Claude Code recognises (and offers to compact the conversation)
+        message = (f"prompt is too long: {call.ticket.prompt_tokens} tokens > {largest} maximum (the largest "
+                   f"context of any node serving {call.model or 'this pool'})")
+        return call.error(400, message, "context_length_exceeded")
 
     def _too_large(self, call: Call) -> Response | None:
         """400 for a request running more generations at once than any node in the pool runs, else None.
@@ -397,10 +493,17 @@ class Forwarder:
             document = None
         translated = call.dialect.upstream_error(upstream.status, document) \
             if isinstance(document, dict) else None
-        self.metrics.requests.labels(model=call.model, node=node_id, status=str(upstream.status)).inc()
         answer = Response(translated if translated is not None else bytes(body), status_code=upstream.status,
                           media_type="application/json",
                           headers={"X-Request-ID": call.request_id, "X-Macpool-Node": node_id})
+        prompt = _over_context(upstream.status, document)
+        if prompt is not None:
+            # another node may have the context for it: counted now, tried there before the client hears
+            call.counted(max(prompt, call.ticket.prompt_tokens if call.exact else 0))
+            call.too_long = answer
+            self._upstream_error(node_id, "context")
+            raise _Retry("context", failed=False)
+        self.metrics.requests.labels(model=call.model, node=node_id, status=str(upstream.status)).inc()
         return bytes(body), answer
 
     async def _post(
@@ -632,6 +735,17 @@ class Relay(Response):
         event = self.call.dialect.stream_error(502, message, f"upstream_{kind}", ended=self.ended)
         await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _over_context(status: int, document: object) -> int | None:
+    """The prompt's tokens, when ``document`` is llama-server's answer that they are over its context."""
+    if status != 400 or not isinstance(document, dict):
+        return None
+    error = document.get("error")
+    if not isinstance(error, dict) or error.get("type") != "exceed_context_size_error":
+        return None
+    prompt = error.get("n_prompt_tokens")
+    return prompt if type(prompt) is int and prompt > 0 else 0
 
 
 def _ids(node_id: str, call: Call) -> dict[str, str]:

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.datastructures import Headers
 from starlette.responses import Response
 
 from macpool.errors import error_response, sse_error
@@ -18,6 +19,9 @@ class Usage:
     prompt: int  # every prompt token, cached or not
     completion: int
     cached: int = 0  # of ``prompt``: read from a KV cache instead of processed
+
+
+SESSION_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id")
 
 
 def canonical(value: Any) -> bytes:
@@ -68,6 +72,27 @@ class Dialect:
     def generations(self, payload: dict[str, Any]) -> int:
         """The generations llama-server runs at once for the request, each in a slot of its own."""
         return 1
+
+    # a prompt held in a sequence of the node's KV cache, bounded by its context (not so a batch of inputs to
+    # embed or rerank)
+    in_context = True
+    # where a node counts this API's prompt exactly ("": the router keeps its bound): the same body goes there
+    count_path = ""
+
+    def count_body(self, payload: dict[str, Any], body: bytes) -> bytes | None:
+        """The body to send to ``count_path`` (None: nothing to count)."""
+        return body
+
+    def session(self, headers: Headers, payload: dict[str, Any]) -> str:
+        """The session the client names, "" for none: the headers coding agents send (Claude Code's
+        ``X-Claude-Code-Session-Id``, Codex's ``session-id``, the generic ``X-Session-Id``), then the body's
+        ``prompt_cache_key`` (OpenAI's, which Codex also sends)."""
+        for name in SESSION_HEADERS:
+            value = headers.get(name)
+            if value:
+                return value
+        key = payload.get("prompt_cache_key")
+        return key if isinstance(key, str) else ""
 
     def output_limit(self, payload: dict[str, Any]) -> int:
         """The most tokens the request lets its answer have (0: it sets no limit)."""

@@ -20,6 +20,7 @@ def message_parts(head: dict[str, Any], messages: object) -> list[bytes]:
 
 class Chat(Dialect):
     name = "chat"
+    count_path = "/v1/chat/completions/input_tokens"
 
     def generations(self, payload: dict[str, Any]) -> int:
         return generations(payload)

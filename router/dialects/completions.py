@@ -7,6 +7,7 @@ from typing import Any
 
 from macpool.contract import generations
 from router.dialects.base import Dialect
+from router.tokens import tokenize_body
 
 MAX_PARTS = 256  # blocks hashed for affinity: a longer prompt keeps its node by its first ones
 BLOCK_BYTES = 1024  # UTF-8 prompt text per hashed block
@@ -30,6 +31,10 @@ def prompt_blocks(prompt: Any) -> list[bytes]:
 
 class Completions(Dialect):
     name = "completions"
+    count_path = "/tokenize"
+
+    def count_body(self, payload: dict[str, Any], body: bytes) -> bytes | None:
+        return tokenize_body(payload)
 
     def generations(self, payload: dict[str, Any]) -> int:
         return generations(payload)

@@ -12,6 +12,7 @@ class Embeddings(Dialect):
     holds, it counts one slot: llama-server batches them through its slots without a decode loop."""
 
     name = "embeddings"
+    in_context = False
 
     def streamed(self, payload: dict[str, Any]) -> bool:
         return False

@@ -56,6 +56,7 @@ class Messages(Dialect):
     name = "messages"
     limit_fields = ("max_tokens",)
     stream_end = b'"message_stop"}\n\n'
+    count_path = "/v1/messages/count_tokens"
 
     def output_limit(self, payload: dict[str, Any]) -> int:
         return super().output_limit(payload) or DEFAULT_MAX_TOKENS

@@ -18,6 +18,7 @@ class Responses(Dialect):
     name = "responses"
     limit_fields = ("max_output_tokens",)
     stream_end = b'"response.completed"}\n\n'
+    count_path = "/v1/responses/input_tokens"
 
     def generations(self, payload: dict[str, Any]) -> int:
         return generations(payload)  # llama-server passes n on: n > 1 runs n generations

@@ -9,6 +9,7 @@ from router.dialects.base import Dialect
 
 class Tokenize(Dialect):
     name = "tokenize"
+    in_context = False
 
     def streamed(self, payload: dict[str, Any]) -> bool:
         return False

@@ -32,10 +32,12 @@ class Pool:
 
     def node(
         self, node_id: str, cap: int, *, parallel: int = 8, speed: float = 50.0, preset: str = PRESET,
-        alias: str | None = None,
+        alias: str | None = None, ctx_size: int | None = None,
     ) -> Node:
-        """A simulated Mac (``alias``: the model name it serves, instead of its preset's) and its agent."""
+        """A simulated Mac (``alias``: the model name it serves, instead of its preset's; ``ctx_size``: its
+        whole context, split across its slots) and its agent."""
         named = ("--alias", alias) if alias else ()
+        named += ("--ctx-size", str(ctx_size)) if ctx_size else ()
         sim = self.stack.sim(
             f"sim-{node_id}", "--preset", preset, "--parallel", str(parallel), "--speed", str(speed), *named,
             timeout=START_TIMEOUT_S,

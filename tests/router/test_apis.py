@@ -4,6 +4,7 @@ SDKs, the light endpoints, errors in the caller's dialect, model aliases and usa
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -137,25 +138,21 @@ def test_errors_reach_anthropic_clients_as_anthropic_documents(pool: Pool, tmp_p
         assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"
         unknown = client.post("/v1/messages", json=_messages("no-such-model"), headers=headers)
         assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
-        # llama-server's own error (a prompt over the context), put in Anthropic's terms
+        # over every node's context, as a node counts it: in Anthropic's words, which Claude Code knows
         too_long = client.post("/v1/messages", json=_messages(model, text="word " * 40_000), headers=headers)
         assert too_long.status_code == 400, too_long.text
         error = too_long.json()
         assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-        assert "exceeds the available context size" in error["error"]["message"]
-        # OpenAI clients keep llama-server's document as it is
+        assert error["error"]["message"].startswith("prompt is too long: ")
+        assert " tokens > 8192 maximum" in error["error"]["message"]  # the largest context in the pool
         chat = client.post("/v1/chat/completions", headers={"authorization": "Bearer sk-team"},
                            json={"model": model, "messages": [{"role": "user", "content": "word " * 40_000}]})
-        assert chat.status_code == 400 and chat.json()["error"]["type"] == "exceed_context_size_error"
-        assert chat.json()["error"]["n_ctx"] > 0
+        assert chat.status_code == 400 and chat.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_aliases_route_agent_model_names_to_a_served_model(pool: Pool) -> None:
-    pool.node("n1", cap=2)
-    probe = pool.router()
-    pool.wait_ready(probe, nodes=1)
-    model = pool.model(probe)
-    probe.stop()
+    model = "coder"
+    pool.node("n1", cap=2, alias=model)
     router = pool.router("--model-aliases", f"claude-*={model},gpt-5-codex={model}")
     pool.wait_ready(router, nodes=1)
     with httpx.Client(base_url=router.url, timeout=30) as client:
@@ -186,3 +183,31 @@ def test_a_client_leaving_an_anthropic_stream_frees_its_slot(pool: Pool) -> None
             wait_until(lambda: node.stats()["processing"] == 0, timeout=5, interval=0.02)
     pool_doc = httpx.get(router.url + "/api/pool").json()
     assert pool_doc["pool"]["busy"] == 0, json.dumps(pool_doc["pool"])
+
+
+def test_a_request_goes_where_its_context_fits(pool: Pool) -> None:
+    # one Mac with 2 slots of 512 tokens, one with 1 slot of 4,096: a long prompt fits only the second
+    small, big = pool.node("small", cap=2, parallel=2, ctx_size=1024), pool.node("big", cap=1, parallel=1,
+                                                                                 ctx_size=4096)
+    router = pool.router()
+    pool.wait_ready(router, nodes=2)
+    model = pool.model(router)
+    with httpx.Client(base_url=router.url, timeout=60) as client:
+        long_text = "word " * 790
+        count = client.post("/v1/chat/completions/input_tokens",
+                            json={"model": model, "messages": [{"role": "user", "content": long_text}]})
+        assert 512 < count.json()["input_tokens"] < 4096
+        body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": long_text}]}
+
+        def ask(text: str) -> tuple[int, str]:
+            answer = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user",
+                                                                                      "content": text}]})
+            return answer.status_code, answer.headers.get("x-macpool-node", "")
+
+        with ThreadPoolExecutor(2) as two_at_a_time:
+            answers = list(two_at_a_time.map(ask, [long_text] * 8))
+            assert answers == [(200, "big")] * 8  # queued for the one node that fits, never a 400
+            short = list(two_at_a_time.map(ask, [f"hi {i}" for i in range(8)]))
+        assert {status for status, _ in short} == {200}
+        assert "small" in {node for _, node in short}  # short requests still use the small node
+    assert small.stats()["completed"] >= 1 and big.stats()["completed"] >= 8
