@@ -78,6 +78,7 @@ class Ticket:
     key_limit: int = 0  # requests in flight + queued for this tenant (0: no limit)
     model: str = ""
     prefixes: tuple[str, ...] = ()  # prompt-prefix hashes, longest first (router/affinity.py)
+    prefix_shares: tuple[float, ...] = ()  # the share of the prompt each covers
     # run at once by llama-server, each in a slot (several prompts, n > 1: macpool/contract.py generations);
     # such a request's candidates are the nodes large enough, so its "full" says nothing of the others
     generations: int = 1
@@ -85,6 +86,18 @@ class Ticket:
     # limit (0: none): what it holds of a node's KV cache
     prompt_tokens: int = 0
     output_tokens: int = 0
+
+
+# the prompt speed assumed of a node that has measured none yet: a slow Mac's, so a wait is not cut short
+ASSUMED_PREFILL_TOKENS_PER_S = 200.0
+
+
+def prefill_seconds(prompt_tokens: int, docs: Collection[NodeDoc]) -> float:
+    """How long ``prompt_tokens`` take to process on the fastest of ``docs``, as measured (or assumed)."""
+    if not prompt_tokens:
+        return 0.0
+    rates = [doc.prefill_tokens_per_s or ASSUMED_PREFILL_TOKENS_PER_S for doc in docs]
+    return prompt_tokens / max(rates, default=ASSUMED_PREFILL_TOKENS_PER_S)
 
 
 class Admission:
@@ -191,7 +204,7 @@ class Admission:
         tried: Collection[str],
     ) -> Lease:
         started = time.monotonic()
-        deadline = started + self.settings.queue_timeout
+        deadline = started + self.patience(ticket, docs)
         waiter = self.waiters.add(request_id, {doc.node_id for doc in docs})
         admitted = False
         try:
@@ -223,6 +236,12 @@ class Admission:
             if not admitted:
                 # (a waiter running several generations: the free slots its nodes held back for it go on)
                 await self._leave_queue(request_id, sorted(waiter.nodes) if ticket.generations > 1 else [])
+
+    def patience(self, ticket: Ticket, docs: list[NodeDoc]) -> float:
+        """How long a request may wait in the queue: ``--queue-timeout``, and as long again as its own prompt
+        takes to process on the fastest of its nodes - a coding agent's turn, whose prefill takes a minute,
+        may wait for a slot about as long as it will wait for its first token anyway."""
+        return self.settings.queue_timeout + prefill_seconds(ticket.prompt_tokens, docs)
 
     def remembers_full(self) -> bool:
         """Whether a "full" answer is remembered for some model (it may have lapsed since)."""
@@ -280,11 +299,13 @@ class Admission:
         """One reservation attempt; None when Redis is unreachable (the router admits from its own view)."""
         settings = self.settings
         request = ReserveRequest(
-            request_id, [self.place(doc, settings.placement_tokens) for doc in docs], self.leases.lease_ms,
+            request_id, [self.place(doc, settings.placement_tokens, ticket.prompt_tokens) for doc in docs],
+            self.leases.lease_ms,
             queue_size=settings.queue_size, enqueue=True, dequeue=dequeue, priority=ticket.priority,
             tenant=ticket.tenant, model=ticket.model, key_limit=ticket.key_limit,
             batch_queue_max=self.batch_queue_max,
             prefixes=ticket.prefixes if settings.affinity else (),
+            prefix_shares=ticket.prefix_shares if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
             affinity_max_entries=settings.affinity_max_entries, excluded=self._excluded(tried),
             generations=ticket.generations, router=settings.router_id, batch_cost=BATCH_COST,

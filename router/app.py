@@ -195,12 +195,15 @@ class Router:
         hashed = affinity and len(body) >= MIN_PREFIX_BYTES
         limit = key.max_concurrency if key and key.max_concurrency else self.settings.key_max_concurrency
         counted = dialect.in_context and not light
+        session = dialect.session(Headers(raw=headers), payload) if affinity else ""
+        prefixes, shares = prefix_hashes(dialect.prefix_parts(payload) if hashed else [], model, session)
         ticket = Ticket(
             tenant=key.tenant if key else ANONYMOUS,
             priority=priority,
             key_limit=limit,
             model=model,
-            prefixes=prefix_hashes(dialect.prefix_parts(payload), model) if hashed else (),
+            prefixes=prefixes,
+            prefix_shares=shares,
             generations=dialect.generations(payload),
             prompt_tokens=tokens.bound(body) if counted else 0,
             output_tokens=dialect.output_limit(payload) if counted else 0,

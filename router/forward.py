@@ -23,7 +23,7 @@ from macpool.asgi import Guard, end_stream
 from macpool.contract import NodeDoc, slots_needed
 from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER, connection_listed
 from router import tokens
-from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket
+from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket, prefill_seconds
 from router.cold_start import ColdStart
 from router.dialects import Dialect
 from router.dialects.chat import DIALECT as CHAT
@@ -432,7 +432,7 @@ class Forwarder:
         url, headers = self._url(node.url, call.path, call.query), self._upstream_headers(call)
         upstream: http.Response | None = None
         try:
-            async with asyncio.timeout(self._first_byte_timeout(call)):
+            async with asyncio.timeout(self._first_byte_timeout(call, node)):
                 upstream = await self._post(node.node_id, url, headers, call.body)
                 chunks = http.chunks(upstream)
                 first = await anext(chunks, b"")
@@ -528,9 +528,12 @@ class Forwarder:
             await asyncio.sleep(pause)
             pause *= 2
 
-    def _first_byte_timeout(self, call: Call) -> float:
-        """A stream's first byte comes with its first token; a non-streamed answer's with its last."""
-        return self.settings.first_byte_timeout if call.stream else self.settings.response_timeout
+    def _first_byte_timeout(self, call: Call, node: NodeDoc) -> float:
+        """A stream's first byte comes with its first token, after its prompt is processed; a non-streamed
+        answer's with its last. Either waits as long again as the prompt takes on the node (measured, or
+        a slow Mac's speed): a cold 30K-token prompt can take minutes on a small Mac."""
+        timeout = self.settings.first_byte_timeout if call.stream else self.settings.response_timeout
+        return timeout + prefill_seconds(call.ticket.prompt_tokens, [node])
 
     def _failed_before_first_byte(
         self, call: Call, node_id: str, upstream: http.Response | None, exc: httpx.HTTPError

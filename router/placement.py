@@ -32,23 +32,28 @@ Placement = Literal["fastest", "least-utilised"]
 BATCH_COST = 0.175  # each request in a decode batch slows every slot's step by this share of a lone step
 
 
-def fastest(doc: NodeDoc, expected_tokens: int) -> Candidate:
-    """The node with its expected answer time: first token, then ``expected_tokens`` at its slot speed
-    brought back to an empty batch (the script scales it to the batch the request would join)."""
+def fastest(doc: NodeDoc, expected_tokens: int, prompt_tokens: int = 0) -> Candidate:
+    """The node with its expected answer time: first token, the request's own prompt at the node's measured
+    prompt speed (none of it cached: the script takes off what a prefix the node holds covers), then
+    ``expected_tokens`` at its slot speed brought back to an empty batch (the script scales it to the batch
+    the request would join)."""
     speed, running = doc.slot_tokens_per_s, doc.slot_concurrency
     if not speed or speed <= 0 or running is None:
-        return least_utilised(doc, expected_tokens)
+        return least_utilised(doc, expected_tokens, prompt_tokens)
     lone_token_s = 1.0 / (speed * (1 + BATCH_COST * max(running, 1.0)))
     ttft_s = (doc.ttft_p50_ms or 0.0) / 1000
-    return Candidate(doc.node_id, doc.tokens_per_s, ttft_s=ttft_s, decode_s=expected_tokens * lone_token_s)
+    prefill = doc.prefill_tokens_per_s
+    prefill_s = prompt_tokens / prefill if prefill and prefill > 0 else 0.0
+    return Candidate(doc.node_id, doc.tokens_per_s, ttft_s=ttft_s, decode_s=expected_tokens * lone_token_s,
+                     prefill_s=prefill_s)
 
 
-def least_utilised(doc: NodeDoc, expected_tokens: int) -> Candidate:
+def least_utilised(doc: NodeDoc, expected_tokens: int, prompt_tokens: int = 0) -> Candidate:
     """The node as utilisation alone weighs it."""
     return Candidate(doc.node_id, doc.tokens_per_s)
 
 
-STRATEGIES: dict[Placement, Callable[[NodeDoc, int], Candidate]] = {
+STRATEGIES: dict[Placement, Callable[[NodeDoc, int, int], Candidate]] = {
     "fastest": fastest,
     "least-utilised": least_utilised,
 }

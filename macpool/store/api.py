@@ -43,6 +43,9 @@ class Candidate:
     tokens_per_s: float = 0.0
     ttft_s: float = 0.0
     decode_s: float = 0.0
+    # the request's own prompt processed there, none of it cached (0: not known): the expected answer time
+    # adds it, less the share of it a prefix the node holds covers (affinity)
+    prefill_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class ReserveRequest:
     key_limit: int = 0  # requests in flight + queued for this tenant (0: no limit)
     batch_queue_max: int = 0
     prefixes: Sequence[str] = ()
+    # for each prefix, the share of the prompt it covers (-1: a session, which covers what the content
+    # prefixes its node holds cover)
+    prefix_shares: Sequence[float] = ()
     affinity_abs: int = 4
     affinity_rel: float = 1.5
     affinity_max_entries: int = 100_000
@@ -393,13 +399,15 @@ def _reserve_call(request: ReserveRequest) -> dict[str, Any]:
         "enqueue": request.enqueue, "dequeue": request.dequeue, "priority": request.priority,
         "tenant": request.tenant, "model": request.model, "key_limit": request.key_limit,
         "batch_queue_max": request.batch_queue_max, "prefixes": list(request.prefixes),
+        "shares": list(request.prefix_shares) or [0] * len(request.prefixes),
         "affinity_abs": request.affinity_abs, "affinity_rel": request.affinity_rel,
         "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
         "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
         "batch_cost": request.batch_cost, "prompt_tokens": request.prompt_tokens,
         "output_tokens": request.output_tokens,
         "candidates": [{"id": c.node_id, "tokens_per_s": c.tokens_per_s, "tie": random.random(),
-                        "ttft": c.ttft_s, "decode": c.decode_s} for c in request.candidates],
+                        "ttft": c.ttft_s, "decode": c.decode_s, "prefill": c.prefill_s}
+                       for c in request.candidates],
     }
 
 

@@ -1,6 +1,6 @@
 -- Reserve slots for one request on the best candidate node, or queue it, or say why not (Store.reserve).
 -- ARGS: the request (ReserveRequest in macpool/store/api.py, by the same names; each candidate
--- {id, tokens_per_s, tie (a random number: the last tie-break), ttft, decode}).
+-- {id, tokens_per_s, tie (a random number: the last tie-break), ttft, decode, prefill}).
 -- Returns {status, node, count, affinity[, slots, tokens]}: status reserved (node, its reservations now, the
 -- affinity outcome, the slots and the tokens it holds), queued (count: the requests waiting), full, shed or
 -- limited (count: what the tenant has in flight and queued).
@@ -10,7 +10,8 @@ local prio, tenant, model = req.priority, req.tenant, req.model
 local prompt, output = req.prompt_tokens, req.output_tokens  -- (tokens_on in lib.lua)
 local queue_lease = req.queue_lease  -- waiters renew their place every attempt, so this is short
 local excluded = req.excluded  -- nodes its router no longer sends it to
-local prefixes = req.prefixes  -- prompt-prefix hashes, longest first
+local prefixes = req.prefixes  -- prompt-prefix hashes, longest first (a session's first)
+local shares = req.shares  -- the share of the prompt each covers (-1: a session)
 local nodes = {}  -- every candidate's id, as given
 for i, c in ipairs(req.candidates) do nodes[i] = c.id end
 
@@ -123,9 +124,9 @@ local function scan_queue(entries, me)
 end
 
 -- the candidates that take requests now: candidate c is node at[c] (usable and tallied: lib.lua), with
--- tps[c] / rnd[c] to break ties and ttft[c] / decode[c] for the time it would take to answer (Candidate in
--- api.py; decode 0: not measured)
-local at, tps, rnd, ttft, decode, known = {}, {}, {}, {}, {}, {}
+-- tps[c] / rnd[c] to break ties and ttft[c] / decode[c] / prefill[c] for the time it would take to answer
+-- (Candidate in api.py; decode 0: not measured; prefill 0: not known)
+local at, tps, rnd, ttft, decode, prefill, known = {}, {}, {}, {}, {}, {}, {}
 local function read_candidates()
   for _, cand in ipairs(req.candidates) do
     known[cand.id] = true
@@ -134,6 +135,7 @@ local function read_candidates()
       local c = #at + 1
       at[c] = tally(node, now)
       tps[c], rnd[c], ttft[c], decode[c] = cand.tokens_per_s, cand.tie, cand.ttft, cand.decode
+      prefill[c] = cand.prefill or 0
     end
   end
 end
@@ -218,11 +220,21 @@ local function place(best, c)
   return best
 end
 
+-- the answer expected on candidate c, with the m = n + k requests running there this one included: each of
+-- them processes its prompt about once meanwhile (a step processing a prompt holds every stream on the node
+-- for that time, which the first token measures), this one's own prompt (less the `cached` share of it the
+-- node holds), then its tokens are decoded beside the others
+local function expected(c, cached)
+  local m = at[c].n + need(gens, at[c].slots)
+  return m * ttft[c] + prefill[c] * (1 - cached) + decode[c] * (1 + req.batch_cost * m)
+end
+
 -- the candidate with the free slots (and cells) this request needs that would answer it soonest - the
 -- least-utilised one when some such candidate has not been measured (ties: lower utilisation, faster node,
--- then random) - as {c, id, util, n (its reservations), k and t (the slots and the tokens it would hold)} or
--- nil; the free slots of the candidates not held back; and `open`: node id -> candidate number, for the nodes
--- with room for this request. A node that could never hold it is none of them.
+-- then random) - as {c, id, util, n (its reservations), k and t (the slots and the tokens it would hold),
+-- cost (its expected time; 0: not measured)} or nil; the free slots of the candidates not held back; and
+-- `open`: node id -> candidate number, for the nodes with room for this request. A node that could never
+-- hold it is none of them.
 local function choose(held_back)
   local best, free, open = nil, 0, {}
   local measured = true
@@ -237,14 +249,8 @@ local function choose(held_back)
       end
     end
   end
-  -- the answer expected on c, with the m = n + k requests running there this one included: each of them
-  -- processes its prompt about once meanwhile (a step processing a prompt holds every stream on the node
-  -- for that time, which the first token measures), then its tokens are decoded beside the others
   local cost = {}
-  for _, c in pairs(open) do
-    local m = at[c].n + need(gens, at[c].slots)
-    cost[c] = measured and m * ttft[c] + decode[c] * (1 + req.batch_cost * m) or 0
-  end
+  for _, c in pairs(open) do cost[c] = measured and expected(c, 0) or 0 end
   local b = nil
   for _, c in pairs(open) do
     local better = b == nil or cost[c] < cost[b]
@@ -254,13 +260,25 @@ local function choose(held_back)
     end
     if better then b = c end
   end
-  if b ~= nil then best = place({util = at[b].n / at[b].cap}, b) end
+  if b ~= nil then best = place({util = at[b].n / at[b].cap, cost = cost[b]}, b) end
   return best, free, open
 end
 
--- prefix affinity: the node that served the longest known prefix, unless it is much busier (SGLang's rule).
--- Returns the outcome ('' without prefixes, hit, miss or overridden) and the node preferred (kept with a
--- queued request); `best` moves to the prefix's node on a hit.
+-- the share of the prompt `owner` holds cached: a prefix's own share; a session's, the largest share of the
+-- content prefixes that node also holds (none: the session's prompt may have changed since)
+local function cached_share(i, owner, owners)
+  if shares[i] >= 0 then return shares[i] end
+  local share = 0
+  for j = 1, #prefixes do
+    if owners[j] == owner and shares[j] > share then share = shares[j] end
+  end
+  return share
+end
+
+-- prefix affinity: the session's node, else the node that served the longest known prefix, unless it is much
+-- busier (SGLang's rule) and, where every node's answer time is known, would still answer later than
+-- placement's node with the prefill the cache saves counted. Returns the outcome ('' without prefixes, hit,
+-- miss or overridden) and the node preferred (kept with a queued request); `best` moves there on a hit.
 local function apply_affinity(best, open)
   if #prefixes == 0 then return '', '' end
   local outcome, pref = 'miss', ''
@@ -270,9 +288,14 @@ local function apply_affinity(best, open)
     if owner and pref == '' and known[owner] then pref = owner end
     if owner and best then
       local o = open[owner]
+      local busier = o ~= nil and at[o].n - best.n >= req.affinity_abs
+        and at[o].n / at[o].cap > best.util * req.affinity_rel
+      if busier and best.cost > 0 and expected(o, cached_share(i, owner, owners)) <= best.cost then
+        busier = false  -- what its cache saves outweighs the wait
+      end
       if o == nil then
         outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
-      elseif at[o].n - best.n >= req.affinity_abs and at[o].n / at[o].cap > best.util * req.affinity_rel then
+      elseif busier then
         outcome = 'overridden'
         break
       else

@@ -117,6 +117,44 @@ def test_affinity_prefers_the_prefix_holder_until_it_is_much_busier(store: Store
     assert store.ask("r10", ["a", "b"]).affinity == ""
 
 
+def test_a_much_busier_prefix_holder_keeps_a_long_prompt_its_cache_makes_quicker_there(store: Store) -> None:
+    def ask(rid: str, prefill_s: float, prefixes: tuple[str, ...] = ("turn2", "turn1"),
+            shares: tuple[float, ...] = (1.0, 0.9)) -> Reservation:
+        # two Macs alike: ttft 1 s, 2 s of decode; this request's prompt takes prefill_s to process anywhere
+        candidates = [Candidate(n, 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=prefill_s) for n in ("a", "b")]
+        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
+                                 queue_lease_ms=QUEUE_LEASE, prefixes=prefixes, prefix_shares=shares,
+                                 affinity_abs=2, affinity_rel=1.5, batch_cost=0.175)
+        return store.api.run(store.api.store.reserve(request, store.now))
+
+    store.node("a", 8)
+    store.node("b", 8)
+    for i in range(3):
+        store.ask(f"busy{i}", ["a"])  # a runs 3 requests, b none: much busier by both thresholds
+
+    def held_on_a(*hashes: str) -> None:  # a served the conversation's last turn (each ask records anew)
+        store.r.delete(KEYS.affinity)
+        store.r.hset(KEYS.affinity, mapping=dict.fromkeys(hashes, "a"))
+
+    # a 30-second prefill stays where 90 % of it is cached: expected 4 x 1 + 3 + 2 x 1.7 = 10.4 s there,
+    # 1 + 30 + 2 x 1.175 = 33.4 s on b
+    held_on_a("turn1")
+    stays = ask("long", prefill_s=30.0)
+    assert placed(stays) == ("reserved", "a") and stays.affinity == "hit"
+    # a short prompt moves: the wait on a outweighs what a's cache saves
+    held_on_a("turn1")
+    moves = ask("short", prefill_s=0.5)
+    assert placed(moves) == ("reserved", "b") and moves.affinity == "overridden"
+    # a session names the node: it covers what the content prefixes held there cover
+    held_on_a("s-session", "turn1")
+    session = ask("session", prefill_s=30.0, prefixes=("s-session", "new2", "turn1"), shares=(-1.0, 1.0, 0.9))
+    assert placed(session) == ("reserved", "a") and session.affinity == "hit"
+    # a session whose node holds none of its prompt any more is kept only while it is not much busier
+    held_on_a("s-session")
+    lost = ask("lost", prefill_s=30.0, prefixes=("s-session", "other2", "other1"), shares=(-1.0, 1.0, 0.5))
+    assert placed(lost) == ("reserved", "b") and lost.affinity == "overridden"
+
+
 def test_affinity_memory_is_bounded_least_recently_used_first(store: Store) -> None:
     store.node("a", 100)
     for i in range(10):

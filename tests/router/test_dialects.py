@@ -7,13 +7,17 @@ from typing import Any
 
 import pytest
 
-from router.affinity import prefix_hashes
+from router.affinity import SESSION_SHARE, prefix_hashes
 from router.aliases import Aliases
 from router.dialects import DIALECTS, Usage, api_of
 from router.dialects.chat import MAX_PARTS
 
 CHAT, MESSAGES, RESPONSES = DIALECTS["chat"], DIALECTS["messages"], DIALECTS["responses"]
 LONG = "x" * 500  # over the shortest prefix worth steering for
+
+
+def hashes(parts: list[bytes]) -> tuple[str, ...]:
+    return prefix_hashes(parts, "m")[0]
 
 
 def _chat(count: int) -> dict[str, Any]:
@@ -24,9 +28,9 @@ def test_a_prompt_is_hashed_by_its_first_parts_only() -> None:
     # each part costs a json.dumps: past MAX_PARTS messages (or blocks) a conversation keeps its node by its
     # first ones, so a body of very many tiny messages is never hashed whole
     assert len(CHAT.prefix_parts(_chat(MAX_PARTS + 50))) == MAX_PARTS
-    capped = prefix_hashes(CHAT.prefix_parts(_chat(MAX_PARTS)), "m")
-    assert capped and prefix_hashes(CHAT.prefix_parts(_chat(MAX_PARTS + 50)), "m") == capped
-    assert prefix_hashes(CHAT.prefix_parts(_chat(MAX_PARTS - 1)), "m")[0] != capped[0]
+    capped = hashes(CHAT.prefix_parts(_chat(MAX_PARTS)))
+    assert capped and hashes(CHAT.prefix_parts(_chat(MAX_PARTS + 50))) == capped
+    assert hashes(CHAT.prefix_parts(_chat(MAX_PARTS - 1)))[0] != capped[0]
     completion = DIALECTS["completion"]
     tokens = list(range(256 * (MAX_PARTS + 10)))
     capped_tokens = {"prompt": tokens[:256 * MAX_PARTS]}
@@ -34,13 +38,34 @@ def test_a_prompt_is_hashed_by_its_first_parts_only() -> None:
     assert len(CHAT.prefix_parts({"messages": [{"role": "user", "content": ""}] * 250_000})) == MAX_PARTS
 
 
+def test_each_prefix_says_the_share_of_the_prompt_it_covers_and_a_session_comes_first() -> None:
+    parts = [b"s" * 400, b"a" * 400, b"b" * 800]
+    found, shares = prefix_hashes(parts, "m")
+    assert shares == (1.0, 0.5, 0.25) and len(found) == 3
+    with_session, session_shares = prefix_hashes(parts, "m", session="0f3c")
+    assert with_session[1:] == found and session_shares == (SESSION_SHARE, *shares)
+    assert with_session[0].startswith("s") and with_session[0] not in found
+    assert prefix_hashes(parts, "other", session="0f3c")[0][0] != with_session[0]  # per model
+    assert prefix_hashes([], "m", session="0f3c")[0] == with_session[:1]  # a short prompt keeps its session
+
+
+def test_sessions_come_from_the_headers_coding_agents_send_or_the_body() -> None:
+    from starlette.datastructures import Headers
+
+    assert MESSAGES.session(Headers({"x-claude-code-session-id": "cc1"}), {}) == "cc1"
+    assert RESPONSES.session(Headers({"session-id": "codex1"}), {"prompt_cache_key": "codex1"}) == "codex1"
+    assert RESPONSES.session(Headers({}), {"prompt_cache_key": "pk"}) == "pk"
+    assert CHAT.session(Headers({"x-session-id": "mine", "session-id": "x"}), {}) == "mine"
+    assert CHAT.session(Headers({}), {"prompt_cache_key": 3}) == ""
+
+
 def test_chat_without_tools_hashes_its_messages_alone() -> None:
     body = {"messages": [{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}]}
     with_tools = {**body, "tools": [{"type": "function", "function": {"name": "f"}}]}
     assert len(CHAT.prefix_parts(body)) == 2
     assert len(CHAT.prefix_parts(with_tools)) == 3  # the tools are rendered before the messages
-    assert set(prefix_hashes(CHAT.prefix_parts(body), "m")).isdisjoint(
-        prefix_hashes(CHAT.prefix_parts(with_tools), "m"))
+    assert set(hashes(CHAT.prefix_parts(body))).isdisjoint(
+        hashes(CHAT.prefix_parts(with_tools)))
 
 
 def _anthropic_turn(n: int) -> dict[str, Any]:
@@ -59,17 +84,17 @@ def _anthropic_turn(n: int) -> dict[str, Any]:
 
 def test_an_anthropic_conversation_keeps_its_prefix_wherever_the_cache_markers_sit() -> None:
     turn1, turn2 = _anthropic_turn(1), _anthropic_turn(2)
-    first = prefix_hashes(MESSAGES.prefix_parts(turn1), "m")
-    second = prefix_hashes(MESSAGES.prefix_parts(turn2), "m")
+    first = hashes(MESSAGES.prefix_parts(turn1))
+    second = hashes(MESSAGES.prefix_parts(turn2))
     # turn 1's whole prompt but its newest message (whose marker moved) is a prefix turn 2 holds
     assert set(first[1:]) <= set(second)
     # the next turn sends the newest message of this one as a plain string
     plain = [{**m, "content": m["content"][0]["text"]} if i == len(turn1["messages"]) - 1 else m
              for i, m in enumerate(turn1["messages"])]
     resent = {**turn1, "messages": [*plain, {"role": "assistant", "content": "ok"}]}
-    assert set(first) <= set(prefix_hashes(MESSAGES.prefix_parts(resent), "m"))
+    assert set(first) <= set(hashes(MESSAGES.prefix_parts(resent)))
     other_system = {**turn2, "system": "another agent " + LONG}
-    assert set(first).isdisjoint(prefix_hashes(MESSAGES.prefix_parts(other_system), "m"))
+    assert set(first).isdisjoint(hashes(MESSAGES.prefix_parts(other_system)))
 
 
 def test_claude_codes_billing_stamp_does_not_break_its_prefix() -> None:
@@ -78,16 +103,16 @@ def test_claude_codes_billing_stamp_does_not_break_its_prefix() -> None:
                   {"type": "text", "text": "You are Claude Code. " + LONG}]
         return {**_anthropic_turn(1), "system": system}
 
-    assert prefix_hashes(MESSAGES.prefix_parts(turn("a5145")), "m") == prefix_hashes(
-        MESSAGES.prefix_parts(turn("0e9d1")), "m")
+    assert hashes(MESSAGES.prefix_parts(turn("a5145"))) == hashes(
+        MESSAGES.prefix_parts(turn("0e9d1")))
 
 
 def test_a_responses_conversation_extends_its_instructions_and_items() -> None:
     items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": LONG}]}]
     turn1 = {"instructions": "You are Codex. " + LONG, "input": items}
     turn2 = {**turn1, "input": [*items, {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}
-    assert set(prefix_hashes(RESPONSES.prefix_parts(turn1), "m")) < set(
-        prefix_hashes(RESPONSES.prefix_parts(turn2), "m"))
+    assert set(hashes(RESPONSES.prefix_parts(turn1))) < set(
+        hashes(RESPONSES.prefix_parts(turn2)))
     assert RESPONSES.prefix_parts({"input": LONG})  # a plain string input is one item
 
 

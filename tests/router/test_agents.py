@@ -1,0 +1,91 @@
+"""Coding-agent traffic through the router: requests go where their context fits, a long prompt may wait as
+long as it will take, and a session stays on the Mac that holds its prefix."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router.conftest import Pool
+
+pytestmark = pytest.mark.in_process  # none of these tests is about a process
+
+
+def test_a_request_goes_where_its_context_fits(pool: Pool) -> None:
+    # one Mac with 2 slots of 512 tokens, one with 1 slot of 4,096: a long prompt fits only the second
+    small, big = pool.node("small", cap=2, parallel=2, ctx_size=1024), pool.node("big", cap=1, parallel=1,
+                                                                                 ctx_size=4096)
+    router = pool.router()
+    pool.wait_ready(router, nodes=2)
+    model = pool.model(router)
+    with httpx.Client(base_url=router.url, timeout=60) as client:
+        long_text = "word " * 790
+        count = client.post("/v1/chat/completions/input_tokens",
+                            json={"model": model, "messages": [{"role": "user", "content": long_text}]})
+        assert 512 < count.json()["input_tokens"] < 4096
+        body = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": long_text}]}
+
+        def ask(text: str) -> tuple[int, str]:
+            answer = client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user",
+                                                                                      "content": text}]})
+            return answer.status_code, answer.headers.get("x-macpool-node", "")
+
+        with ThreadPoolExecutor(2) as two_at_a_time:
+            answers = list(two_at_a_time.map(ask, [long_text] * 8))
+            assert answers == [(200, "big")] * 8  # queued for the one node that fits, never a 400
+            short = list(two_at_a_time.map(ask, [f"hi {i}" for i in range(8)]))
+        assert {status for status, _ in short} == {200}
+        assert "small" in {node for _, node in short}  # short requests still use the small node
+    assert small.stats()["completed"] >= 1 and big.stats()["completed"] >= 8
+
+
+def _chat(model: str, text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": text}], **extra}
+
+
+def test_a_long_prompt_waits_in_the_queue_about_as_long_as_it_takes(pool: Pool) -> None:
+    pool.node("n1", cap=1, parallel=1, speed=5)
+    router = pool.router("--queue-timeout", "0.5")
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+    hold = _chat(model, "x", max_tokens=4000, stream=True, ignore_eos=True)
+    with httpx.Client(base_url=router.url, timeout=60) as client, client.stream(
+        "POST", "/v1/chat/completions", json=hold
+    ) as busy, ThreadPoolExecutor(2) as waiting:
+        chunks = busy.iter_raw()  # (a reference: a collected iterator closes the stream)
+        next(chunks)
+        started = time.monotonic()
+        long = waiting.submit(client.post, "/v1/chat/completions", json=_chat(model, "word " * 3000))
+        short = client.post("/v1/chat/completions", json=_chat(model, "hi"))
+        assert short.status_code == 503 and short.json()["error"]["code"] == "queue_timeout"
+        assert time.monotonic() - started < 5  # the short one waits --queue-timeout...
+        assert not long.done()  # ...the long one as long again as its prompt takes (not measured: 200 tok/s)
+        busy.close()
+        assert long.result(timeout=30).status_code == 200
+
+
+def test_a_session_stays_on_its_mac_whatever_its_prompt_and_whichever_router(pool: Pool) -> None:
+    pool.node("a", cap=4)
+    pool.node("b", cap=4)
+    first, second = pool.router(), pool.stack.router("router-2", pool.redis_url, "--agent-token",
+                                                     "router-test-agent-token")
+    pool.wait_ready(first, nodes=2)
+    pool.wait_ready(second, nodes=2)
+    model = pool.model(first)
+
+    def turn(router_url: str, text: str, headers: dict[str, str]) -> str:
+        answer = httpx.post(router_url + "/v1/chat/completions", json=_chat(model, text), headers=headers,
+                            timeout=30)
+        assert answer.status_code == 200, answer.text
+        return answer.headers["x-macpool-node"]
+
+    for name in ("x-claude-code-session-id", "session-id", "x-session-id"):
+        session = {name: f"{name}-1"}
+        home = turn(first.url, "first turn " * 100, session)
+        # every turn differs entirely (nothing of it hashed before), on either router: the session keeps it
+        nodes = {turn(url, f"turn {i} " * 100, session) for i, url in enumerate([first.url, second.url] * 3)}
+        assert nodes == {home}, name
