@@ -385,6 +385,7 @@ class PoolView:
             nodes.append({
                 **doc.model_dump(mode="json"),
                 "reserved": self.snapshot.reservations.get(doc.node_id, 0),
+                "reserved_tokens": self.snapshot.reserved_tokens.get(doc.node_id, 0),
                 "drained": doc.node_id in self.snapshot.drained,
                 "circuit": self.circuit_state(doc.node_id),
             })

@@ -28,7 +28,7 @@ STATE_STYLE = {
     "gone": "bright_black",
 }
 
-COLUMNS = ("node", "state", "models", "slots", "resv", "memory GB", "tok/s", "TTFT", "reason")
+COLUMNS = ("node", "state", "models", "slots", "resv", "KV cells", "memory GB", "tok/s", "TTFT", "reason")
 REASON_MIN_WIDTH = 120  # narrower terminals drop the reason column rather than squash the figures
 
 
@@ -129,7 +129,7 @@ class TopView:
         columns = COLUMNS if width >= REASON_MIN_WIDTH else COLUMNS[:-1]
         table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False)
         for column in columns:
-            right = column in ("resv", "tok/s", "TTFT")
+            right = column in ("resv", "KV cells", "tok/s", "TTFT")
             table.add_column(column, justify="right" if right else "left", no_wrap=column != "reason")
         for doc, state in self.update(view, now):
             memory = doc.get("memory") or {}
@@ -144,6 +144,7 @@ class TopView:
                 models_text(doc),
                 f"{_bar(in_flight, max(capacity, 1), 8)} {in_flight:>2}/{capacity:<2}",
                 str(doc.get("reserved", "-")),
+                _cells(doc),
                 f"{_bar(pinned, limit, 8)} {pinned:5.1f}/{limit:.0f}" if limit else "-",
                 _num(doc.get("tokens_per_s"), 0),
                 "-" if ttft is None else f"{float(ttft):.0f}ms",
@@ -153,6 +154,19 @@ class TopView:
         if not table.rows:
             table.add_row("(no node in the pool)", *[""] * (len(columns) - 1))
         return Group(header, totals, queues, table) if queues else Group(header, totals, table)
+
+
+def _kilo(n: int) -> str:
+    return f"{n / 1024:.0f}K" if n >= 1024 else str(n)
+
+
+def _cells(doc: dict[str, Any]) -> str:
+    """The KV cells llama-server holds of its cache ("shared": one pool for every slot), "-" when unknown."""
+    cells = int(doc.get("kv_cells") or 0)
+    if not cells:
+        return "-"
+    used = int(doc.get("kv_cells_used") or 0)
+    return f"{_kilo(used)}/{_kilo(cells)}" + (" shared" if doc.get("kv_unified") else "")
 
 
 def fetch(client: httpx.Client, url: str) -> dict[str, Any]:

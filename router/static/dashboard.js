@@ -101,6 +101,11 @@ function modelsText(doc) {
   }).join(", ");
 }
 
+// 65536 -> "64K": contexts and cells are counted in thousands of tokens
+function kilo(n) {
+  return n >= 1024 ? fmt(n / 1024, n % 1024 ? 1 : 0) + "K" : String(n);
+}
+
 function renderNode(card, poolCapacity) {
   const { el, doc } = card;
   const q = (sel) => el.querySelector(sel);
@@ -133,6 +138,17 @@ function renderNode(card, poolCapacity) {
   // no memory sample (the probe failing, or the simulator's llama-server down): say so rather than "0.0 / 0.0"
   q(".mem-text").textContent = mem.wired_limit_gb ? `${fmt(weights + working)} / ${fmt(mem.wired_limit_gb)} GB` : "- GB";
 
+  // the KV cache: the cells llama-server holds (the bar), the tokens the routers reserved there (the mark),
+  // and the most one request may hold; none known (an agent that does not say): "-"
+  const cells = doc.kv_cells || 0;
+  const used = doc.kv_cells_used || 0;
+  const reservedTokens = doc.reserved_tokens || 0;
+  q(".bar.cells .fill").style.width = cells ? (100 * Math.min(used / cells, 1)) + "%" : "0%";
+  q(".bar.cells .held").style.width = cells ? (100 * Math.min(reservedTokens / cells, 1)) + "%" : "0%";
+  q(".cells-text").textContent = cells ? `${kilo(used)} / ${kilo(cells)}` + (doc.kv_unified ? " shared" : "") : "-";
+  q(".bar.cells").title = cells ? `${used} of ${cells} cells held, ${reservedTokens} tokens reserved by the ` +
+    `routers; one request holds at most ${doc.seq_ctx || doc.ctx_per_slot || "?"} tokens` +
+    (doc.kv_unified ? " (one pool of cells for every slot)" : " (a context per slot)") : "";
   q(".tps").textContent = fmt(doc.tokens_per_s, 0);
   q(".ttft").textContent = doc.ttft_p50_ms === null || doc.ttft_p50_ms === undefined ? "-" : fmt(doc.ttft_p50_ms, 0) + " ms";
   // the pool's capacity counts ready, undrained nodes only: so must each node's share of it

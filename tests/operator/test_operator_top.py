@@ -88,3 +88,20 @@ def test_top_says_a_node_is_drained_and_does_not_make_up_memory_figures() -> Non
     assert "20.0/36" in lines["mac-1"]
     assert "qwen-14b loaded 19.2G" in lines["mac-1"]  # each model, and the memory it holds
     assert "0.0/0" not in lines["mac-2"]
+
+
+def test_top_shows_the_kv_cells_each_node_holds() -> None:
+    from rich.console import Console
+
+    from router.top import TopView
+
+    nodes = [{"node_id": "mac-1", "state": "ready", "capacity": 4, "kv_cells": 65536, "kv_cells_used": 24576,
+              "kv_unified": True},
+             {"node_id": "mac-2", "state": "ready", "capacity": 2, "kv_cells": 0}]
+    console = Console(width=200, record=True)
+    console.print(TopView().render({"pool": {}, "nodes": nodes}, "http://router", now=0, width=200))
+    text = console.export_text()
+    lines = {line.split()[0]: line for line in text.splitlines() if line.lstrip().startswith("mac")}
+    assert "KV cells" in text
+    assert "24K/64K shared" in lines["mac-1"]
+    assert "shared" not in lines["mac-2"]
