@@ -15,13 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from macpool.apis import APIS
 from tests.raw_http import parse_head
 from tests.reliability.conftest import Node, Rig, assert_clean, wait_until
 
 pytestmark = pytest.mark.slow
 
 MAX_BODY = 65536
-PROXIED = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/completion"]
+PROXIED = list(APIS)
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 
@@ -46,8 +47,10 @@ def check(status: int | None, headers: dict[str, str], body: bytes, node: Node) 
     assert_clean(body, node.agent.url, node.sim.url)
     json_body = body and headers.get("content-type", "").startswith("application/json")
     if not relayed and status >= 400 and json_body:
-        error = json.loads(body)["error"]
+        document = json.loads(body)
+        error = document["error"]
         assert {"message", "type", "code"} <= set(error)
+        assert document.get("type", "error") == "error"  # Anthropic's, on its paths
 
 
 def after(rig: Rig, node: Node, url: str) -> None:
@@ -86,7 +89,11 @@ payloads = st.fixed_dictionaries(
         "prompt": st.one_of(st.text(max_size=60), json_any),
         "input": st.one_of(st.text(max_size=60), json_any),
         "stream": json_any,
+        "system": st.one_of(st.text(max_size=60), json_any),
+        "instructions": st.one_of(st.text(max_size=60), json_any),
+        "tools": json_any,
         "max_tokens": st.one_of(st.integers(-5, 6), json_any),
+        "max_output_tokens": st.one_of(st.integers(-5, 6), json_any),
         "n_predict": st.one_of(st.integers(-5, 6), json_any),
     },
 )
