@@ -188,8 +188,9 @@ class SimServer:
         self.settings = settings
         self.machine = machine
         self.resolved = Resolved(settings, machine)
-        machine.check_start(self.resolved.n_slots, self.resolved.n_ctx_slot, self.resolved.model_path)
-        self.engine = Engine(machine, self.resolved.n_slots, self.resolved.n_ctx_slot)
+        r = self.resolved
+        machine.check_start(r.n_cells, r.model_path)
+        self.engine = Engine(machine, r.n_slots, r.n_ctx_slot, r.options)
         self.runner = Runner(self.engine, settings.speed)
         self.started = time.monotonic()
         self.fingerprint = build_info()
@@ -397,7 +398,7 @@ class SimServer:
         """The model's ``meta`` in /v1/models (llama-server reads it from the GGUF)."""
         return {
             "vocab_type": 2, "n_vocab": 151936, "n_ctx": self.resolved.n_ctx_slot,
-            "n_ctx_train": 32768, "n_embd": 5120, "n_params": 14_000_000_000,
+            "n_ctx_train": self.machine.n_ctx_train, "n_embd": 5120, "n_params": 14_000_000_000,
             "size": int(self.machine.weights_gb * 2**30), "ftype": "Q4_K - Medium",
         }
 
@@ -709,10 +710,10 @@ class SimServer:
         }
 
     def per_request_gb(self) -> float:
-        """With the KV cache allocated at start, what one more slot costs (what an agent estimates from the
-        GGUF on a real Mac); else the working set one more typical request adds."""
-        m = self.machine
-        return self.resolved.n_ctx_slot * m.kv_mb_per_token / 1024 if m.kv_at_start else m.per_request_gb()
+        """With the KV cache allocated at start, a slot's share of it (what an agent estimates from the GGUF
+        on a real Mac); else the working set one more typical request adds."""
+        m, r = self.machine, self.resolved
+        return r.n_cells / r.n_slots * m.kv_mb_per_token / 1024 if m.kv_at_start else m.per_request_gb()
 
     async def sim_memory(self, request: Request) -> Response:
         return json_response(self.memory_json())

@@ -53,8 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
     # no argparse defaults for settings: an unset flag leaves the value to MACPOOL_SIM_* or SimSettings
     p.add_argument("--host", help=f"listen address (default {_default('host')})")
     p.add_argument("--port", type=int, help=f"listen port (default {_default('port')})")
-    p.add_argument("-np", "--parallel", type=int, help="slots (default: the machine's)")
-    p.add_argument("-c", "--ctx-size", type=int, help="total context, split across slots")
+    p.add_argument("-np", "--parallel", type=int,
+                   help="slots (default: the machine's; negative: llama-server's auto, 4 slots over a "
+                   "unified cache)")
+    p.add_argument("-c", "--ctx-size", type=int,
+                   help="total context: split across the slots, or one pool of cells with --kv-unified")
+    p.add_argument("-kvu", "--kv-unified", dest="kv_unified", action="store_true", default=None,
+                   help="the slots share one pool of cells, and each may take the whole context")
+    p.add_argument("-no-kvu", "--no-kv-unified", dest="kv_unified", action="store_false",
+                   help="a KV stream of its own per slot (llama-server's default with -np N)")
+    p.add_argument("--kv-unified-per-slot", type=int, metavar="N",
+                   help="the most context one slot may take (without -c: the context is N x the slots)")
+    p.add_argument("-cram", "--cache-ram", type=int, metavar="MIB",
+                   help=f"MiB of prompt cache in host memory (default {_default('cache_ram')}; -1: no limit, "
+                   "0: none)")
+    p.add_argument("--cache-idle-slots", action=argparse.BooleanOptionalAction, default=None,
+                   help="save idle slots to the prompt cache as a task starts (default: yes)")
+    p.add_argument("-sps", "--slot-prompt-similarity", type=float, metavar="F",
+                   help="share of a new prompt a slot must hold to be chosen for it "
+                   f"(default {_default('slot_prompt_similarity')}; 0: never)")
     p.add_argument("-m", "--model", help="model path or name (reported as llama-server does)")
     p.add_argument("-a", "--alias", help="model alias")
     p.add_argument("--metrics", action="store_true", default=None, help="enable /metrics")
@@ -95,7 +112,10 @@ def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
     args = build_parser().parse_args(strip_ignored(argv))
     values = {
         "host": args.host, "port": args.port, "preset": args.preset, "machine": args.machine,
-        "parallel": args.parallel, "ctx_size": args.ctx_size, "model": args.model, "alias": args.alias,
+        "parallel": args.parallel, "ctx_size": args.ctx_size, "kv_unified": args.kv_unified,
+        "kv_unified_per_slot": args.kv_unified_per_slot, "cache_ram": args.cache_ram,
+        "cache_idle_slots": args.cache_idle_slots, "slot_prompt_similarity": args.slot_prompt_similarity,
+        "model": args.model, "alias": args.alias,
         "metrics": args.metrics, "speed": args.speed, "load_seconds": args.load_seconds,
         "models": args.models, "models_preset": args.models_preset, "models_max": args.models_max,
         "models_autoload": args.models_autoload,

@@ -1,10 +1,17 @@
-"""The simulated llama-server core: slots, the deferred queue, batched steps on a virtual clock.
+"""The simulated llama-server core: slots, the deferred queue, the KV cache and the prompt caches, batched
+steps on a virtual clock.
 
 ``Engine`` is synchronous and deterministic: ``step()`` runs one llama_decode-like step over every running
 sequence (one new token each, plus up to ``n_batch`` prompt tokens of prefill) and advances the simulated
 clock by what the machine model says that step costs. ``Runner`` drives an Engine from one asyncio task,
 pacing simulated time against the wall clock at ``speed``; if Python falls behind, simulated time simply
 advances more slowly (every reported figure is in simulated time).
+
+The slots keep their last prompt in the KV cache for the next task that shares its prefix, and llama-server's
+prompt cache in host memory (``simulator.prompt_cache``) moves prompts between slots. With a unified KV cache
+(``--kv-unified``) every sequence and every idle slot's prompt take cells from one pool: idle slots are
+cleared to make room, and a step that still finds too few cells fails every running task, as llama-server's
+``update_slots`` does.
 """
 
 from __future__ import annotations
@@ -19,13 +26,28 @@ from dataclasses import dataclass, field
 from macpool.loops import wait_event
 from simulator import tokens
 from simulator.machine import STATE_ORDER, Machine, MemoryState
+from simulator.prompt_cache import PromptCache
 
 log = logging.getLogger("macpool.sim")
 
-# llama-server only reuses a slot's cache when the shared prefix is at least this share of the new prompt
-SLOT_PROMPT_SIMILARITY = 0.1
 # falling further behind the wall clock than this re-anchors the clock instead of rushing to catch up
 MAX_LAG_S = 0.1
+# a slot chosen for its prompt keeps it unless the new prompt shares less than this share of it: then the
+# prompt is saved to the prompt cache first (get_available_slot's f_keep)
+MIN_KEEP = 0.5
+# llama-server's error for every running task when the unified KV cache has no cells left for a step
+CONTEXT_EXCEEDED = "Context size has been exceeded."
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """llama-server's flags for its slots and caches; the defaults are llama-server's."""
+
+    kv_unified: bool = False  # --kv-unified: every slot takes cells from one pool of n_cells
+    n_cells: int = 0  # the KV cache's cells (the whole context, -c); 0: slots x context per slot
+    cache_ram_mib: int = 8192  # --cache-ram: the prompt cache in host memory (-1: no limit, 0: none)
+    cache_idle_slots: bool = True  # --cache-idle-slots: save idle slots as a task starts (needs the cache)
+    slot_prompt_similarity: float = 0.1  # --slot-prompt-similarity (0: never choose a slot by its prompt)
 
 
 @dataclass(eq=False)
@@ -48,6 +70,7 @@ class Task:
     finished: bool = False
     cancelled: bool = False
     finish_reason: str = ""
+    error: str = ""  # llama-server's error for a task it failed (a server_error)
     wake: asyncio.Event | None = field(default=None, repr=False)
     # set by a streaming consumer: tokens it has written out, so the engine never runs far ahead of them
     streaming: bool = False
@@ -62,6 +85,16 @@ class Task:
     @property
     def prefilling(self) -> bool:
         return self.n_past < self.n_prompt
+
+    @property
+    def answered(self) -> bool:
+        """Finished with an answer (not an error)."""
+        return self.finished and not self.error
+
+    @property
+    def held(self) -> int:
+        """Tokens in its KV cache: the prompt so far and what it generated."""
+        return self.n_past + self.n_decoded
 
     @property
     def prompt_ms(self) -> float:
@@ -94,7 +127,7 @@ class Slot:
     n_ctx: int
     cached: str = ""  # the text whose KV the slot still holds (prompt + generated of its last task)
     task: Task | None = None
-    last_used: float = 0.0
+    last_used: float = -1.0  # never used: llama-server's -1
 
 
 @dataclass
@@ -119,6 +152,8 @@ class Counters:
     tokens_generated: int = 0
     completed: int = 0
     cancelled: int = 0
+    failed: int = 0
+    prompt_cache_restores: int = 0
     max_concurrent: int = 0
     peak_pinned_gb: float = 0.0
     worst_state: str = MemoryState.HEALTHY.value
@@ -127,17 +162,26 @@ class Counters:
 class Engine:
     """Slots, the deferred queue and the batched step, with no I/O."""
 
-    def __init__(self, machine: Machine, n_slots: int, n_ctx_slot: int) -> None:
+    def __init__(
+        self, machine: Machine, n_slots: int, n_ctx_slot: int, options: ServerOptions = ServerOptions()
+    ) -> None:
         self.machine = machine
+        self.options = options
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_slots)]
         # llama-server's deferred tasks: each one prompt's generations (a task and its n_cmpl - 1 children)
         self.deferred: deque[list[Task]] = deque()
         self.running: list[Task] = []
         self.sim_time = 0.0
         self.external_gb = 0.0
-        self.kv_cache_gb = machine.kv_cache_gb(n_slots, n_ctx_slot)
+        self.n_cells = options.n_cells or n_slots * n_ctx_slot
+        self.kv_cache_gb = machine.kv_cache_gb(self.n_cells)
+        self.prompt_cache = (
+            PromptCache(options.cache_ram_mib, self.n_cells, machine.kv_mb_per_token)
+            if options.cache_ram_mib else None
+        )
         self.counters = Counters()
         self._ids = itertools.count()
+        self._stall_s = 0.0  # prompt-cache copies since the last step: the next step waits for them
 
     # --- requests -----------------------------------------------------------------------------------------
     def submit(self, *tasks: Task) -> None:
@@ -184,6 +228,13 @@ class Engine:
         held = sum(self.machine.sequence_gb(t.n_past + t.n_decoded) for t in self.running)
         return self.machine.fixed_gb(self.external_gb) + held
 
+    def cells_used(self) -> int:
+        """KV cells taken: each running sequence's tokens, and each idle slot's prompt. With a unified cache
+        a child shares its parent's prompt cells and takes only those it generates."""
+        unified = self.options.kv_unified
+        running = sum(t.n_decoded if unified and t.parent is not None else t.held for t in self.running)
+        return running + sum(tokens.count(s.cached) for s in self.slots if s.task is None)
+
     def _observe_memory(self) -> None:
         pinned = self.pinned_gb()
         c = self.counters
@@ -203,27 +254,31 @@ class Engine:
     # --- the step -----------------------------------------------------------------------------------------
     def step(self) -> list[Task]:
         """One decode call over every running sequence; returns the tasks that produced output or ended."""
-        decode = [t for t in self.running if not t.prefilling]
+        # llama-server builds the batch slot by slot: every generating slot's next token, then the prompts
+        # of the slots still processing theirs, until n_batch tokens
+        in_slots = sorted(self.running, key=lambda t: t.slot.id if t.slot else -1)
+        decode = [t for t in in_slots if not t.prefilling]
         budget = self.machine.n_batch - len(decode)
         prefill: list[tuple[Task, int]] = []
-        for task in self.running:
+        for task in in_slots:
             if budget <= 0:
                 break
             if task.prefilling and task.parent is None:
                 take = min(budget, task.n_prompt - task.n_past)
                 prefill.append((task, take))
                 budget -= take
-        n_prefill = sum(take for _, take in prefill)
-        dt = self.machine.step_seconds(len(decode), n_prefill, self.pinned_gb())
-        self.sim_time += dt
-        c = self.counters
-        c.busy_s += dt
-        c.n_decode_total += 1
-        c.n_busy_slots_total += len(self.running)
+        if self.options.kv_unified:
+            needed = len(decode) + sum(take for _, take in prefill)
+            while needed > self.n_cells - self.cells_used() and self._clear_idle_slot():
+                pass
+            if needed > self.n_cells - self.cells_used():
+                return self._out_of_cells(decode, prefill)
+        self._advance(decode, prefill)
         progressed: list[Task] = []
         for task in decode:
             self._emit(task)
             progressed.append(task)
+        c = self.counters
         for task, take in prefill:
             task.n_past += take
             if not task.prefilling:
@@ -245,6 +300,59 @@ class Engine:
             if task.finished:  # a slot released: llama-server offers the deferred queue one task per release
                 self._pop_deferred()
         return progressed
+
+    def _advance(self, decode: list[Task], prefill: list[tuple[Task, int]]) -> None:
+        """The clock through one decode of ``decode``'s tokens and ``prefill``'s prompt chunks, after any
+        prompt-cache copies made since the last step."""
+        chunks = [(task.n_past, take) for task, take in prefill]
+        dt = self._stall_s + self.machine.step_seconds([t.held for t in decode], chunks, self.pinned_gb())
+        self._stall_s = 0.0
+        self.sim_time += dt
+        c = self.counters
+        c.busy_s += dt
+        c.n_decode_total += 1
+        c.n_busy_slots_total += len(self.running)
+
+    def _clear_idle_slot(self) -> bool:
+        # llama-server's try_clear_idle_slots: the first idle slot still holding a prompt gives its cells back
+        for slot in self.slots:
+            if slot.task is None and slot.cached:
+                slot.cached = ""
+                return True
+        return False
+
+    def _out_of_cells(self, decode: list[Task], prefill: list[tuple[Task, int]]) -> list[Task]:
+        # llama_decode finds no cells for the batch: llama-server retries with halves of it until a single
+        # token does not fit, then fails every running task and clears its slot (update_slots, decode)
+        room = max(0, self.n_cells - self.cells_used())
+        fits, fit_prefill = decode[:room], []
+        room -= len(fits)
+        for task, take in prefill:
+            if room > 0:
+                fit_prefill.append((task, min(take, room)))
+                room -= take
+        self._advance(fits, fit_prefill)
+        failed = list(self.running)
+        for task in failed:
+            self._fail(task, CONTEXT_EXCEEDED)
+        self._observe_memory()
+        for _ in failed:
+            self._pop_deferred()
+        return failed
+
+    def _fail(self, task: Task, message: str) -> None:
+        task.finished = True
+        task.error = message
+        task.finish_reason = "error"
+        task.t_end = self.sim_time
+        c = self.counters
+        c.failed += 1
+        c.tokens_predicted_total += task.n_decoded
+        c.tokens_predicted_seconds_total += task.predicted_ms / 1000.0
+        slot = task.slot
+        self._release(task)
+        if slot is not None:
+            slot.cached = ""
 
     def _start_children(self, parent: Task) -> list[Task]:
         # llama-server's copy_state_to, right after the decode that ends the parent's prompt: each child takes
@@ -295,24 +403,90 @@ class Engine:
         # llama-server's process_single_task: a task and its children start at once if enough slots are idle
         # for all of them, whatever waits in the deferred queue (a single request overtakes a group left
         # waiting there); else they go to the back of the queue, together
-        idle = [s for s in self.slots if s.task is None]
-        if len(idle) < len(group):
+        if all(s.task is not None for s in self.slots):
             self.deferred.append(group)
             return
         parent, *children = group
-        first, shared = self._pick_slot(idle, parent)
-        idle.remove(first)
+        first = self._available_slot(parent)
+        # the children take the lowest-numbered other idle slots (get_free_slots) and wait there
+        others = [s for s in self.slots if s.task is None and s is not first][: len(children)]
+        if len(others) < len(children):
+            self.deferred.append(group)
+            return
+        shared = tokens.common_prefix_tokens(first.cached, parent.prompt) if first.cached else 0
         if shared and not parent.pooled:  # llama-server reuses no cache for a stateless task
             parent.n_cache = parent.n_past = min(shared, parent.n_prompt - 1)
-        # the children take the lowest-numbered idle slots (get_free_slots) and wait there for the parent
         for child in children:
             child.parent = parent
-        for task, slot in [(parent, first), *zip(children, idle, strict=False)]:
+        for task, slot in [(parent, first), *zip(children, others, strict=True)]:
             task.slot = slot
             task.t_start = self.sim_time
             slot.task = task
             self.running.append(task)
         self.counters.max_concurrent = max(self.counters.max_concurrent, len(self.running))
+        if self.options.cache_idle_slots and self.prompt_cache is not None:
+            self._cache_idle_slots()
+
+    def _available_slot(self, task: Task) -> Slot:
+        """llama-server's get_available_slot: the idle slot whose prompt shares the largest share of the new
+        one (more than ``slot_prompt_similarity``), else the least recently used; a slot chosen by use, or
+        whose prompt the new one keeps less than half of, first saves its prompt to the prompt cache and
+        takes the best one saved there for the new prompt."""
+        chosen, update, kept = None, False, 1.0
+        if self.options.slot_prompt_similarity:
+            best = 0.0
+            for slot in self.slots:
+                if slot.task is not None or not slot.cached:
+                    continue
+                shared = tokens.common_prefix_tokens(slot.cached, task.prompt)
+                similarity = shared / max(1, task.n_prompt)
+                if similarity > best and similarity > self.options.slot_prompt_similarity:
+                    chosen, best, kept = slot, similarity, shared / tokens.count(slot.cached)
+            update = chosen is not None and kept < MIN_KEEP
+        if chosen is None:
+            for slot in self.slots:  # the last of the least recently used, as llama-server's "<="
+                if slot.task is None and (chosen is None or slot.last_used <= chosen.last_used):
+                    chosen = slot
+            update = True
+        assert chosen is not None  # the caller checked that a slot is idle
+        if update and self.prompt_cache is not None and not task.pooled:  # only completions use the cache
+            self._save(chosen)
+            self._restore(chosen, task.prompt)
+            self.prompt_cache.update()
+        return chosen
+
+    def _save(self, slot: Slot) -> bool:
+        assert self.prompt_cache is not None
+        if not self.prompt_cache.save(slot.cached):
+            return False
+        self._stall_s += self.machine.state_copy_seconds(tokens.count(slot.cached))
+        return True
+
+    def _restore(self, slot: Slot, prompt: str) -> None:
+        assert self.prompt_cache is not None
+        saved = self.prompt_cache.best(slot.cached, prompt)
+        if saved is None:
+            return
+        if self.options.kv_unified:  # the restored prompt needs cells of the one pool
+            free = self.n_cells - self.cells_used() + tokens.count(slot.cached)
+            if saved.n_tokens > free:  # llama_state_seq_set_data fails: the slot starts empty
+                slot.cached = ""
+                return
+        self.prompt_cache.take(saved)
+        slot.cached = saved.text
+        self._stall_s += self.machine.state_copy_seconds(saved.n_tokens)
+        self.counters.prompt_cache_restores += 1
+
+    def _cache_idle_slots(self) -> None:
+        # --cache-idle-slots: as a task starts, every idle slot's prompt is saved to the prompt cache, and
+        # with a unified KV cache the slot is cleared, so its cells go back to the pool
+        assert self.prompt_cache is not None
+        for slot in self.slots:
+            if slot.task is None:
+                if self._save(slot):
+                    self.prompt_cache.update()
+                if self.options.kv_unified:
+                    slot.cached = ""
 
     def _pop_deferred(self) -> None:
         # llama-server's server_queue::pop_deferred_task, called as a slot is released: only the deferred
@@ -337,18 +511,6 @@ class Engine:
                     del self.deferred[i]
                 return
 
-    @staticmethod
-    def _pick_slot(idle: list[Slot], task: Task) -> tuple[Slot, int]:
-        """The idle slot sharing the longest prefix (if similar enough), else the least recently used."""
-        best, best_shared = None, 0
-        for slot in idle:
-            shared = tokens.common_prefix_tokens(slot.cached, task.prompt) if slot.cached else 0
-            if shared > best_shared:
-                best, best_shared = slot, shared
-        if best is not None and best_shared >= SLOT_PROMPT_SIMILARITY * task.n_prompt:
-            return best, best_shared
-        lru = min(idle, key=lambda s: s.last_used)
-        return lru, tokens.common_prefix_tokens(lru.cached, task.prompt) if lru.cached else 0
 
 
 class Runner:

@@ -111,13 +111,14 @@ def test_a_waiting_child_holds_no_tokens_in_its_slot(sim: SimFactory) -> None:
 
     def prefilling() -> bool:
         busy = [s for s in httpx.get(server.url + "/slots").json() if s["is_processing"]]
-        held.append([s["n_prompt_tokens"] for s in busy])  # the parent's slot (0), then the child's
-        return len(busy) == 2 and busy[0]["n_prompt_tokens"] > 0
+        # the child's slot (0, the lowest other one), then the parent's (1, the last of the unused)
+        held.append([s["n_prompt_tokens"] for s in busy])
+        return len(busy) == 2 and busy[1]["n_prompt_tokens"] > 0
 
     with ThreadPoolExecutor(1) as pool:
         answers = pool.submit(httpx.post, server.url + "/completion", json=body, timeout=60)
         assert poll(prefilling), held
-        assert held[-1][1] == 0
+        assert held[-1][0] == 0
         assert answers.result().status_code == 200
 
 
