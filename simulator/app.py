@@ -109,20 +109,38 @@ class LlamaHeaders:
         await self.app(scope, receive, send_with_headers)
 
 
+class TaskFailed(Exception):
+    """llama-server failed a task after it started (a ``server_error``, such as running out of KV cells)."""
+
+
+def error_event(message: str) -> bytes:
+    """A failed task's event in a stream: llama-server's error document as one ``data:`` event."""
+    return b"data: " + shapes.error(500, message, "server_error") + b"\n\n"
+
+
+def anthropic_error_event(message: str) -> bytes:
+    """The same on ``/v1/messages``: an ``error`` event whose data is the error itself."""
+    return shapes.event("error", {"code": 500, "message": message, "type": "server_error"})
+
+
 class TaskResponse(Response):
     """Serves one task: headers once there is output (as llama-server does), then the body.
 
     The client is watched for the whole life of the task: a disconnect (while deferred, prefilling or
-    generating) cancels the task and frees its slot at once.
+    generating) cancels the task and frees its slot at once. A task that fails before its first output is
+    a 500 JSON answer, streamed or not; one that fails while streaming ends its stream with ``on_error``'s
+    event.
     """
 
     def __init__(
-        self, body: AsyncIterator[bytes], stream: bool, on_close: Callable[[], None]
+        self, body: AsyncIterator[bytes], stream: bool, on_close: Callable[[], None],
+        on_error: Callable[[str], bytes] = error_event,
     ) -> None:
         super().__init__(status_code=200)
         self.parts = body
         self.stream = stream
         self.on_close = on_close
+        self.on_error = on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         guard = Guard(receive)
@@ -134,19 +152,33 @@ class TaskResponse(Response):
 
     async def _serve(self, send: Send) -> None:
         if not self.stream:
-            body = b"".join([part async for part in self.parts])
-            headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            try:
+                body = b"".join([part async for part in self.parts])
+            except TaskFailed as exc:
+                await self._send_whole(send, 500, shapes.error(500, str(exc), "server_error"))
+                return
+            await self._send_whole(send, 200, body)
             return
         started = False
-        async for part in self.parts:
+        try:
+            async for part in self.parts:
+                if not started:
+                    headers = [(b"x-accel-buffering", b"no"), (b"content-type", b"text/event-stream")]
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    started = True
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        except TaskFailed as exc:
             if not started:
-                headers = [(b"x-accel-buffering", b"no"), (b"content-type", b"text/event-stream")]
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                started = True
-            await send({"type": "http.response.body", "body": part, "more_body": True})
+                await self._send_whole(send, 500, shapes.error(500, str(exc), "server_error"))
+                return
+            await send({"type": "http.response.body", "body": self.on_error(str(exc)), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _send_whole(send: Send, status: int, body: bytes) -> None:
+        headers = [(b"content-type", JSON.encode()), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 NULL_EVENT, DONE = b"data: null\n\n", b"data: [DONE]\n\n"
@@ -158,7 +190,8 @@ def sse(obj: Any) -> bytes:
 
 
 async def progress(task: Task, runner: Runner | None = None) -> AsyncGenerator[tuple[int, int], None]:
-    """Yields ``(first, last)`` token ranges as the engine produces them, until the task ends.
+    """Yields ``(first, last)`` token ranges as the engine produces them, until the task ends; raises
+    :class:`TaskFailed` once the tokens it had are out, if the engine failed it.
 
     With ``runner`` (streaming), each range is reported as sent once the consumer has written it.
     """
@@ -167,7 +200,7 @@ async def progress(task: Task, runner: Runner | None = None) -> AsyncGenerator[t
     while True:
         await task.wake.wait()
         task.wake.clear()
-        if task.n_decoded > sent or task.finished:
+        if task.n_decoded > sent or task.answered:
             hi = task.n_decoded
             task.writing = True
             try:
@@ -177,6 +210,8 @@ async def progress(task: Task, runner: Runner | None = None) -> AsyncGenerator[t
             sent = hi
             if runner is not None:
                 runner.sent(task, sent)
+        if task.error:
+            raise TaskFailed(task.error)
         if task.finished:
             return
 
@@ -477,12 +512,15 @@ class SimServer:
         include = isinstance(options, dict) and options.get("include_usage") is True
         return body.get("stream") is True, include
 
-    def respond(self, tasks: list[Task], parts: AsyncIterator[bytes], stream: bool) -> Response:
+    def respond(
+        self, tasks: list[Task], parts: AsyncIterator[bytes], stream: bool,
+        on_error: Callable[[str], bytes] = error_event,
+    ) -> Response:
         def close() -> None:
             for task in tasks:
                 self.runner.cancel(task)
 
-        return TaskResponse(parts, stream, on_close=close)
+        return TaskResponse(parts, stream, on_close=close, on_error=on_error)
 
     def streamed(
         self, tasks: list[Task], render: Render, head: bytes = b"", tail: bytes = b""
@@ -495,7 +533,7 @@ class SimServer:
 
     async def _one_stream(self, task: Task, render: Render, tail: bytes) -> AsyncIterator[bytes]:
         async for lo, hi in progress(task, self.runner):
-            yield b"".join(render(0, task, lo, hi)) + (tail if task.finished else b"")
+            yield b"".join(render(0, task, lo, hi)) + (tail if task.answered else b"")
 
     async def _merged_stream(
         self, tasks: list[Task], render: Render, head: bytes, tail: bytes
@@ -542,7 +580,7 @@ class SimServer:
         def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
             out = [sse(shaper.chat_role_chunk(index))] if lo == 0 and include_usage else []
             out += [sse(shaper.chat_content_chunk(tokens.piece(k), index)) for k in range(lo, hi)]
-            if task.finished:
+            if task.answered:
                 out += [sse(chunk) for chunk in shaper.chat_final_chunks(task, index)]
             return out
 
@@ -562,7 +600,7 @@ class SimServer:
 
         def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
             out = [sse(shaper.text_chunk(tokens.piece(k), index)) for k in range(lo, hi)]
-            if task.finished:
+            if task.answered:
                 out.append(sse(shaper.text_final_chunk(task, index)))
             return out
 
@@ -603,7 +641,7 @@ class SimServer:
                 chunk = shaper.native_chunk(tokens.piece(k), tokens.token_id(k), task, index)
                 chunk["tokens_predicted"] = k + 1
                 out.append(sse(chunk))
-            if task.finished:
+            if task.answered:
                 out.append(sse(final(index, "")))
             return out
 
@@ -626,13 +664,14 @@ class SimServer:
         def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
             out = shaper.start(task) if lo == 0 < hi else []
             out += [shaper.delta(tokens.piece(k)) for k in range(lo, hi)]
-            return out + shaper.stop(task) if task.finished else out
+            return out + shaper.stop(task) if task.answered else out
 
         async def whole() -> AsyncIterator[bytes]:
             await self.finished(tasks)
             yield shapes.dumps(shaper.answer(tasks[0], tokens.filler(tasks[0].n_decoded)))
 
-        return self.respond(tasks, self.streamed(tasks, render) if stream else whole(), stream)
+        parts = self.streamed(tasks, render) if stream else whole()
+        return self.respond(tasks, parts, stream, on_error=anthropic_error_event)
 
     async def responses_oai(self, request: Request) -> Response:
         converted = responses.to_chat(await self.body(request))
@@ -644,7 +683,7 @@ class SimServer:
         def render(index: int, task: Task, lo: int, hi: int) -> list[bytes]:
             out = shaper.start(index) if lo == 0 < hi else []
             out += [shaper.delta(tokens.piece(k), index) for k in range(lo, hi)]
-            return out + shaper.stop(task, index) if task.finished else out
+            return out + shaper.stop(task, index) if task.answered else out
 
         async def whole() -> AsyncIterator[bytes]:
             await self.finished(tasks)
@@ -696,6 +735,7 @@ class SimServer:
         m = self.machine
         pinned = self.engine.pinned_gb()
         state = m.state(pinned)
+        cache = self.engine.prompt_cache
         return {
             "total_gb": m.total_gb,
             "wired_limit_gb": m.wired_limit_gb,
@@ -703,6 +743,10 @@ class SimServer:
             "pinned_gb": round(pinned, 3),
             "per_request_gb": round(self.per_request_gb(), 3),
             "kv_cache_gb": round(self.engine.kv_cache_gb, 3),
+            "kv_unified": self.resolved.kv_unified,
+            "kv_cells": self.engine.n_cells,
+            "kv_cells_used": self.engine.cells_used(),
+            "prompt_cache_gb": round(cache.size_bytes() / 2**30, 3) if cache is not None else 0.0,
             "state": state.value,
             "external_gb": self.engine.external_gb,
             "swap_used_gb": round(max(0.0, pinned - m.wired_limit_gb), 3),
@@ -726,6 +770,8 @@ class SimServer:
             "max_concurrent": c.max_concurrent,
             "completed": c.completed,
             "cancelled": c.cancelled,
+            "failed": c.failed,
+            "prompt_cache_restores": c.prompt_cache_restores,
             "speed": self.runner.speed,
             "sim_time_s": round(self.runner.sim_now(), 6),
             "busy_time_s": round(c.busy_s, 6),

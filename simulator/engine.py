@@ -245,7 +245,7 @@ class Engine:
 
     def reset_stats(self) -> None:
         c = self.counters
-        c.completed = c.cancelled = 0
+        c.completed = c.cancelled = c.failed = c.prompt_cache_restores = 0
         c.max_concurrent = len(self.running)
         c.peak_pinned_gb = 0.0
         c.worst_state = MemoryState.HEALTHY.value

@@ -22,7 +22,7 @@ from tests.inprocess import LocalStack
 SimFactory = Callable[..., Server]
 MEMORY_KEYS = {
     "total_gb", "wired_limit_gb", "weights_gb", "pinned_gb", "per_request_gb", "state", "external_gb",
-    "swap_used_gb", "pressure", "kv_cache_gb",
+    "swap_used_gb", "pressure", "kv_cache_gb", "kv_unified", "kv_cells", "kv_cells_used", "prompt_cache_gb",
 }
 STATS_KEYS = {
     "processing", "deferred", "max_concurrent", "completed", "cancelled", "speed", "sim_time_s",
