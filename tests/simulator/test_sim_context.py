@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
+import pytest
+
 from simulator import tokens
+from simulator.cli import parse_settings
 from simulator.engine import CONTEXT_EXCEEDED, Engine, Task
 from simulator.machine import load_preset
 from simulator.settings import Resolved, SimSettings
+from tests.conftest import Server
 
 M2PRO = "m2pro-32g-coder30b-q4"  # 4 slots over 32K unified cells
 M4MAX = "m4max-64g-coder30b-q4"  # 4 slots over 128K unified cells
@@ -184,3 +192,42 @@ def test_coder_presets_follow_the_reference_measurements() -> None:
         assert abs(pp(depth) / pp(0) - pp2048[depth] / pp2048[0]) < 0.03
         added, measured = ms_per_token(depth) - ms_per_token(0), 1000 / tg32[depth] - 1000 / tg32[0]
         assert abs(added - measured) < 0.1 * measured + 0.2
+
+
+@pytest.mark.parametrize(("flags", "cells", "n_ctx"), [
+    ((), 32_768, 32_768),  # the preset: llama-server's auto, one pool
+    (("-np", "4", "-c", "32768"), 32_768, 8_192),  # explicit slots: a stream each
+    (("-np", "2", "-kvu", "-c", "1048576"), 1_048_576, 262_144),  # capped at the model's training context
+    (("-np", "-1", "--kv-unified-per-slot", "4096"), 16_384, 4_096),  # no -c: slots x the cap
+])
+def test_the_flags_shape_the_cells_and_a_sequences_context(
+    flags: tuple[str, ...], cells: int, n_ctx: int
+) -> None:
+    settings, _ = parse_settings(["--preset", M2PRO, *flags])
+    resolved = Resolved(settings, load_preset(M2PRO))
+    assert (resolved.n_cells, resolved.n_ctx_slot) == (cells, n_ctx)
+
+
+@pytest.mark.in_process
+def test_a_messages_stream_out_of_cells_ends_with_an_error_event(sim: Callable[..., Server]) -> None:
+    server = sim("--parallel", "-1", "-c", "2048", "--speed", "5")
+    prompt = tokens.make_prompt(900)
+    body = {"model": "m", "max_tokens": 600, "messages": [{"role": "user", "content": prompt}]}
+
+    def streamed() -> list[str]:
+        url = server.url + "/v1/messages"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as reply:
+            return [line for line in reply.iter_lines() if line]
+
+    with ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(streamed)
+        whole = pool.submit(httpx.post, server.url + "/v1/messages", json={**body, "system": "x"}, timeout=60)
+        lines, failed = stream.result(), whole.result()
+    error = {"code": 500, "message": CONTEXT_EXCEEDED, "type": "server_error"}
+    assert lines[-2:] == ["event: error", "data: " + json.dumps(error, separators=(",", ":"))]
+    assert (failed.status_code, failed.json()) == (500, {"error": error})
+    stats = httpx.get(server.url + "/sim/stats").json()
+    memory = httpx.get(server.url + "/sim/memory").json()
+    assert stats["failed"] == 2 and (memory["kv_unified"], memory["kv_cells"], memory["kv_cells_used"]) == (
+        True, 2048, 0
+    )
