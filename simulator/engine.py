@@ -512,7 +512,6 @@ class Engine:
                 return
 
 
-
 class Runner:
     """Runs an Engine in one asyncio task, pacing simulated time at ``speed`` x the wall clock.
 
