@@ -25,14 +25,15 @@ def test_over_long_prompts_are_refused_without_holding_a_slot(rig: Rig) -> None:
         reply = client.post("/v1/chat/completions", json=huge)
         assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
         assert "x-macpool-node" not in reply.headers
-        # fits the body limit but not a slot's context: the router cannot count tokens, so the node says 400
-        # at once; the reservation lives only for that round trip
+        # fits the body limit but not a slot's context: a node counts it (a light request, no slot) and the
+        # router refuses it, naming the largest context in the pool; nothing is reserved
         long = chat("", 4, stream=True)
         long["messages"] = tokens.chat_messages(3000)
         for _ in range(3):
             reply = client.post("/v1/chat/completions", json=long)
             assert reply.status_code == 400, reply.text
-            assert reply.json()["error"]["type"] == "exceed_context_size_error"
+            assert reply.json()["error"]["code"] == "context_length_exceeded"
+            assert "tokens > 512 maximum" in reply.json()["error"]["message"]
             assert_clean(reply.text, node.agent.url, node.sim.url)
             wait_until(lambda: rig.reservations(node.node_id) == 0, 5, "the slot released")
         stats = node.stats()

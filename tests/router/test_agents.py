@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import metric, wait_until
 from tests.router.conftest import Pool
 
 pytestmark = pytest.mark.in_process  # none of these tests is about a process
@@ -89,3 +90,44 @@ def test_a_session_stays_on_its_mac_whatever_its_prompt_and_whichever_router(poo
         # every turn differs entirely (nothing of it hashed before), on either router: the session keeps it
         nodes = {turn(url, f"turn {i} " * 100, session) for i, url in enumerate([first.url, second.url] * 3)}
         assert nodes == {home}, name
+
+
+def test_a_nodes_own_context_refusal_moves_the_request_to_one_with_room(pool: Pool) -> None:
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from tests import stand_in
+    from tests.router.conftest import AGENT_TOKEN
+
+    async def too_long(request: Request) -> JSONResponse:  # llama-server's answer: over its context
+        error = {"code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": 3000, "n_ctx": 1024,
+                 "message": "request (3000 tokens) exceeds the available context size (1024 tokens), try "
+                            "increasing it"}
+        return JSONResponse({"error": error}, status_code=400)
+
+    pool.node("big", cap=1, parallel=1, speed=5, alias="coder")
+    router = pool.router()
+    pool.wait_ready(router, nodes=1)
+    # a prompt of token ids: no node can count it for the router, so no context keeps it from "small"
+    body = {"model": "coder", "prompt": list(range(3, 3003)), "max_tokens": 4}
+    refused = 'macpool_upstream_errors_total{kind="context",node="small"}'
+    hold = _chat("coder", "x", max_tokens=4000, stream=True, ignore_eos=True)
+    with httpx.Client(base_url=router.url, timeout=60) as client, client.stream(
+        "POST", "/v1/chat/completions", json=hold
+    ) as busy, ThreadPoolExecutor(1) as waiting:
+        chunks = busy.iter_raw()  # (a reference: a collected iterator closes the stream)
+        next(chunks)
+        assert busy.headers["x-macpool-node"] == "big"  # its one slot busy: the request goes to small first
+        routes = [Route("/v1/completions", too_long, methods=["POST"])]
+        small = pool.stack.serve("small-llama", stand_in.app("coder", routes))
+        pool.stack.agent("agent-small", small.url, pool.redis_url, "small", "--cap", "2", "--token",
+                         AGENT_TOKEN)
+        pool.wait_ready(router, nodes=2)
+        answer = waiting.submit(client.post, "/v1/completions", json=body)
+        wait_until(lambda: metric(router.url, refused) == 1, timeout=10, what="small's refusal")
+        assert not answer.done()  # not the client's: it waits for a node with room
+        busy.close()
+        moved = answer.result(timeout=30)
+    assert moved.status_code == 200, moved.text
+    assert moved.headers["x-macpool-node"] == "big"
