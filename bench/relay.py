@@ -26,6 +26,7 @@ import httpx
 from bench.cpu import core_plan, cpu_seconds, pin_self
 from bench.loadclient import measured_chat_load, raw_load
 from bench.report import dump
+from bench.sse import EventCounter
 from bench.stack import Stack
 from bench.stats import ms, pct
 from bench.upstream import UpstreamConfig
@@ -119,11 +120,12 @@ async def transport_cost(
     stop = asyncio.Event()
 
     async def one_stream() -> None:
+        counter = EventCounter()  # a transport may hand over several events at once
         if transport == "upstream.send":
             answer = await direct.send("POST", parsed, [], stream_body, timeouts)
             try:
                 async for part in upstream_http.chunks(answer):
-                    chunks[0] += part.count(b"\n\n")
+                    chunks[0] += counter.feed(part)
                     if stop.is_set():
                         return
             finally:
@@ -131,7 +133,7 @@ async def transport_cost(
             return
         async with client.stream("POST", path, content=stream_body) as response:
             async for part in response.aiter_raw():
-                chunks[0] += part.count(b"\n\n")  # SSE events: a transport may hand over several at once
+                chunks[0] += counter.feed(part)
                 if stop.is_set():
                     return
 
