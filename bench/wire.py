@@ -1,11 +1,12 @@
 """What the performance benches send and serve, as bytes: OpenAI-shaped chat requests, SSE events and
-completion bodies, and the httptools-parsed connection both ends of a bench's HTTP/1.1 build on.
+completion bodies, and the httptools-parsed connection of the fast upstream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import cast
 
 import httptools
@@ -51,11 +52,12 @@ def completion_body(tokens: int) -> bytes:
     ).encode()
 
 
-def build_request(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nhost: {LOOP}\r\ncontent-type: application/json\r\n"
-    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    head += f"content-length: {len(body)}\r\n\r\n"
-    return head.encode() + body
+@dataclass(frozen=True)
+class Post:
+    """One request of the load client: a JSON body POSTed to ``path``."""
+
+    path: str
+    body: bytes
 
 
 def chat_json(stream: bool, max_tokens: int = 16, prompt_tokens: int = 16, salt: str = "") -> bytes:
