@@ -1,15 +1,11 @@
 """What the performance benches send and serve, as bytes: OpenAI-shaped chat requests, SSE events and
-completion bodies, and the httptools-parsed connection of the fast upstream.
+completion bodies.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass
-from typing import cast
-
-import httptools
 
 MODEL = "sim"
 LOOP = "127.0.0.1"
@@ -26,10 +22,6 @@ def sse_event(text: str = "tok", finish: str | None = None) -> bytes:
         ],
     }
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-
-
-def chunk_frame(payload: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(payload), payload)
 
 
 def completion_body(tokens: int) -> bytes:
@@ -72,20 +64,3 @@ def chat_json(stream: bool, max_tokens: int = 16, prompt_tokens: int = 16, salt:
             "stream": stream,
         }
     ).encode()
-
-
-class HttpConnection(asyncio.Protocol):
-    """An HTTP/1.1 connection parsed by httptools: the subclass sets ``parser`` and its callbacks."""
-
-    parser: httptools.HttpRequestParser | httptools.HttpResponseParser
-    transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self.transport is not None:
-                self.transport.close()
