@@ -12,8 +12,9 @@ httptools) that answers every POST with the router's 503: what uvicorn alone cos
 for any router served by it.
 
 ``--client wrk`` sends the load with wrk (C, Debian package ``wrk``, installed by the command when missing)
-instead of the bench's own Python client: one Python client core saturates at about the rate the router
-refuses at, so with it the latencies are partly the client's own queue.
+instead of the bench's own Python client (aiohttp), which spends more CPU per request than the router spends
+per refusal: with it the router stays below a full core (``measured.client_cpu_util`` says how busy the
+client was) and the latencies are partly the client's own queue.
 """
 
 from __future__ import annotations
