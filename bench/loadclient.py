@@ -1,6 +1,8 @@
-"""A closed-loop load client on aiohttp's ``ClientSession`` (keep-alive connections, no JSON parsing), cheap
-enough that one core drives a router core to saturation. It records status, time to the first body byte,
-latency and the number of SSE events and body reads of every request.
+"""A closed-loop load client on aiohttp's ``ClientSession`` (keep-alive connections, no JSON parsing: SSE
+events are counted, not read). It records status, time to the first body byte, latency and the number of SSE
+events and body reads of every request. Its own CPU is reported beside the router's (``client_cpu_util``): a
+router on a quiet machine refuses a request in less CPU than this client takes to send it
+(docs/benchmarks.md, "The load client and the fast upstream").
 """
 
 from __future__ import annotations
