@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import signal
 import socket
 import sys
@@ -30,7 +31,7 @@ from macpool.store import Keys
 from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.elastic import ElasticStore
 
-from . import models, sizing
+from . import kv, models, sizing
 from .gateway import create_app, create_models_app
 from .heartbeat import Heartbeat
 from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, SharedProbe, make_probe
@@ -201,6 +202,11 @@ class Agent:
         probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
         heartbeat = Heartbeat(self.runtime, redis, probe, shape, kv_per_token,
                               on_persistent_pressure=self._shrink if settings.supervise else None)
+        if settings.supervise:
+            heartbeat.kv_source = self._supervised_args
+        else:
+            assert settings.upstream is not None
+            heartbeat.kv_source = functools.partial(kv.attached_async, settings.upstream, settings.llama_args)
         if settings.follows_autoscaler:
             store = ElasticStore(redis, Keys(settings.key_prefix))
             standby = Standby(self.runtime, store, self._start_llama_server, self._stop_llama_server)
@@ -232,6 +238,7 @@ class Agent:
                                   model=spec.name, model_memory_gb=spec.memory_gb,
                                   load_cost=functools.partial(host.load_cost, unit))
             heartbeat.before_beat = host.standby_for(unit).follow
+            heartbeat.kv_source = functools.partial(_preset_args, spec, settings.llama_args)
             self._beat(heartbeat)
         return create_models_app({name: unit.runtime for name, unit in host.units.items()}, self.runtime)
 
@@ -265,6 +272,12 @@ class Agent:
         run = self.supervisor.run(self.runtime.client())
         self._llama_task = asyncio.create_task(run, name="llama-server")
         self.tasks.append(self._llama_task)
+
+    async def _supervised_args(self, slots: int) -> kv.Source:
+        supervisor = self.supervisor
+        if supervisor is None:  # (stopped between its poll and now: the next start reads them again)
+            return kv.Source(kv.LlamaArgs(), "no llama-server running", known=False)
+        return kv.supervised(supervisor.argv())
 
     def _llama_healthy(self) -> None:
         self.runtime.llama_up(self.supervisor.load_s if self.supervisor else None)
@@ -382,6 +395,14 @@ class Agent:
                 log.warning("drain timeout: %d requests still in flight", in_flight())
                 break
             await asyncio.sleep(0.05)
+
+
+async def _preset_args(spec: models.ModelSpec, llama_args: list[str], slots: int) -> kv.Source:
+    """A model of several: the slots and context of its preset section, and the agent's llama-server
+    arguments, which its own process is started with."""
+    ctx = spec.sizing.parallel * spec.sizing.ctx_per_slot
+    args = ["--parallel", str(spec.sizing.parallel), "--ctx-size", str(ctx), *llama_args]
+    return kv.Source(kv.parse_args(args, os.environ), "its preset and the arguments after --")
 
 
 def run_agent(settings: AgentSettings) -> int:
