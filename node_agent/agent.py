@@ -116,10 +116,14 @@ class Agent:
         self.heartbeats: list[Heartbeat] = []  # one, or one per model (--models)
         self.models: models.ModelHost | None = None
         self.preset_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.shape: ModelShape | None = None
+        self.kv_per_token: int | None = None
+        self.prepared = False
 
     async def run(self) -> int:
-        """startup -> main loop -> shutdown; returns the exit code."""
+        """prepare -> startup -> main loop -> shutdown; returns the exit code."""
         self._install_signals()
+        await self.prepare()
         try:
             await self.startup()
             await self.main_loop()
@@ -138,7 +142,38 @@ class Agent:
             self.force.set()
         self.stop_requested.set()
 
+    async def prepare(self) -> None:
+        """What the model file says and, in supervise mode, llama-server's slots: a Mac that cannot hold one
+        request at the context asked for is refused here (ConfigError), before anything starts."""
+        if self.prepared:
+            return
+        self.prepared = True
+        settings = self.settings
+        if settings.models:
+            return
+        self.shape, self.kv_per_token = shape, kv_per_token = load_model_shape(settings)
+        if not settings.supervise:
+            return
+        wired_limit = settings.wired_limit_gb or await probed_wired_limit(settings)
+        weights = shape.weights_gb if shape else None
+        chosen = sizing.choose(
+            parallel=settings.parallel,
+            ctx_per_slot=settings.ctx_per_slot,
+            wired_limit_gb=wired_limit,
+            weights_gb=weights,
+            headroom_gb=settings.headroom_gb,
+            kv_bytes_per_token=kv_per_token,
+            calibrated_cap=settings.calibrated_cap,
+            n_ctx_train=shape.n_ctx_train if shape else None,
+        )
+        if wired_limit is not None and kv_per_token:
+            refusal = sizing.cannot_hold(chosen, weights, settings.headroom_gb, wired_limit, kv_per_token)
+            if refusal is not None:  # it would page from its first request: better not start at all
+                raise ConfigError(refusal)
+        self._set_sizing(chosen)
+
     async def startup(self) -> None:
+        await self.prepare()
         settings = self.settings
         timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         # idle connections are given up after 4 s, before llama-server (Keep-Alive: timeout=5) or a simulator
@@ -178,22 +213,13 @@ class Agent:
         """One model: this node's heartbeat and standby follower, and the gateway over its runtime."""
         settings, redis = self.settings, self.redis
         assert redis is not None
-        shape, kv_per_token = load_model_shape(settings)
+        shape, kv_per_token = self.shape, self.kv_per_token
         self.runtime.details["model"] = {
             "path": str(settings.model) if settings.model else None,
             "kv_bytes_per_token": kv_per_token,
             "weights_gb": shape.weights_gb if shape else None,
         }
         if settings.supervise:
-            self._set_sizing(sizing.choose(
-                parallel=settings.parallel,
-                ctx_per_slot=settings.ctx_per_slot,
-                wired_limit_gb=settings.wired_limit_gb or await probed_wired_limit(settings),
-                weights_gb=shape.weights_gb if shape else None,
-                headroom_gb=settings.headroom_gb,
-                kv_bytes_per_token=kv_per_token,
-                calibrated_cap=settings.calibrated_cap,
-            ))
             if not settings.standby:
                 self._start_llama_server()
         else:
@@ -258,7 +284,7 @@ class Agent:
             settings.llama_command,
             settings.model,
             self.runtime.sizing.parallel if self.runtime.sizing else 1,
-            settings.ctx_per_slot,
+            self.runtime.sizing.ctx_per_slot if self.runtime.sizing else settings.ctx_per_slot,
             settings.llama_args,
             settings.llama_log,
             settings.restart_backoff_max,

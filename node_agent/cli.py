@@ -46,7 +46,11 @@ def _run_parser() -> argparse.ArgumentParser:
         help="llama-server slots (supervise; default: the slots whose KV cache fits the memory budget at "
         "--ctx-per-slot, bounded by the calibrated cap; fewer after persistent memory pressure)",
     )
-    mode.add_argument("--ctx-per-slot", dest="ctx_per_slot", type=int, help="context per slot (default 4096)")
+    mode.add_argument(
+        "--ctx-per-slot", dest="ctx_per_slot", type=int,
+        help="the most tokens (prompt and output) one request may hold: each slot's context (default 32768, "
+        "a coding agent's turn); the slots that fit are sized at it",
+    )
     mode.add_argument(
         "--llama-log", dest="llama_log", type=Path, help="append llama-server output to this file"
     )
