@@ -9,7 +9,9 @@ agent reads llama-server's arguments; these tests hold what it makes of them to 
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ import httpx
 import pytest
 
 from macpool.contract import NodeDoc
+from macpool.procs import macpool_argv
 from macpool.stack import Proc, Stack, free_port
 from tests.node_agent.helpers import read_node
 
@@ -129,3 +132,25 @@ def test_supervised_node_says_its_cache_what_it_holds_and_how_fast_it_prefills(
         assert ("llama-server's KV cache: 2 slots of 8192 tokens, each its own KV cells (16384 in all) (from "
                 "the command line the agent started it with)") in log
 
+
+def test_calibrate_sizes_prompts_by_the_tokenizer_and_keeps_to_the_shared_cells(
+    setup: RealSetup, tmp_path: Path
+) -> None:
+    """llama-server's default layout over 8K cells: 4 slots, each of which may take all 8K. Prompts near the
+    context, sized by the model's own tokenizer (3 tokens a space with the tiny model), fit it; and two at
+    once would not fit the cells, so calibrate measures one."""
+    with Stack(logs=setup.logs, keep_logs=True, stop_timeout=15) as stack:
+        server = llama_server(stack, setup, "llama-calibrate", ["-c", "8192"], {})
+        out = tmp_path / "cal.json"
+        argv = macpool_argv("agent", "calibrate", "--upstream", server.url, "--levels", "1,2,3,4",
+                            "--max-tokens", "8", "--window", "3", "--json", str(out))
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "prompts of 8103 tokens (near the 8192 tokens a request may hold), 8 generated"
+    assert re.fullmatch(r"levels above 1 left out: the 4 slots share 8192 KV cells \(its command line "
+                        r"\(pid \d+\)\), room for 1 request of 8103 \+ 8 tokens", lines[1]), lines[1]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [row["concurrency"] for row in rows] == [1] and rows[0]["errors"] == 0, rows
+    assert result["recommended_cap"] == 1
