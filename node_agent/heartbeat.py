@@ -320,8 +320,8 @@ class Heartbeat:
         key = (view.starts, view.total_slots, view.ctx_per_slot)
         if self.kv_source is None or not view.healthy or not view.total_slots or key == self._kv_for:
             return
-        self._kv_for = key
         found = self.kv_args = await self.kv_source(view.total_slots)
+        self._kv_for = key
         cache = kv.layout(found.args, view.total_slots, view.ctx_per_slot, view.n_ctx_train)
         self.runtime.details["kv"] = {**found.as_dict(), "cache": cache.describe(view.total_slots)}
         whose = "llama-server" if self.model is None else f"model {self.model}"

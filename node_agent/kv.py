@@ -175,7 +175,10 @@ def supervised(argv: Sequence[str]) -> Source:
 def attached(url: str, declared: Sequence[str], slots: int) -> Source:
     """The arguments of the llama-server at ``url`` that answers ``/props`` with ``slots`` (blocking: it
     looks through this machine's processes)."""
-    seen = listener(url)
+    try:
+        seen = listener(url)
+    except (psutil.Error, OSError) as exc:  # a process gone, or a table unreadable, as it was read
+        seen = f"its process could not be looked up ({type(exc).__name__}: {exc})"
     if isinstance(seen, Listener):
         args = parse_args(seen.argv[1:], seen.environ)
         if seen.pid == os.getpid():  # a server in this very process (tests): no llama-server's command line
