@@ -359,7 +359,8 @@ class Heartbeat:
 
     def _decide(self, sample: MemorySample | None) -> NodeDoc:
         runtime, settings, view = self.runtime, self.runtime.settings, self.upstream
-        per_request = self._per_request_gb(sample, view.ctx_per_slot)
+        cache = self._kv_cache()
+        per_request = self._per_request_gb(sample, self._slot_share(cache))
         weights = self._weights_gb(sample)
         memory_cap: int | None = None
         pressure_reason = ""
@@ -387,7 +388,6 @@ class Heartbeat:
         reading = prefill_reading(view)
         if reading is not None:
             runtime.note_prefill(*reading)
-        cache = self._kv_cache()
         slots = view.total_slots or None
         self._warn_cap_over_slots(slots)
         decision = capacity.decide(
@@ -445,6 +445,15 @@ class Heartbeat:
         if found is None or not view.total_slots or not view.ctx_per_slot:
             return kv.KvCache(view.ctx_per_slot, False, 0, -1)
         return kv.layout(found.args, view.total_slots, view.ctx_per_slot, view.n_ctx_train)
+
+    def _slot_share(self, cache: kv.KvCache) -> int:
+        """The KV cells one slot stands for in the memory term: its own context in a split cache; its share
+        of a shared one (the slots together never hold more than its cells, and any one may take them all:
+        counting the whole cache per request would cap a cache sized to the memory at one request)."""
+        slots = self.upstream.total_slots
+        if cache.unified and cache.cells and slots:
+            return cache.cells // slots
+        return self.upstream.ctx_per_slot
 
     def _model_states(self, models: list[str], state: NodeState, capacity: int, view: UpstreamView,
                       weights_gb: float, per_request_gb: float | None) -> list[ModelState]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from macpool import tiny_model
 from macpool.contract import NodeDoc
 from macpool.procs import macpool_argv
 from macpool.stack import Proc, Stack, free_port
@@ -87,7 +88,7 @@ def test_attached_each_shape_is_what_llama_server_built(setup: RealSetup, redis_
                    for name, shape in ATTACHED.items()}
         for name, server in servers.items():
             stack.agent(f"agent-{name}", server.url, redis_server, name, "--heartbeat-interval", "0.3",
-                        ready="/status", wait=False)
+                        "--model", str(setup.model), "--memory-probe", "linux", ready="/status", wait=False)
         for name, server in servers.items():
             doc = serving_doc(redis_server, name)
             assert server.log_path is not None
@@ -96,6 +97,10 @@ def test_attached_each_shape_is_what_llama_server_built(setup: RealSetup, redis_
             assert seen == (truth.slots, truth.n_ctx_slot, truth.unified, truth.cells), name
             assert doc.ctx_per_slot == doc.seq_ctx
             assert doc.n_predict == (300 if name == "split" else -1), name
+            # the memory term counts a slot's share of the cells: a shared cache is not a cache per request
+            share = truth.cells // truth.slots
+            kv_per_token = tiny_model.kv_bytes_per_token(setup.model)
+            assert doc.memory.per_request_gb == pytest.approx(kv_per_token * share / 1e9 + 0.25, abs=1e-4)
 
 
 def test_supervised_node_says_its_cache_what_it_holds_and_how_fast_it_prefills(
