@@ -449,9 +449,10 @@ class Heartbeat:
     def _slot_share(self, cache: kv.KvCache) -> int:
         """The KV cells one slot stands for in the memory term: its own context in a split cache; its share
         of a shared one (the slots together never hold more than its cells, and any one may take them all:
-        counting the whole cache per request would cap a cache sized to the memory at one request)."""
-        slots = self.upstream.total_slots
-        if cache.unified and cache.cells and slots:
+        counting the whole cache per request would cap a cache sized to the memory at one request). A cache
+        taken to be shared for want of llama-server's arguments may be split: its slots count in full."""
+        slots, known = self.upstream.total_slots, self.kv_args is not None and self.kv_args.known
+        if cache.unified and cache.cells and slots and known:
             return cache.cells // slots
         return self.upstream.ctx_per_slot
 
