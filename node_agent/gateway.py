@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from macpool import upstream as http
-from macpool.apis import APIS, GENERATION_PATHS, LIGHT_PATHS
+from macpool.apis import APIS, GENERATION_PATHS, LIGHT_PATHS, Dialect
 from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash, end_stream
 from macpool.contract import slots_needed
 from macpool.errors import error_response, exception_handlers, sse_error
@@ -106,8 +106,10 @@ class ProxyResponse(StreamingResponse):
         self.media_type = None
         self.background = None
         self.raw_headers = _response_headers(upstream)
-        api = APIS.get(endpoint)  # a mid-stream failure ends the stream in its API's terms
-        self._dialect = api.dialect if api else "chat"
+        # a mid-stream failure ends the stream in its API's terms; GET /v1/models, in no API of the table,
+        # is OpenAI's
+        api = APIS.get(endpoint)
+        self._dialect: Dialect = api.dialect if api is not None else "chat"
         runtime.metrics.requests.labels(endpoint, str(upstream.status)).inc()
 
     async def _body(self) -> AsyncGenerator[bytes, None]:

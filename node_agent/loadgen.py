@@ -30,6 +30,8 @@ from .heartbeat import decoded_so_far, parse_metrics
 from .memory import MacProbe, ProbeError
 
 MEMORY_EVERY_S = 0.1  # pinned-memory sampling period while a level is measured
+FILLER = " calibrate "  # the prompt's text, after a tag that makes each prompt unique
+CHARS_PER_TOKEN = 4.0  # when the server cannot say (no /tokenize)
 WARMUP_ROUNDS = 2  # requests per client before measuring: the first round starts all prefills at once
 
 
@@ -105,6 +107,19 @@ def final_timings(tail: bytes) -> dict[str, Any] | None:
     return None
 
 
+async def chars_per_token(client: httpx.AsyncClient, base: str) -> float:
+    """Characters of the prompt's filler text per token of the server's tokenizer (``/tokenize``), so that
+    a prompt of ``n`` tokens is ``n`` tokens whatever the model: a prompt near the context must not pass it.
+    """
+    sample = FILLER * 200
+    try:
+        response = await client.post(base + "/tokenize", json={"content": sample}, timeout=10)
+        count = len(response.json().get("tokens", [])) if response.status_code == 200 else 0
+    except (httpx.HTTPError, ValueError, AttributeError):
+        count = 0
+    return len(sample) / count if count else CHARS_PER_TOKEN
+
+
 async def memory(client: httpx.AsyncClient, base: str) -> dict[str, Any] | None:
     """Pinned memory and the wired limit: the simulator's figures, else this Mac's own (calibrate runs
     on the Mac it measures), else nothing (Linux with a real llama-server: no wired limit to approach)."""
@@ -137,6 +152,7 @@ class Level:
     model: str | None
     window_requests: int
     headers: dict[str, str] = field(default_factory=dict)
+    chars_per_token: float = CHARS_PER_TOKEN  # the server tokenizer's, on FILLER (chars_per_token below)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _salt: str = field(default_factory=lambda: secrets.token_hex(5))  # unique across levels and runs
     latencies: list[float] = field(default_factory=list)
@@ -150,7 +166,8 @@ class Level:
     def _body(self) -> dict[str, Any]:
         # a distinct first block per request, so no slot's prompt cache skips the prefill
         tag = f"{self._salt}{next(self._ids):06d}"
-        text = (tag + " calibrate " * self.prompt_tokens)[: self.prompt_tokens * 4]
+        chars = max(1, round(self.prompt_tokens * self.chars_per_token))
+        text = (tag + FILLER * (chars // len(FILLER) + 1))[:chars]
         body: dict[str, Any] = {
             "prompt": text,
             "max_tokens": self.max_tokens,
