@@ -13,6 +13,7 @@ from typing import Literal
 from urllib.parse import quote
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
 from macpool import __version__
@@ -48,15 +49,16 @@ MODEL_PHASE: dict[str, Literal["loaded", "loading", "loadable"]] = {
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name: value} for the unlabelled ``llamacpp:*`` samples."""
+    """Prometheus text -> {sample name: value} for the unlabelled ``llamacpp:*`` samples (prometheus_client's
+    parser: a counter's sample is named ``..._total``); what a malformed page held before its fault."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("llamacpp:"):
-            name, _, value = line.partition(" ")
-            try:
-                values[name] = float(value.split()[0])
-            except (ValueError, IndexError):
-                continue
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("llamacpp:") and not sample.labels:
+                    values[sample.name] = sample.value
+    except ValueError:
+        pass  # the samples read so far are llama-server's; the rest of the page is not
     return values
 
 
@@ -276,8 +278,6 @@ class Heartbeat:
     kv_source: Callable[[int], Awaitable[kv.Source]] | None = None
     kv_args: kv.Source | None = None
     _kv_for: tuple[int, int, int] | None = None
-    _redis_retry_at: float = 0.0
-    _redis_backoff: float = 0.0
 
     def __post_init__(self) -> None:
         settings = self.runtime.settings
@@ -559,15 +559,14 @@ class Heartbeat:
         return self.model_shape.weights_gb if self.model_shape else 0.0
 
     async def publish(self, doc: NodeDoc) -> None:
-        """Write to Redis; while it is down, back off (keep serving under the cap) and re-register after."""
-        if time.monotonic() < self._redis_retry_at:
-            return
+        """Write to Redis; while it is down, keep serving under the cap and re-register when it answers. Each
+        beat is the next attempt, bounded by one interval: a Redis that does not answer never holds the beat
+        longer (a lost connection is retried within the call by redis-py, with backoff and jitter)."""
         try:
-            holder = await self.store.heartbeat(doc, self.ttl_ms)
-        except (RedisError, OSError) as exc:
+            async with asyncio.timeout(self.runtime.settings.heartbeat_interval):
+                holder = await self.store.heartbeat(doc, self.ttl_ms)
+        except (RedisError, OSError, TimeoutError) as exc:
             self.runtime.metrics.heartbeat_failures.inc()
-            self._redis_backoff = min(max(self._redis_backoff * 2, 0.5), 10.0)
-            self._redis_retry_at = time.monotonic() + self._redis_backoff
             if self.redis_ok:
                 log.warning("redis at %s unreachable (%s: %s); serving under the local cap, retrying",
                             self.store.address, type(exc).__name__, exc)
@@ -578,7 +577,6 @@ class Heartbeat:
             log.info("redis is back; node %s re-registered", doc.node_id)
         self.redis_ok = True
         self.runtime.details["redis_ok"] = True
-        self._redis_backoff = 0.0
         self._note_holder(doc, holder)
 
     def _note_holder(self, doc: NodeDoc, holder: str | None) -> None:

@@ -17,6 +17,7 @@ import anyio
 import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
 from macpool import upstream as http
 from macpool.asgi import Guard, end_stream
@@ -52,8 +53,11 @@ _TAIL = 512
 _TAIL_CHUNKS = 3  # the last chunks of an answer kept (as references) to read its usage from at its end
 _ERROR_DOCUMENT_BYTES = 65536  # a node's error answer is read whole to be put in the caller's dialect
 COUNT_TIMEOUT_S = 10.0  # a node counts a prompt in milliseconds; past this the bound stands
-# an agent saying node_full is asked again (5 ms apart, doubling) for up to 0.5 s before another node is tried
+# an agent saying node_full is asked again (from 5 ms apart, doubling, with jitter) for up to 0.5 s before
+# another node is tried
 _CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
+_CATCH_UP_WAIT = wait_exponential_jitter(multiplier=_CATCH_UP_PAUSE, max=_CATCH_UP_S / 4,
+                                         jitter=_CATCH_UP_PAUSE)
 
 
 # an idle pooled connection to an agent is given up after this long, well before the agent closes it
@@ -156,6 +160,10 @@ def full_capacity(node: NodeDoc) -> int:
     b = node.capacity_breakdown
     terms = [term for term in (b.configured, b.memory, b.calibrated) if term is not None]
     return max(node.capacity, min(terms, default=0))
+
+
+class _NodeFull(Exception):
+    """The agent said node_full: asked again in a moment."""
 
 
 class _Retry(Exception):
@@ -515,18 +523,26 @@ class Forwarder:
         request end whose slot Redis already gave on (its client gone, the router's release first): asked
         again a few ms later, it takes the request. Only a refusal that lasts fails over to another node.
         """
-        pause, deadline = _CATCH_UP_PAUSE, time.monotonic() + _CATCH_UP_S
-        while True:
-            upstream = await self.client.send("POST", url, headers, body, self._timeouts)
-            self.pool.connected(node_id)
-            if upstream.status != 503:
-                return upstream
-            kind = await _node_full_kind(upstream)
-            if kind != "node_full" or time.monotonic() + pause > deadline:
-                self._upstream_error(node_id, kind)
-                raise _Retry(kind)
-            await asyncio.sleep(pause)
-            pause *= 2
+        try:
+            return await self._ask(node_id, url, headers, body)
+        except _NodeFull:
+            self._upstream_error(node_id, "node_full")
+            raise _Retry("node_full") from None
+
+    @retry(stop=stop_after_delay(_CATCH_UP_S), wait=_CATCH_UP_WAIT, retry=retry_if_exception_type(_NodeFull),
+           reraise=True)
+    async def _ask(
+        self, node_id: str, url: http.URL, headers: list[tuple[str, str]], body: bytes
+    ) -> http.Response:
+        upstream = await self.client.send("POST", url, headers, body, self._timeouts)
+        self.pool.connected(node_id)
+        if upstream.status != 503:
+            return upstream
+        kind = await _node_full_kind(upstream)
+        if kind == "node_full":
+            raise _NodeFull
+        self._upstream_error(node_id, kind)
+        raise _Retry(kind)
 
     def _first_byte_timeout(self, call: Call, node: NodeDoc) -> float:
         """A stream's first byte comes with its first token, after its prompt is processed; a non-streamed
