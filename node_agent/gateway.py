@@ -353,6 +353,7 @@ class Gateway:
                         self.runtime.ttft_samples.append(at - started)
                         metrics.ttft.observe(at - started)
                 assembler.feed_line(line)
+            assembler.end()
         except httpx.HTTPError:
             metrics.upstream_errors.labels("mid_response").inc()
             metrics.requests.labels(endpoint, "502").inc()

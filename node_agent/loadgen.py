@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 
 from macpool.loops import wait_event
 
@@ -95,16 +96,13 @@ class Clock:
             return None
 
 
-def final_timings(tail: bytes) -> dict[str, Any] | None:
-    """The ``timings`` object of the last SSE event that carries one."""
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: {") and b'"timings"' in line:
-            try:
-                timings = json.loads(line[6:])["timings"]
-            except (ValueError, KeyError):
-                return None
-            return timings if isinstance(timings, dict) else None
-    return None
+def final_timings(data: str) -> dict[str, Any] | None:
+    """The ``timings`` object of an event's data (the stream's last event that carries one)."""
+    try:
+        timings = json.loads(data)["timings"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return timings if isinstance(timings, dict) else None
 
 
 async def chars_per_token(client: httpx.AsyncClient, base: str) -> float:
@@ -181,7 +179,7 @@ class Level:
     async def _one(self) -> None:
         started = time.monotonic()
         first: float | None = None
-        tail = b""
+        last = ""  # the data of the last event that carried llama-server's timings
         body = self._body()
         for attempt in range(2):
             answered = False
@@ -193,10 +191,11 @@ class Level:
                     if response.status_code != 200:
                         await response.aread()
                         raise httpx.HTTPStatusError("bad status", request=response.request, response=response)
-                    async for chunk in response.aiter_raw():
+                    async for event in EventSource(response).aiter_sse():
                         if first is None:
                             first = time.monotonic()
-                        tail = (tail + chunk)[-8192:]
+                        if '"timings"' in event.data:
+                            last = event.data
                 break
             except httpx.RemoteProtocolError:
                 # a kept-alive connection the server closed as the request went out (llama-server's HTTP
@@ -205,7 +204,7 @@ class Level:
                     raise
         if not self.measuring:
             return
-        timings = final_timings(tail)
+        timings = final_timings(last) if last else None
         if timings is not None:
             prompt_s, predicted_s = timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000
             self.latencies.append(prompt_s + predicted_s)
