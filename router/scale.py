@@ -63,7 +63,7 @@ class ScaleConfig:
             down_delay_s=settings.scale_down_delay,
             min_nodes=settings.scale_min_nodes,
             max_nodes=settings.scale_max_nodes,
-            webhook_url=settings.scale_webhook,
+            webhook_url=settings.scale_webhook or "",
         )
 
 
