@@ -129,8 +129,13 @@ def test_router_serves_the_hint_and_posts_it_to_its_webhook(
     url, received = receiver
     # (at least two Macs asked for, whatever the demand: the --scale-* flags reach the hint)
     running = pool(nodes=1, router_args=("--scale-webhook", url, "--scale-min-nodes", "2"))
-    hint = httpx.get(f"{running.router.url}/api/pool/scale", timeout=10).json()
-    assert hint["current_nodes"] == 1
+
+    def counted() -> dict[str, Any] | None:
+        hint: dict[str, Any] = httpx.get(f"{running.router.url}/api/pool/scale", timeout=10).json()
+        return hint if hint["current_nodes"] == 1 else None
+
+    # the hint is the router's last sample of the pool (one every half second), which may predate the node
+    hint = wait_until(counted, 10, "a scale hint counting the ready node")
     assert hint["desired_nodes"] == 2
     assert set(hint) >= {"current_nodes", "desired_nodes", "saturation", "reason"}
     wait_until(lambda: bool(received), 60, "the first scale document at the webhook")
