@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from typing import Literal, Self
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasGenerator, Field
 from pydantic_settings import SettingsConfigDict
 
+from macpool.scaling import MinNodes, ScalePolicy
 from macpool.settings import CommandSettings, ConfigError, Origins, RedisUrl, UserPath
 from macpool.store import DEFAULT_PREFIX
 from router.aliases import AliasTable
@@ -18,15 +19,21 @@ from router.aliases import AliasTable
 __all__ = ["ConfigError", "Settings"]
 
 
+def _scale_prefixed(name: str) -> str:
+    """The router's name of a setting: ``scale_`` and the knob for the scale policy's, the name itself for
+    the others."""
+    return f"scale_{name}" if name in ScalePolicy.model_fields else name
+
+
 def host_pid_random() -> str:
     """A router replica's default id: its host, its process and a random suffix."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
-class Settings(CommandSettings):
-    """Run the pool's OpenAI-compatible router. docs/router.md, "Configuration", says more of each setting."""
+class _Serving(CommandSettings):
+    """The router's settings but for its scale hint's and its process's, which :class:`Settings` adds after
+    these (``--help`` lists the settings in the order their classes declare them)."""
 
-    model_config = SettingsConfigDict(cli_prog_name="macpool router")
     config_table = "router"
 
     redis_url: RedisUrl = Field(
@@ -188,41 +195,20 @@ class Settings(CommandSettings):
         "or * for any (unset: no CORS)",
     )
 
-    # scale hint (router/scale.py): the Macs demand needs, between min and max, up when it passes the target
-    # utilisation for up_delay seconds, down when it fits under the low one for down_delay; POSTed to the
-    # webhook when it changes
-    scale_target_utilisation: float = Field(
-        default=0.8, gt=0, le=1,
-        description="the scale hint asks for more Macs when demand passes this share of the pool's capacity",
-    )
-    scale_low_utilisation: float = Field(
-        default=0.5, gt=0, le=1,
-        description="...and for fewer when demand would fit under this share of fewer Macs",
-    )
-    scale_up_delay: float = Field(
-        default=10.0, ge=0,
-        description="seconds demand must stay over the target before the hint goes up",
-    )
-    scale_down_delay: float = Field(
-        default=120.0, ge=0,
-        description="seconds demand must stay under the low share before the hint goes down",
-    )
-    scale_min_nodes: int = Field(default=1, ge=0, description="the fewest Macs the scale hint asks for")
-    scale_max_nodes: int = Field(default=64, ge=1, description="the most Macs the scale hint asks for")
-    scale_webhook: str | None = Field(
-        default=None,
-        description="POST the scale hint (GET /api/pool/scale) here when desired_nodes changes",
+
+class Settings(ScalePolicy, _Serving):
+    """Run the pool's OpenAI-compatible router. docs/router.md, "Configuration", says more of each setting."""
+
+    model_config = SettingsConfigDict(
+        cli_prog_name="macpool router", alias_generator=AliasGenerator(validation_alias=_scale_prefixed)
     )
 
-    @model_validator(mode="after")
-    def _scale_bands(self) -> Self:
-        if self.scale_low_utilisation > self.scale_target_utilisation:
-            raise ValueError(f"scale_low_utilisation ({self.scale_low_utilisation}) is over "
-                             f"scale_target_utilisation ({self.scale_target_utilisation})")
-        if self.scale_min_nodes > self.scale_max_nodes:
-            raise ValueError(f"scale_min_nodes ({self.scale_min_nodes}) is over scale_max_nodes "
-                             f"({self.scale_max_nodes})")
-        return self
+    # the scale hint (router/scale.py), how many Macs demand needs: ScalePolicy's knobs, each named
+    # scale_<knob> here (--scale-target-utilisation, MACPOOL_SCALE_TARGET_UTILISATION), and where to POST it
+    min_nodes: MinNodes = 1
+    scale_webhook: str | None = Field(
+        default=None, description="POST the scale hint (GET /api/pool/scale) here when desired_nodes changes"
+    )
 
     # process
     shutdown_timeout: int = Field(
