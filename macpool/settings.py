@@ -194,6 +194,8 @@ def first_error(exc: ValidationError) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if not key:  # a rule between settings: its message names them, and the input is every setting
         return message
+    if error["type"] == "missing":
+        return f"{key} is required: --{key.replace('_', '-')}, MACPOOL_{key.upper()} or the config file"
     if error["type"] == "extra_forbidden":
         return (f"unknown setting {key!r}: a misspelled key in the config file, or a "
                 f"MACPOOL_{key.upper()} environment variable this command does not read")

@@ -311,12 +311,18 @@ def calibrate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": run, "calibrate": calibrate}
+def join(argv: list[str]) -> int:
+    from . import join as joining
+
+    return joining.main(argv)
+
+
+COMMANDS = {"run": run, "calibrate": calibrate, "join": join}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(f"usage: {PROG} {{run,calibrate}} [options]   ({PROG} run --help)", file=sys.stderr)
+        print(f"usage: {PROG} {{run,calibrate,join}} [options]   ({PROG} run --help)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         return COMMANDS[argv[0]](argv[1:])
