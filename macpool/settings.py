@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Self, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Self, get_args
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, ValidationError
@@ -29,7 +29,6 @@ from pydantic_settings import (
 
 from macpool.store.connect import parse
 
-S = TypeVar("S", bound=BaseSettings)
 JSON_LIST = """'["-t", "4"]'"""  # how a list setting is written in the environment
 
 
@@ -200,36 +199,3 @@ def first_error(exc: ValidationError) -> str:
     value = "***" if any(word in key.lower() for word in _SECRET_WORDS) else repr(error.get("input"))
     value = re.sub(r"(//[^/@:]*:)[^@/]*@", r"\1***@", value)  # a URL's password
     return f"invalid {key}={value}: {message}"
-
-
-# --- flags given as a dict, for the commands whose parser is still written by hand ---
-
-
-def load_layered(cls: type[S], flags: dict[str, Any], config_file: Path | None, section: str) -> S:
-    """Build ``cls`` from the flags, the environment and the ``[section]`` of ``config_file``."""
-    file_values = _anchored(cls, read_toml_table(config_file, section), config_file) if config_file else {}
-    try:
-        return layered(cls, flags, file_values)
-    except ValidationError as exc:
-        raise ConfigError(first_error(exc)) from None
-    except SettingsError as exc:  # an environment variable pydantic-settings cannot decode
-        raise ConfigError(f"{exc} (in the environment, a list setting is JSON: {JSON_LIST})") from None
-
-
-def layered(cls: type[S], flags: dict[str, Any], file_values: dict[str, Any]) -> S:
-    """Build ``cls`` from the three sources; raises pydantic's ValidationError."""
-
-    class _Layered(cls):  # type: ignore[valid-type, misc]
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return init_settings, env_settings, InitSettingsSource(settings_cls, file_values)
-
-    merged = _Layered(**{key: value for key, value in flags.items() if value is not None})
-    return cls.model_validate(merged.model_dump())

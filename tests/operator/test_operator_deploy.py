@@ -26,7 +26,6 @@ from pydantic_settings import CliSettingsSource
 
 from autoscaler.settings import AutoscaleSettings
 from macpool.procs import macpool_argv
-from macpool.settings import load_layered
 from node_agent.runtime import AgentMetrics
 from node_agent.settings import AgentSettings
 from router.metrics import RouterMetrics
@@ -404,7 +403,7 @@ def test_every_supervisor_waits_out_the_graceful_shutdown() -> None:
     assert plist["ExitTimeOut"] > drain + AGENT_EXIT_MARGIN
 
 
-def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> None:
+def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes(tmp_path: Path) -> None:
     macos = DEPLOY / "macos"
     plist = plistlib.loads((macos / "com.macpool.agent.plist").read_bytes())
     program, *argv = plist["ProgramArguments"]
@@ -417,12 +416,17 @@ def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> Non
     assert config.parts[:3] == ("/", "Users", "USER") and program.startswith("/Users/USER/macpool/")
     for name in plist["EnvironmentVariables"]:
         assert name == "PATH" or name in env_names(AgentSettings), f"{name} is no setting of macpool agent"
-    settings = load_layered(AgentSettings, {}, macos / "agent.toml", "agent")  # a misspelled key fails here
     keys = tomllib.loads((macos / "agent.toml").read_text())
+    assert keys["llama_server"] and keys["model"], "the plist's agent supervises llama-server"
+    # the file is read as the Mac reads it (a misspelled key or a bad value fails here), with stand-ins for
+    # the Mac's llama-server and model, which are not on this machine
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    stand_ins = ["--llama-server", "true", "--model", str(model)]
+    settings = AgentSettings.from_argv(["--config", str(macos / "agent.toml"), *stand_ins])
     assert "node_id" in keys, "each Mac needs its own node id: the default (host name) is shared by clones"
     assert urlparse(settings.advertise_url).port == settings.port
     assert settings.host == "0.0.0.0", "routers on other hosts must reach the agent"
-    assert settings.llama_server and settings.model, "the plist's agent supervises llama-server"
     looked_up = f"\"macpool:{{pool}}:node:{settings.node_id}\" doc"
     assert looked_up in guide, "the guide looks the node up under its node_id"
 
@@ -561,10 +565,11 @@ def test_the_router_configuration_table_is_every_setting_with_its_flag_env_and_d
 
 
 def test_the_agent_configuration_table_is_every_setting_with_its_flag_key_and_default() -> None:
-    from node_agent.cli import _run_parser
-
     table = documented_settings("agent.md", "## Configuration reference")
-    dests = {option: action.dest for action in _run_parser()._actions for option in action.option_strings}
+    name = {key: field_name for field_name in AgentSettings.model_fields
+            for key in (field_name, AgentSettings.model_fields[field_name].validation_alias)}
+    dests = {option: name[action.dest] for action in parser(AgentSettings)._actions
+             for option in action.option_strings if action.dest != "help"}
     keys = set()
     for column, key_env, default in table:
         if column.startswith("`--config"):
@@ -579,6 +584,6 @@ def test_the_agent_configuration_table_is_every_setting_with_its_flag_key_and_de
             if flag != "--":
                 assert dests.get(flag) == key, f"docs/agent.md: {flag} is not `macpool agent run`'s {key}"
         assert default_matches(field, default), f"docs/agent.md, {key}: default {default} in the docs"
-    assert keys == set(AgentSettings.model_fields), "docs/agent.md's table misses an agent setting"
-    undocumented = {dest for dest in dests.values() if dest not in keys} - {"help", "config"}
+    assert keys == set(AgentSettings.model_fields) - {"config"}, "docs/agent.md's table misses a setting"
+    undocumented = {dest for dest in dests.values() if dest not in keys} - {"config"}
     assert not undocumented, f"`macpool agent run` flags missing from docs/agent.md: {undocumented}"
