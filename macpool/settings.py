@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Self, get_args
+from typing import Annotated, Any, ClassVar, Self, TypeVar, get_args
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, ValidationError
@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 from macpool.store.connect import parse
 
+S = TypeVar("S", bound=BaseSettings)
 JSON_LIST = """'["-t", "4"]'"""  # how a list setting is written in the environment
 
 
@@ -110,12 +111,18 @@ class CommandSettings(BaseSettings):
         """The settings of ``<command> argv``: its flags (parsed into ``flags``, when given, which then tells
         what they set), then ``init``, the environment and the config file. ``--help`` prints and exits 0, an
         unknown flag exits 2; a bad value raises ConfigError."""
-        try:
-            return CliApp.run(cls, cli_args=argv, cli_settings_source=flags, **init)
-        except ValidationError as exc:
-            raise ConfigError(first_error(exc)) from None
-        except SettingsError as exc:  # a value pydantic-settings cannot split or decode
-            raise ConfigError(f"{exc} (in the environment, a list setting is JSON: {JSON_LIST})") from None
+        return from_argv(cls, argv, flags, **init)
+
+
+def from_argv(cls: type[S], argv: list[str], flags: CliSettingsSource[Any] | None = None, **init: Any) -> S:
+    """``cls`` from the command line ``argv`` and whatever other sources ``cls`` names (see
+    :meth:`CommandSettings.from_argv`); a bad value raises ConfigError, one line naming it."""
+    try:
+        return CliApp.run(cls, cli_args=argv, cli_settings_source=flags, **init)
+    except ValidationError as exc:
+        raise ConfigError(first_error(exc)) from None
+    except SettingsError as exc:  # a value pydantic-settings cannot split or decode
+        raise ConfigError(f"{exc} (in the environment, a list setting is JSON: {JSON_LIST})") from None
 
 
 class ConfigFile(PydanticBaseSettingsSource):
@@ -193,6 +200,8 @@ def first_error(exc: ValidationError) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if not key:  # a rule between settings: its message names them, and the input is every setting
         return message
+    if error["type"] == "missing":
+        return f"--{key.replace('_', '-')} is required"
     if error["type"] == "extra_forbidden":
         return (f"unknown setting {key!r}: a misspelled key in the config file, or a "
                 f"MACPOOL_{key.upper()} environment variable this command does not read")

@@ -2,60 +2,19 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import sys
-import tomllib
-from pathlib import Path
 from typing import Any
 
 from pydantic_settings import CliSettingsSource
 
 from macpool import logs, plotting
-from macpool.settings import ConfigError
+from macpool.settings import ConfigError, from_argv
 
-from .settings import AgentSettings, calibrated
+from .settings import AgentSettings, CalibrateSettings, calibrated
 
 PROG = "macpool agent"
-
-
-def _calibrate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=f"{PROG} calibrate",
-        description="Drive concurrency up in steps and recommend the cap: the smaller of the memory knee and "
-        "the throughput knee (the smallest level reaching 95%% of the best throughput). Exits 1 when no "
-        "level is safe.",
-    )
-    p.add_argument("--upstream", required=True, help="llama-server (or `macpool sim`) URL")
-    p.add_argument(
-        "--prompt-tokens", type=int,
-        help="prompt length (default: near the context one request may hold on the server - its slots' "
-        "context less --max-tokens - the requests the Mac is sized for)",
-    )
-    p.add_argument(
-        "--max-tokens", type=int, default=1024, help="generated tokens per request (default 1024)"
-    )
-    p.add_argument("--max-concurrency", type=int, default=24, help="highest level tried (default 24)")
-    p.add_argument("--step", type=int, default=1, help="between two levels (default 1)")
-    p.add_argument("--levels", help="explicit comma-separated concurrency levels instead of 1..max by step")
-    p.add_argument(
-        "--window", type=int, default=0, help="requests measured per level (default max(16, 6 x level))"
-    )
-    p.add_argument(
-        "--max-p50-ratio", type=float,
-        help="latency bound: the cap is the largest level whose p50 is at most this many times the first "
-        "level's (instead of the throughput knee; memory and errors still bound it)",
-    )
-    p.add_argument(
-        "--max-ttft", type=float, help="latency bound: the largest level whose TTFT p50 is at most this (s)"
-    )
-    p.add_argument("--model", help="model name to send (default: the server's)")
-    p.add_argument("--json", type=Path, help="write the result (recommended_cap, per_request_gb, rows)")
-    p.add_argument("--plot", type=Path, help="draw throughput, p50 and pinned memory curves (PNG)")
-    p.add_argument("--write-config", type=Path, help="store calibrated_cap in this agent TOML config")
-    return p
 
 
 def _split_extra(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -89,47 +48,12 @@ def run(argv: list[str]) -> int:
     return run_agent(settings)
 
 
-def _check_calibrate_args(a: argparse.Namespace, levels: list[int]) -> None:
-    """Bad figures and unwritable outputs fail before the sweep, not after minutes of measuring."""
-    prompt = 1 if a.prompt_tokens is None else a.prompt_tokens  # (unset: near the server's context)
-    for flag, value, least in (("--prompt-tokens", prompt, 1), ("--max-tokens", a.max_tokens, 1),
-                               ("--max-concurrency", a.max_concurrency, 1), ("--step", a.step, 1),
-                               ("--window", a.window, 0)):
-        if value < least:
-            raise ConfigError(f"{flag} {value}: must be >= {least}")
-    bounds: tuple[tuple[str, float | None, float], ...] = (
-        ("--max-p50-ratio", a.max_p50_ratio, 1.0), ("--max-ttft", a.max_ttft, 0.0)
-    )
-    for name, bound, floor in bounds:
-        if bound is not None and not bound > floor:
-            raise ConfigError(f"{name} {bound}: must be > {floor:g}")
-    if any(level < 1 for level in levels):
-        raise ConfigError(f"--levels {a.levels!r}: every level must be >= 1")
-    for flag, path in (("--json", a.json), ("--plot", a.plot), ("--write-config", a.write_config)):
-        if path is None:
-            continue
-        folder = path.parent if str(path.parent) else Path(".")
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
-            raise ConfigError(f"{flag} {str(path)!r}: {str(folder)!r} is not a writable directory")
-        if path.exists() and (path.is_dir() or not os.access(path, os.W_OK)):
-            raise ConfigError(f"{flag} {str(path)!r}: not a writable file")
-    if a.plot is not None:
-        plotting.check()
-    if a.write_config is not None and a.write_config.exists():
-        try:  # the calibrated keys are placed by its tables: a file that does not parse must say so now
-            tomllib.loads(a.write_config.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"--write-config {str(a.write_config)!r}: not a TOML file ({exc})") from None
-
-
 def calibrate(argv: list[str]) -> int:
     from . import calibrate as cal
 
-    a = _calibrate_parser().parse_args(argv)
-    try:
-        levels = [int(x) for x in a.levels.split(",")] if a.levels else []
-    except ValueError as exc:
-        raise ConfigError(f"--levels {a.levels!r}: expected integers separated by commas") from exc
+    a = from_argv(CalibrateSettings, argv)
+    if a.plot is not None:
+        plotting.check()
     options = cal.CalibrateOptions(
         upstream=a.upstream,
         prompt_tokens=a.prompt_tokens,
@@ -138,16 +62,9 @@ def calibrate(argv: list[str]) -> int:
         step=a.step,
         window_requests=a.window,
         model=a.model,
-        levels=levels,
+        levels=a.levels,
         bounds=cal.Bounds(a.max_p50_ratio, a.max_ttft),
     )
-    from .settings import _http_url
-
-    try:
-        _http_url(a.upstream)
-    except ValueError as exc:
-        raise ConfigError(f"--upstream {a.upstream!r}: {exc}") from None
-    _check_calibrate_args(a, levels)
     header: list[bool] = []
 
     def announce(note: str) -> None:
@@ -178,8 +95,8 @@ def calibrate(argv: list[str]) -> int:
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from exc
     data = cal.result_json(rows, knee, options, planned)
-    if a.json:
-        cal.dump_json(a.json, data)
+    if a.json_file:
+        cal.dump_json(a.json_file, data)
     if a.plot:
         cal.plot(a.plot, rows, knee)
     print(f"why: {knee.reason}")

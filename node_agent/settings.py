@@ -15,7 +15,13 @@ from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
-from pydantic_settings import CliSuppress, NoDecode, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    CliSuppress,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from macpool.settings import CommandSettings, ConfigError, RedisUrl, UserPath, first_error
 from macpool.store import DEFAULT_PREFIX
@@ -276,6 +282,86 @@ class AgentSettings(CommandSettings):
             return self.advertise_url.rstrip("/")
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
+
+
+def _writable(path: Path) -> Path:
+    """A file the command can write at its end: a check now, not after minutes of measuring."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"{str(folder)!r} is not a writable directory")
+    if path.exists() and (path.is_dir() or not os.access(path, os.W_OK)):
+        raise ValueError("not a writable file")
+    return path
+
+
+def _toml_or_new(path: Path) -> Path:
+    """The calibrated keys are placed by the file's tables: a file that does not parse must say so now."""
+    if path.exists():
+        try:
+            tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"not a TOML file ({exc})") from None
+    return path
+
+
+WritableFile = Annotated[UserPath, AfterValidator(_writable)]
+
+
+class CalibrateSettings(BaseSettings):
+    """
+    Drive concurrency up in steps and recommend the cap: the smaller of the memory knee and the throughput
+    knee (the smallest level reaching 95% of the best throughput). Exits 1 when no level is safe.
+    """
+
+    # flags only: a one-off measurement, and MACPOOL_MODEL (the agent's GGUF file) is no model name
+    model_config = SettingsConfigDict(
+        cli_prog_name="macpool agent calibrate", cli_kebab_case=True, cli_hide_none_type=True,
+        cli_avoid_json=True, cli_parse_none_str="unset", extra="forbid",
+    )
+
+    upstream: HttpUrl = Field(description="llama-server (or `macpool sim`) URL")
+    prompt_tokens: int | None = Field(
+        default=None, ge=1,
+        description="prompt length (unset: near the context one request may hold on the server - its "
+        "slots' context less --max-tokens - the requests the Mac is sized for)",
+    )
+    max_tokens: int = Field(default=1024, ge=1, description="generated tokens per request")
+    max_concurrency: int = Field(default=24, ge=1, description="highest level tried")
+    step: int = Field(default=1, ge=1, description="between two levels")
+    levels: list[Annotated[int, Field(ge=1)]] = Field(
+        default=[], description="explicit comma-separated concurrency levels instead of 1..max by step"
+    )
+    window: int = Field(default=0, ge=0, description="requests measured per level (0: max(16, 6 x level))")
+    max_p50_ratio: float | None = Field(
+        default=None, gt=1,
+        description="latency bound: the cap is the largest level whose p50 is at most this many times the "
+        "first level's (instead of the throughput knee; memory and errors still bound it)",
+    )
+    max_ttft: float | None = Field(
+        default=None, gt=0, description="latency bound: the largest level whose TTFT p50 is at most this (s)"
+    )
+    model: str | None = Field(default=None, description="model name to send (unset: the server's)")
+    json_file: WritableFile | None = Field(
+        default=None, validation_alias="json",
+        description="write the result (recommended_cap, per_request_gb, rows)",
+    )
+    plot: WritableFile | None = Field(
+        default=None, description="draw throughput, p50 and pinned memory curves (PNG)"
+    )
+    write_config: Annotated[WritableFile, AfterValidator(_toml_or_new)] | None = Field(
+        default=None, description="store calibrated_cap in this agent TOML config"
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # pydantic-settings puts the command line before it
 
 
 def read_calibration(path: Path) -> dict[str, Any]:
