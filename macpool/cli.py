@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "autoscale": ("autoscaler.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
     "top": ("router.top", "live terminal view of the pool"),
+    "node": ("macpool.node_cli", "node identity: the pool secret, a node's credential, revoking one"),
     "dev": ("macpool.dev", "developer tasks: build llama-server, generate a tiny model, run the tests"),
 }
 

@@ -69,6 +69,11 @@ def _run_parser() -> argparse.ArgumentParser:
     gw.add_argument("--host", help="listen address (default 127.0.0.1; 0.0.0.0 to serve the LAN)")
     gw.add_argument("--port", type=int, help="listen port (default 8090)")
     gw.add_argument("--token", help="require this token in X-Macpool-Token (env MACPOOL_AGENT_TOKEN)")
+    gw.add_argument(
+        "--node-credential", dest="node_credential", type=Path,
+        help="this node's credential file (`macpool node add ID`, mode 600): signs the heartbeats and "
+        "replaces --token with this node's own token; the node id is the credential's",
+    )
     gw.add_argument("--drain-timeout", dest="drain_timeout", type=float, help="seconds (default 30)")
     gw.add_argument(
         "--request-read-timeout", dest="request_read_timeout", type=float,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,13 +14,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field, ValidationError
+from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
     SettingsConfigDict,
 )
 
+from macpool.identity import IdentityError, NodeCredential, load_credential
 from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_layered
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import BadMac, normalize_mac
@@ -78,6 +80,9 @@ class AgentSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8090, ge=0, le=65535)
     token: str | None = Field(default=None, validation_alias=AliasChoices("MACPOOL_AGENT_TOKEN"))
+    # this node's credential, issued by the pool (`macpool node add`): signs its heartbeats, and the routers
+    # send the token derived from it instead of a shared --token (macpool/identity.py)
+    node_credential: UserPath | None = None
     connect_timeout: float = Field(default=5.0, gt=0)
     read_timeout: float = Field(default=600.0, gt=0)  # longest silence between two upstream chunks
     drain_timeout: float = Field(default=30.0, ge=0)
@@ -109,6 +114,25 @@ class AgentSettings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_id_of_credential(cls, data: Any) -> Any:
+        """With a credential and no node id given, the node is the one the credential was issued for."""
+        if isinstance(data, dict) and data.get("node_credential") and not data.get("node_id"):
+            with contextlib.suppress(IdentityError):  # (check() says what is wrong with the file)
+                credential = load_credential(Path(data["node_credential"]).expanduser())
+                data = {**data, "node_id": credential.node_id}
+        return data
+
+    def credential(self) -> NodeCredential | None:
+        """This node's credential (``--node-credential``), or None."""
+        if self.node_credential is None:
+            return None
+        try:
+            return load_credential(self.node_credential)
+        except IdentityError as exc:
+            raise ConfigError(f"--node-credential: {exc}") from None
 
     @property
     def supervise(self) -> bool:
@@ -157,6 +181,14 @@ class AgentSettings(BaseSettings):
                     raise ConfigError(
                         f"-- {arg}: the agent runs llama-server on 127.0.0.1 and a free port of its choosing"
                     )
+        credential = self.credential()
+        if credential is not None:
+            if self.token:
+                raise ConfigError("give --token (a token shared by the pool) or --node-credential (this "
+                                  "node's own), not both")
+            if credential.node_id != self.node_id:
+                raise ConfigError(f"--node-id {self.node_id!r}, but --node-credential was issued for "
+                                  f"{credential.node_id!r}")
         if self.wol_mac is not None:
             try:
                 normalize_mac(self.wol_mac)
