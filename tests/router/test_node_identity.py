@@ -20,6 +20,7 @@ import redis
 from macpool.contract import NodeDoc, now_ms
 from macpool.identity import NodeCredential, PoolSecret, Revocation, issue, load_credential, load_secret
 from macpool.node_cli import main as node_command
+from macpool.redis_server import RedisServer
 from macpool.store import Keys
 from macpool.store.api import _json, _node_fields
 from macpool.store.scripts import source
@@ -286,3 +287,36 @@ def test_credentials_and_secrets_in_files_only_their_owner_reads(tmp_path: Path,
     secret.chmod(0o644)
     assert node_command(["add", "mac-a", "--pool-secret-file", str(secret)]) == 2
     assert "readable by others (mode 644); chmod 600 it" in capsys.readouterr().err
+
+
+def test_a_mac_with_the_documented_acl_serves_and_cannot_touch_revocations(
+    local_stack: LocalStack, tmp_path: Path
+) -> None:
+    with RedisServer() as server:
+        admin = redis.Redis.from_url(server.url)
+        # the ACL of docs/security.md, "Revocations, and a Mac that can write Redis"
+        admin.execute_command(
+            "ACL", "SETUSER", "mac-1", "on", ">mac-1-password", "resetkeys", "resetchannels",
+            "~macpool:{pool}:node:mac-1", "~macpool:{pool}:node:mac-1/*", "~macpool:{pool}:desired:mac-1",
+            "~macpool:{pool}:desired:mac-1/*", "~macpool:{pool}:nodes", "&macpool:{pool}:events",
+            "-@all", "+@connection", "+evalsha", "+eval", "+script|load", "+hget", "+hmget", "+hset",
+            "+pexpire", "+zadd", "+zrem", "+del", "+get", "+set", "+publish", "+info",
+        )
+        mac_url = f"redis://mac-1:mac-1-password@127.0.0.1:{server.port}/0"
+        pool = Pool(local_stack, server.url, tmp_path)
+        sim = local_stack.sim("sim-mac-1", "--preset", PRESET, "--parallel", "4")
+        local_stack.agent("agent-mac-1", sim.url, mac_url, "mac-1", "--cap", "4",
+                          "--node-credential", str(pool.credential("mac-1")))
+        router = pool.router()
+        local_stack.wait_nodes(router.url, 1, exact=True)
+        assert _serve(router, 3) == {"mac-1"}
+        assert node_command(["revoke", "mac-2", "--pool-secret-file", str(pool.secret_file),
+                             "--redis-url", server.url]) == 0
+        mac = redis.Redis.from_url(mac_url)
+        for attempt in (lambda: mac.hdel(KEYS.revoked, "mac-2"), lambda: mac.delete(KEYS.revoked),
+                        lambda: mac.set(KEYS.node("mac-2"), "x"), lambda: mac.get(KEYS.held)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt()
+        assert admin.hexists(KEYS.revoked, "mac-2")
+        mac.close()
+        admin.close()
