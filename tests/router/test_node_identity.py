@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from macpool.contract import NodeDoc, now_ms
+from macpool.dev.redis_server import RedisServer
 from macpool.identity import NodeCredential, PoolSecret, Revocation, issue, load_credential, load_secret
 from macpool.node_cli import main as node_command
-from macpool.redis_server import RedisServer
 from macpool.store import Keys
 from macpool.store.api import _json, _node_fields
 from macpool.store.scripts import source
