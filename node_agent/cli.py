@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from macpool import logs, plotting
+from macpool.credentials import warn_on_command_line
 from macpool.settings import ConfigError
 
 from .settings import AgentSettings, load_settings
@@ -68,7 +69,20 @@ def _run_parser() -> argparse.ArgumentParser:
     gw = p.add_argument_group("gateway")
     gw.add_argument("--host", help="listen address (default 127.0.0.1; 0.0.0.0 to serve the LAN)")
     gw.add_argument("--port", type=int, help="listen port (default 8090)")
-    gw.add_argument("--token", help="require this token in X-Macpool-Token (env MACPOOL_AGENT_TOKEN)")
+    gw.add_argument(
+        "--token",
+        help="require this token in X-Macpool-Token (prefer --token-file or MACPOOL_AGENT_TOKEN: a flag "
+        "shows in ps)",
+    )
+    gw.add_argument(
+        "--token-file", dest="token_file", type=Path,
+        help="file holding the agent token, its first line (env MACPOOL_AGENT_TOKEN_FILE)",
+    )
+    gw.add_argument(
+        "--trusted-network", dest="trusted_network", action="store_true", default=None,
+        help="serve beyond loopback with no token: every host that reaches the port is trusted (without it "
+        "such an agent refuses to start)",
+    )
     gw.add_argument("--drain-timeout", dest="drain_timeout", type=float, help="seconds (default 30)")
     gw.add_argument(
         "--request-read-timeout", dest="request_read_timeout", type=float,
@@ -198,6 +212,7 @@ def build_settings(argv: list[str]) -> AgentSettings:
 
 
 def run(argv: list[str]) -> int:
+    warn_on_command_line(f"{PROG} run", _split_extra(argv)[0], ("--token",))
     settings = build_settings(argv)
     logs.configure(settings.log_level, settings.log_format)
     logging.getLogger("asyncio").setLevel(logging.ERROR)  # "socket.send() raised" after a client left

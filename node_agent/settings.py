@@ -20,6 +20,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from macpool.credentials import SecretError, check_secret, exposed_without_auth, read_secret
 from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_layered
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import BadMac, normalize_mac
@@ -78,6 +79,10 @@ class AgentSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8090, ge=0, le=65535)
     token: str | None = Field(default=None, validation_alias=AliasChoices("MACPOOL_AGENT_TOKEN"))
+    token_file: UserPath | None = Field(
+        default=None, validation_alias=AliasChoices("MACPOOL_AGENT_TOKEN_FILE")
+    )
+    trusted_network: bool = False  # serve beyond loopback with no token (docs/security.md)
     connect_timeout: float = Field(default=5.0, gt=0)
     read_timeout: float = Field(default=600.0, gt=0)  # longest silence between two upstream chunks
     drain_timeout: float = Field(default=30.0, ge=0)
@@ -133,6 +138,16 @@ class AgentSettings(BaseSettings):
 
     def check(self) -> None:
         """Fail before start, with one line naming the bad key, for anything that cannot work."""
+        try:
+            if self.token is not None:
+                check_secret(self.token, "--token")
+        except SecretError as exc:
+            raise ConfigError(str(exc)) from None
+        if exposed_without_auth(self.host, self.token is not None, self.trusted_network):
+            raise ConfigError(
+                f"refusing to serve {self.host} without an agent token: give --token-file (the routers' "
+                "--agent-token-file), or --trusted-network if every host that can reach this port may use "
+                "it (docs/security.md)")
         if (self.upstream is None) == (self.llama_server is None):
             raise ConfigError("give exactly one of --upstream URL (attach) or --llama-server CMD (supervise)")
         if self.upstream is not None:
@@ -216,6 +231,14 @@ def read_calibration(path: Path) -> dict[str, Any]:
 def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> AgentSettings:
     """Merge the three sources (flags win, then ``MACPOOL_*``, then the file) and check the result."""
     settings = load_layered(AgentSettings, flags, config_file, "agent")
+    if settings.token_file is not None:
+        if settings.token is not None:
+            raise ConfigError("give --token or --token-file, not both")
+        try:
+            token = read_secret(settings.token_file, "--token-file")
+        except SecretError as exc:
+            raise ConfigError(str(exc)) from None
+        settings = settings.model_copy(update={"token": token})
     for mode, other in (("upstream", "llama_server"), ("llama_server", "upstream")):
         if flags.get(mode) is not None and flags.get(other) is None:
             # one choice: --upstream or --llama-server on the command line wins over the other's setting in
