@@ -1,12 +1,13 @@
 """Scale to zero, and models loaded on demand: a request for a model no ready node serves waits while a
 node loads it.
 
-The request takes a place in the pool's queue (no candidates: it only counts as demand, which the
-autoscaler reads), bounded as any queued request is - by ``--queue-size`` (503 pool_full, batch_shed) and
-by its key's limit (429) - and waits up to ``--cold-start-timeout`` for a node of its model to be ready; then
-it goes through admission as any other request. With ``--load-on-demand`` (the default) it also asks the
-standby node of its model that would load it soonest to load it (its last load time, then the most
-capacity), once for every router: the first waiting request sets ``{p}loading:{model}`` for the timeout, and the others see it.
+The request takes a place in the pool's queue (no candidates: it only counts as demand, which the autoscaler
+reads), bounded as any queued request is - by ``--queue-size`` (503 pool_full, batch_shed) and by its key's
+limit (429) - and waits up to ``--cold-start-timeout`` for a node of its model to be ready; then it goes
+through admission as any other request. With ``--load-on-demand`` (the default) it also asks the standby
+node of its model that would load it soonest to load it (its last load time, then the most capacity), once
+for every router: the first waiting request sets ``{p}loading:{model}`` for the timeout, and the others see
+it.
 An ask is over once its node, seen loading or serving since, is back in standby (it unloaded the model when
 idle, or refused the load), or has stayed in standby for a few seconds: then the model is asked for again
 rather than waited for until the marker lapses.
