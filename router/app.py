@@ -240,6 +240,8 @@ class Router:
         value = header.strip().lower()
         if value not in PRIORITIES:
             raise BadRequest(400, "X-Macpool-Priority must be interactive or batch", "invalid_priority")
+        if key and key.priority == "batch":
+            return "batch"  # the header lowers a request's class, never raises it above its key's
         return cast(Priority, value)
 
     # --- read-only endpoints -----------------------------------------------------------------------
