@@ -21,13 +21,13 @@ def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.Mo
     )
     monkeypatch.setenv("MACPOOL_NODE_ID", "from-env")
     monkeypatch.setenv("MACPOOL_CAP", "5")
-    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "env-token")
+    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "env-token-of-16-chars")
     settings = load_settings({"cap": 7}, config)
     assert settings.cap == 7  # flag
     assert settings.node_id == "from-env"  # env over file
     assert settings.headroom_gb == 4.0 and settings.upstream == "http://file:1"  # file
-    assert settings.token == "env-token"
-    assert load_settings({"token": "flag"}, config).token == "flag"
+    assert settings.token == "env-token-of-16-chars"
+    assert load_settings({"token": "flag-token-of-16-chars"}, config).token == "flag-token-of-16-chars"
 
 
 def test_the_mode_flag_wins_over_the_other_mode_from_the_file_or_environment(
