@@ -4,7 +4,7 @@ It serves every path of ``macpool/apis.py``. A generation path holds slots again
 (token counts, templates, tokenize) holds none and is bounded by a cap of its own (``--light-cap``). Over
 either cap the answer is an immediate 503 ``node_full`` with ``Retry-After``: the router then tries
 another node. The agent token travels in ``X-Macpool-Token`` (the client's ``Authorization`` belongs to
-the router and is passed through untouched).
+the router, which does not forward it).
 """
 
 from __future__ import annotations
