@@ -24,14 +24,14 @@ from prometheus_client.metrics import MetricWrapperBase
 from pydantic.fields import FieldInfo
 from pydantic_settings import CliSettingsSource
 
-from autoscaler.settings import AutoscaleSettings
-from macpool.procs import macpool_argv
+from macpool.autoscale.settings import AutoscaleSettings
+from macpool.dev.procs import macpool_argv
 from macpool.settings import load_layered
+from macpool.sim.machine import preset_names
 from node_agent.runtime import AgentMetrics
 from node_agent.settings import AgentSettings
 from router.metrics import RouterMetrics
 from router.settings import Settings as RouterSettings
-from simulator.machine import preset_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -425,6 +425,28 @@ def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> Non
     assert settings.llama_server and settings.model, "the plist's agent supervises llama-server"
     looked_up = f"\"macpool:{{pool}}:node:{settings.node_id}\" doc"
     assert looked_up in guide, "the guide looks the node up under its node_id"
+
+
+def test_the_macos_router_daemon_runs_the_router_on_the_toml_file_the_guide_writes() -> None:
+    macos = DEPLOY / "macos"
+    plist = plistlib.loads((macos / "com.macpool.router.plist").read_bytes())
+    program, *argv = plist["ProgramArguments"]
+    assert program.endswith("/bin/macpool") and argv[0] == "router"
+    assert not unknown_flags(("router",), argv[1:])
+    assert plist["UserName"] == "USER" and plist["RunAtLoad"]
+    guide = (macos / "README.md").read_text()
+    block = re.search(r"## The router on a Mac.*?```toml\n(.*?)```", guide, re.S)
+    assert block is not None
+    keys = tomllib.loads(block.group(1))
+    assert set(keys) <= set(RouterSettings.model_fields), set(keys) - set(RouterSettings.model_fields)
+    assert Path(flag_value(argv, "--config")).name == "router.toml"
+
+
+def test_the_wired_limit_daemon_sets_the_limit_at_boot() -> None:
+    plist = plistlib.loads((DEPLOY / "macos" / "com.macpool.wiredlimit.plist").read_bytes())
+    program, setting = plist["ProgramArguments"]
+    assert program == "/usr/sbin/sysctl" and plist["RunAtLoad"]
+    assert re.fullmatch(r"iogpu\.wired_limit_mb=\d+", setting)
 
 
 SUBCOMMANDS = {"router": 1, "agent": 2, "sim": 1, "demo": 1, "top": 1}  # words naming the command

@@ -20,11 +20,12 @@ import redis
 from rich.console import Console
 
 import router.auth as auth
-from macpool import demo, tiny_model
-from macpool.llama_build import find_llama_server
-from macpool.procs import macpool_argv
-from macpool.redis_server import RedisServer, free_port
-from macpool.stack import Stack
+from macpool import demo
+from macpool.dev import tiny_model
+from macpool.dev.llama_build import find_llama_server
+from macpool.dev.procs import macpool_argv
+from macpool.dev.redis_server import RedisServer, free_port
+from macpool.dev.stack import Stack
 from router.top import TopView
 from tests.conftest import Server, SpawnFactory
 from tests.reliability.conftest import (
