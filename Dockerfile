@@ -8,8 +8,6 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY macpool ./macpool
 COPY router ./router
 COPY node_agent ./node_agent
-COPY simulator ./simulator
-COPY bench ./bench
 # the versions constraints.txt locks (`macpool dev lock` writes it)
 RUN pip install -c constraints.txt . && useradd --system --no-create-home --uid 10001 macpool
 # numeric, so a cluster enforcing runAsNonRoot (the "restricted" pod security standard) can verify it
