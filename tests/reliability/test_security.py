@@ -38,6 +38,7 @@ from tests.reliability.conftest import (
 )
 
 pytestmark = pytest.mark.slow
+JSON = {"Content-Type": "application/json"}
 
 
 def test_agent_refuses_requests_without_the_token(rig: Rig) -> None:
@@ -257,9 +258,10 @@ def test_error_bodies_carry_nothing_internal(rig: Rig, spawn: SpawnFactory) -> N
         bodies += [
             client.get("/nope"),
             client.delete("/v1/chat/completions"),
-            client.post("/v1/chat/completions", content=b"{not json"),
-            client.post("/v1/chat/completions", content=b"[1]"),
-            client.post("/v1/chat/completions", content=b"x" * 5000),
+            client.post("/v1/chat/completions", content=b"{not json", headers=JSON),
+            client.post("/v1/chat/completions", content=b"[1]", headers=JSON),
+            client.post("/v1/chat/completions", content=b"x" * 5000, headers=JSON),
+            client.post("/v1/chat/completions", content=b"{}"),  # untyped: 415
             client.post("/v1/chat/completions", json=chat("no-such-model")),
             client.post("/v1/chat/completions", json={"model": 5}),
         ]
@@ -269,7 +271,7 @@ def test_error_bodies_carry_nothing_internal(rig: Rig, spawn: SpawnFactory) -> N
         for _ in range(4):
             bodies.append(client.post("/v1/chat/completions", json=chat("", 2, False)))
     statuses = {reply.status_code for reply in bodies}
-    assert {400, 404, 405, 413, 503} <= statuses, statuses
+    assert {400, 404, 405, 413, 415, 503} <= statuses, statuses
     assert 502 in statuses, statuses
     for reply in bodies:
         assert_clean(
