@@ -37,7 +37,7 @@ def build_settings(argv: list[str]) -> AgentSettings:
             # one choice: --upstream or --llama-server on the command line sets aside the other's setting in
             # the environment or the file (attaching to a test server with the Mac's usual config file)
             init[other] = None
-    return calibrated(AgentSettings.from_argv(own, flags, **init), given)
+    return calibrated(AgentSettings.from_argv(own, flags, **init), given).with_token_read()
 
 
 def run(argv: list[str]) -> int:

@@ -294,19 +294,14 @@ class AgentSettings(CommandSettings):
     def _one_way_to_authenticate(self) -> Self:
         """A shared token (given, or read from its file) or this node's own credential, the credential issued
         for this node; and one of them unless the agent serves loopback only or a trusted network."""
-        if self.token_file is not None:
-            if self.token is not None:
-                raise ValueError("give --token or --token-file, not both")
-            try:
-                self.token = read_secret(self.token_file, "--token-file")
-            except SecretError as exc:
-                raise ValueError(str(exc)) from None
+        if self.token_file is not None and self.token is not None:
+            raise ValueError("give --token or --token-file, not both")
         if self.token is not None:
             try:
                 check_secret(self.token, "--token")
             except SecretError as exc:
                 raise ValueError(str(exc)) from None
-        guarded = self.token is not None or self.node_credential is not None
+        guarded = self.token is not None or self.token_file is not None or self.node_credential is not None
         if exposed_without_auth(self.host, guarded, self.trusted_network):
             raise ValueError(
                 f"refusing to serve {self.host} without an agent token: give --token-file (the routers' "
@@ -325,6 +320,17 @@ class AgentSettings(CommandSettings):
             raise ValueError(f"--node-id {self.node_id!r}, but --node-credential was issued for "
                              f"{credential.node_id!r}")
         return self
+
+    def with_token_read(self) -> AgentSettings:
+        """These settings with ``--token-file``'s token read into ``token``: at start, not while settings are
+        only checked (a configuration names a file of the Mac it runs on)."""
+        if self.token_file is None:
+            return self
+        try:
+            token = check_secret(read_secret(self.token_file, "--token-file"), "--token-file")
+        except SecretError as exc:
+            raise ConfigError(str(exc)) from None
+        return self.model_copy(update={"token": token})
 
     def router_token(self) -> str | None:
         """What a router must send in X-Macpool-Token: this node's own token when it has a credential, else

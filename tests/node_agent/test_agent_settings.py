@@ -29,7 +29,8 @@ def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.Mo
     assert settings.node_id == "from-env"  # env over file
     assert settings.headroom_gb == 4.0 and settings.upstream == "http://file:1"  # file
     assert settings.token == "env-token-of-16-chars"
-    assert build_settings(["--config", str(config), "--token", "flag-token-of-16-chars"]).token == "flag-token-of-16-chars"
+    flagged = build_settings(["--config", str(config), "--token", "flag-token-of-16-chars"])
+    assert flagged.token == "flag-token-of-16-chars"
 
 
 def test_the_token_goes_by_its_names_and_the_routers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,10 +40,11 @@ def test_the_token_goes_by_its_names_and_the_routers(tmp_path: Path, monkeypatch
         assert build_settings(["--config", str(config)]).token == "from-file-token-16"
     for flag in ("--token", "--agent-token"):
         assert build_settings([*ATTACH, flag, "from-flag-token-16"]).token == "from-flag-token-16"
-    monkeypatch.setenv("MACPOOL_TOKEN", "agent's own token-16")
-    assert build_settings(ATTACH).token == "agent's own token-16"
-    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "the router's token-16")  # named as the router names it: it wins
-    assert build_settings(ATTACH).token == "the router's token-16"
+    monkeypatch.setenv("MACPOOL_TOKEN", "agents-own-token-16")
+    assert build_settings(ATTACH).token == "agents-own-token-16"
+    # named as the router names it: it wins
+    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "the-routers-token-16")
+    assert build_settings(ATTACH).token == "the-routers-token-16"
 
 
 def test_the_mode_flag_wins_over_the_other_mode_from_the_file_or_environment(
