@@ -12,7 +12,7 @@
   (docs/coding-clis.md), plus the session's own task.
 - ``drive``: every lane against one router until a deadline, each request retried as its CLI retries it
   (docs/coding-clis.md, "How they retry a full pool"), each turn recorded.
-- ``floors``: each turn alone on an idle Mac whose slot holds the session's history - the least time to its
+- ``Floors``: each turn alone on an idle Mac whose slot holds the session's history - the least time to its
   first token any router can give it, from the simulator's own engine.
 
 The simulated model ends an answer at the request's output limit (or, with none, after ``default_n_predict``
@@ -518,19 +518,25 @@ def prompts(shapes: Shapes, session: Session) -> Iterator[tuple[str, str]]:
         held = prompt + tokens.filler(turn.answer_tokens)
 
 
-def floors(shapes: Shapes, lanes: list[list[Session]], machine: Machine) -> dict[tuple[int, int], Floor]:
-    """Every turn's floor on ``machine`` (session index, turn) -> Floor. A first turn starts from the prompt
-    the other sessions of its client share (Codex's instructions and tools; Claude Code's differ from the
-    first line)."""
-    shared: dict[str, str] = {}
-    for client in CLIENTS:
-        a, b = (sim_prompt(PATHS[client], shapes.request(Session(0, i, client, 50, (Turn(0, 16, 0.0),)), 0,
-                                                         run=0).body) for i in (1, 2))
-        shared[client] = a[: tokens.common_prefix_tokens(a, b) * tokens.CHARS_PER_TOKEN]
-    out: dict[tuple[int, int], Floor] = {}
-    for sessions in lanes:
-        for session in sessions:
-            for n, (held, prompt) in enumerate(prompts(shapes, session)):
-                out[(session.index, n)] = alone(machine, held or shared[session.client], prompt,
-                                                session.turns[n].answer_tokens)
-    return out
+class Floors:
+    """Each turn's floor on ``machine``, worked out for a session when first asked for. A first turn starts
+    from the prompt the other sessions of its client share (Codex's instructions and tools; Claude Code's
+    differ from the first line)."""
+
+    def __init__(self, shapes: Shapes, machine: Machine) -> None:
+        self.shapes, self.machine = shapes, machine
+        self.shared: dict[str, str] = {}
+        for client in CLIENTS:
+            two = (Session(0, i, client, 50, (Turn(0, 16, 0.0),)) for i in (1, 2))
+            a, b = (sim_prompt(PATHS[client], shapes.request(session, 0, run=0).body) for session in two)
+            self.shared[client] = a[: tokens.common_prefix_tokens(a, b) * tokens.CHARS_PER_TOKEN]
+        self.done: dict[int, list[Floor]] = {}
+
+    def of(self, session: Session) -> list[Floor]:
+        """The floor of each of ``session``'s turns."""
+        if session.index not in self.done:
+            self.done[session.index] = [
+                alone(self.machine, held or self.shared[session.client], prompt, turn.answer_tokens)
+                for (held, prompt), turn in zip(prompts(self.shapes, session), session.turns, strict=True)
+            ]
+        return self.done[session.index]

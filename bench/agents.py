@@ -55,7 +55,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.agent_sessions import Floor, Session, Shapes, TurnRecord, Workload, drive, floors, plan
+from bench.agent_sessions import Floors, Session, Shapes, TurnRecord, Workload, drive, plan
 from bench.peers import PeerError, ensure_litellm, ensure_nginx, litellm_version
 from bench.stats import pct
 from macpool.procs import ProcessError
@@ -394,11 +394,10 @@ def bounds(shapes: Shapes, lanes: list[list[Session]], c: Conditions, runs: list
     """The floors of the turns macpool completed (each alone on an idle M2 Ultra holding its history): the
     least TTFT p50 and p99 any router can give those turns; and every lane at that pace, the most turns a
     minute."""
-    started = {r.session for run in runs for r in run["_window"].records}
-    used = [[s for s in sessions if s.index in started] for sessions in lanes]
-    floor = floors(shapes, used, load_preset(FASTEST.preset))
+    floor = Floors(shapes, load_preset(FASTEST.preset))
+    sessions = {s.index: s for lane in lanes for s in lane}
     mine = [r for run in runs if run["router"] == "macpool" for r in run["_window"].measured if r.ok]
-    ttfts = [floor[(r.session, r.turn)].ttft_s for r in mine]
+    ttfts = [floor.of(sessions[r.session])[r.turn].ttft_s for r in mine]
     return {
         "machine": FASTEST.name,
         "ttft_p50_s": _round(pct(ttfts, 50)),
@@ -407,7 +406,7 @@ def bounds(shapes: Shapes, lanes: list[list[Session]], c: Conditions, runs: list
     }
 
 
-def _ideal_turns(lanes: list[list[Session]], floor: dict[tuple[int, int], Floor], c: Conditions) -> int:
+def _ideal_turns(lanes: list[list[Session]], floor: Floors, c: Conditions) -> int:
     """Turns every lane completes in the run if each ran alone on the fastest Mac, its history cached."""
     done = 0
     for index, sessions in enumerate(lanes):
@@ -415,9 +414,9 @@ def _ideal_turns(lanes: list[list[Session]], floor: dict[tuple[int, int], Floor]
         for session in sessions:
             for n, turn in enumerate(session.turns):
                 t += turn.think_s if n else 0.0
-                if t >= c.duration_s or (session.index, n) not in floor:
+                if t >= c.duration_s:
                     break
-                t += floor[(session.index, n)].turn_s
+                t += floor.of(session)[n].turn_s
                 done += c.warmup_s <= t <= c.duration_s
             t += session.turns[0].think_s
             if t >= c.duration_s:
