@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from bench import agents, placement
-from bench.agent_sessions import PATHS, REAL_FIRST_TURN_TOKENS, Shapes, Workload, plan, sim_prompt
-from simulator import tokens
+from macpool.bench import agents, placement
+from macpool.bench.agent_sessions import PATHS, REAL_FIRST_TURN_TOKENS, Shapes, Workload, plan, sim_prompt
+from macpool.sim import tokens
 from tests.bench.conftest import run_bench
 
 pytestmark = pytest.mark.timeout(600)
