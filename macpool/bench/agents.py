@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,7 @@ LITELLM_STRATEGIES = ("simple-shuffle", "least-busy", "usage-based-routing-v2", 
 # macpool against the best peer: TTFT p50 and p99 this many times lower, turns a minute this many times more
 TARGETS = {"ttft_p50_s": 2.0, "ttft_p99_s": 5.0, "turns_per_min": 1.3}
 IDLE_TIMEOUT_S = 180.0
+Say = Callable[[str], None]  # where progress lines go
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,7 @@ def router_names(c: Conditions) -> list[str]:
 # --- warming up, between runs ---------------------------------------------------------------------------
 
 
-def warm_up(agents: list[str], router: str, say: Any) -> None:
+def warm_up(agents: list[str], router: str, say: Say) -> None:
     """A few answers through each agent, so that each measures its Mac's first token, slot speed and prompt
     speed (the router places by them); then until the router sees them all."""
     body = {"model": MODEL, "max_tokens": 48, "stream": True}
@@ -263,7 +265,7 @@ def sim_stats(urls: list[str]) -> list[dict[str, Any]]:
     return [httpx.get(url + "/sim/stats", timeout=10).json() for url in urls]
 
 
-def until_idle(urls: list[str], say: Any) -> None:
+def until_idle(urls: list[str], say: Say) -> None:
     """Until no simulator runs or defers a task (a peer may let a cut request run on)."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -277,7 +279,7 @@ def until_idle(urls: list[str], say: Any) -> None:
 
 
 def measure(name: str, url: str, sims: list[str], lanes: list[list[Session]], shapes: Shapes, c: Conditions,
-            run: int, say: Any) -> dict[str, Any]:
+            run: int, say: Say) -> dict[str, Any]:
     until_idle(sims, say)
     for sim in sims:
         httpx.post(sim + "/sim/reset", timeout=10)
@@ -456,7 +458,7 @@ def _ratio(a: float, b: float) -> float | None:
 # --- the whole bench ------------------------------------------------------------------------------------
 
 
-def run(c: Conditions, logs: Path, say: Any, install: bool = True) -> dict[str, Any]:
+def run(c: Conditions, logs: Path, say: Say, install: bool = True) -> dict[str, Any]:
     nginx_bin = ensure_nginx(install) if {"nginx-least-conn", "nginx-sticky"} & set(c.routers) else None
     litellm_bin = ensure_litellm(install) if "litellm" in c.routers else None
     shapes = Shapes(MODEL)
