@@ -131,9 +131,12 @@ class Gateway:
         self._urls: dict[tuple[str, str, bytes], http.URL] = {}  # (upstream, path, query) -> parsed URL
         settings = runtime.settings  # as the agent's httpx client: --read-timeout bounds each wait
         self._timeouts = http.timeouts(settings.connect_timeout, settings.read_timeout, settings.read_timeout)
+        # what a router must send: this node's own token when it has a credential, else the shared one
+        credential = settings.credential()
+        self._token = credential.agent_token if credential is not None else settings.token
 
     def _authorized(self, request: Request) -> bool:
-        token = self.runtime.settings.token
+        token = self._token
         if not token:
             return True
         given = request.headers.get(TOKEN_HEADER, "")

@@ -3,6 +3,7 @@ environment > ``--config`` TOML file (top-level keys or an ``[agent]`` table) > 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from macpool.identity import IdentityError, NodeCredential, load_credential
 from macpool.settings import CommandSettings, ConfigError, RedisUrl, UserPath, first_error
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import normalize_mac
@@ -159,6 +161,11 @@ class AgentSettings(CommandSettings):
         default=None, validation_alias="agent_token",  # the router's setting of the same token
         description="require this token in X-Macpool-Token",
     )
+    node_credential: UserPath | None = Field(
+        default=None,
+        description="this node's credential file (`macpool node add ID`, mode 600): signs the heartbeats and "
+        "replaces --token with this node's own token; the node id is the credential's",
+    )
     connect_timeout: float = Field(default=5.0, gt=0, description="seconds to connect to llama-server")
     read_timeout: float = Field(
         default=600.0, gt=0,
@@ -261,6 +268,42 @@ class AgentSettings(CommandSettings):
                 raise ValueError(f"-- {arg}: the agent runs llama-server on 127.0.0.1 and a free port of its "
                                  "choosing")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_id_of_credential(cls, data: Any) -> Any:
+        """With a credential and no node id given, the node is the one the credential was issued for."""
+        if isinstance(data, dict) and data.get("node_credential") and not data.get("node_id"):
+            with contextlib.suppress(IdentityError):  # (check() says what is wrong with the file)
+                credential = load_credential(Path(data["node_credential"]).expanduser())
+                data = {**data, "node_id": credential.node_id}
+        return data
+
+    @model_validator(mode="after")
+    def _one_way_to_authenticate(self) -> Self:
+        """A shared token or this node's own credential, and the credential issued for this node."""
+        if self.node_credential is None:
+            return self
+        try:
+            credential = load_credential(self.node_credential)
+        except IdentityError as exc:
+            raise ValueError(f"--node-credential: {exc}") from None
+        if self.token:
+            raise ValueError("give --token (a token shared by the pool) or --node-credential (this node's "
+                             "own), not both")
+        if credential.node_id != self.node_id:
+            raise ValueError(f"--node-id {self.node_id!r}, but --node-credential was issued for "
+                             f"{credential.node_id!r}")
+        return self
+
+    def credential(self) -> NodeCredential | None:
+        """This node's credential (``--node-credential``), or None."""
+        if self.node_credential is None:
+            return None
+        try:
+            return load_credential(self.node_credential)
+        except IdentityError as exc:
+            raise ConfigError(f"--node-credential: {exc}") from None
 
     @property
     def supervise(self) -> bool:

@@ -61,6 +61,10 @@ def main(argv: list[str]) -> int:
             from router.auth import load_api_keys
 
             load_api_keys(settings.api_keys_file)  # fail at the edge, not at first request
+        if settings.pool_secret_file:
+            from router.trust import NodeTrust
+
+            NodeTrust(settings)  # an unreadable pool secret, or one others may read, fails here
     except ConfigError as exc:
         print(f"macpool router: {exc}", file=sys.stderr)
         return 2

@@ -12,11 +12,15 @@ from pydantic import AliasGenerator, Field
 from pydantic_settings import SettingsConfigDict
 
 from macpool.scaling import MinNodes, ScalePolicy
-from macpool.settings import CommandSettings, ConfigError, Origins, RedisUrl, UserPath
+from macpool.settings import CommandSettings, ConfigError, Networks, Origins, RedisUrl, UserPath
 from macpool.store import DEFAULT_PREFIX
 from router.aliases import AliasTable
 
 __all__ = ["ConfigError", "Settings"]
+
+# loopback, the private ranges (RFC 1918, IPv6 ULA) and link-local (a Thunderbolt bridge between Macs)
+LAN_NETWORKS = ("127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,169.254.0.0/16,fc00::/7,"
+                "fe80::/10")
 
 
 def _scale_prefixed(name: str) -> str:
@@ -162,7 +166,35 @@ class _Serving(CommandSettings):
         default=3, ge=1,
         description="nodes tried per request before giving up (failover before the first byte)",
     )
-    agent_token: str | None = Field(default=None, description="token sent to the agents in X-Macpool-Token")
+    agent_token: str | None = Field(
+        default=None,
+        description="token sent to the agents in X-Macpool-Token (with --pool-secret-file: to unsigned nodes "
+        "only; a signed node gets its own token)",
+    )
+
+    # node identity (router/trust.py, docs/security.md "Node identity")
+    pool_secret_file: UserPath | None = Field(
+        default=None,
+        description="file holding the pool secret (`macpool node init`; mode 600): heartbeats must be signed "
+        "with a credential it issued (`macpool node add`), and each node gets its own agent token "
+        "(unset: node identity off)",
+    )
+    node_identity: Literal["required", "optional"] = Field(
+        default="required",
+        description="with --pool-secret-file: required - an unsigned node gets no traffic; optional - while "
+        "a pool moves to credentials, an unsigned node is trusted (and sent --agent-token) unless its id "
+        "signed before",
+    )
+    node_clock_skew: float = Field(
+        default=30.0, gt=0,
+        description="seconds a signed heartbeat's time may differ from this router's clock beyond "
+        "--stale-after: older ones are refused as replayed",
+    )
+    node_networks: Networks = Field(
+        default=LAN_NETWORKS,
+        description="networks node URLs may point into, comma-separated CIDRs; a node whose URL's host is "
+        "(or resolves to) an address outside gets no traffic. Default: loopback, private and link-local",
+    )
 
     # pool view and passive health
     refresh_interval: float = Field(default=1.0, gt=0, description="seconds between full reads of the pool")

@@ -193,6 +193,9 @@ function onPool(msg) {
   const last = acted[acted.length - 1];
   $("p-reason").textContent = (scale.reason ? "scale hint: " + scale.reason : "")
     + (last ? ` | autoscale: ${last.action} ${last.node} (${last.reason})` : "");
+  const refused = (view.untrusted || []).filter((n) => n.trust === "untrusted");
+  $("p-untrusted").textContent = refused.length
+    ? "untrusted, no traffic: " + refused.map((n) => `${n.node_id} at ${n.url || "-"} (${n.reason})`).join("; ") : "";
 
   const seen = new Set();
   for (const doc of view.nodes || []) {
