@@ -24,6 +24,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from macpool.credentials import SecretError, check_secret, exposed_without_auth, read_secret
 from macpool.identity import IdentityError, NodeCredential, load_credential
 from macpool.settings import CommandSettings, ConfigError, RedisUrl, UserPath, first_error
 from macpool.store import DEFAULT_PREFIX
@@ -159,7 +160,17 @@ class AgentSettings(CommandSettings):
     port: int = Field(default=8090, ge=0, le=65535, description="listen port")
     token: str | None = Field(
         default=None, validation_alias="agent_token",  # the router's setting of the same token
-        description="require this token in X-Macpool-Token",
+        description="require this token in X-Macpool-Token (prefer --token-file or MACPOOL_AGENT_TOKEN: a "
+        "flag shows in ps)",
+    )
+    token_file: UserPath | None = Field(
+        default=None, validation_alias="agent_token_file",
+        description="file holding the agent token, its first line (the routers' --agent-token-file)",
+    )
+    trusted_network: bool = Field(
+        default=False,
+        description="serve beyond loopback with no token: every host that reaches the port is trusted "
+        "(without it such an agent refuses to start; docs/security.md)",
     )
     node_credential: UserPath | None = Field(
         default=None,
@@ -281,7 +292,26 @@ class AgentSettings(CommandSettings):
 
     @model_validator(mode="after")
     def _one_way_to_authenticate(self) -> Self:
-        """A shared token or this node's own credential, and the credential issued for this node."""
+        """A shared token (given, or read from its file) or this node's own credential, the credential issued
+        for this node; and one of them unless the agent serves loopback only or a trusted network."""
+        if self.token_file is not None:
+            if self.token is not None:
+                raise ValueError("give --token or --token-file, not both")
+            try:
+                self.token = read_secret(self.token_file, "--token-file")
+            except SecretError as exc:
+                raise ValueError(str(exc)) from None
+        if self.token is not None:
+            try:
+                check_secret(self.token, "--token")
+            except SecretError as exc:
+                raise ValueError(str(exc)) from None
+        guarded = self.token is not None or self.node_credential is not None
+        if exposed_without_auth(self.host, guarded, self.trusted_network):
+            raise ValueError(
+                f"refusing to serve {self.host} without an agent token: give --token-file (the routers' "
+                "--agent-token-file) or --node-credential, or --trusted-network if every host that can reach "
+                "this port may use it (docs/security.md)")
         if self.node_credential is None:
             return self
         try:
@@ -295,6 +325,12 @@ class AgentSettings(CommandSettings):
             raise ValueError(f"--node-id {self.node_id!r}, but --node-credential was issued for "
                              f"{credential.node_id!r}")
         return self
+
+    def router_token(self) -> str | None:
+        """What a router must send in X-Macpool-Token: this node's own token when it has a credential, else
+        the shared one (None: nothing asked)."""
+        credential = self.credential()
+        return credential.agent_token if credential is not None else self.token
 
     def credential(self) -> NodeCredential | None:
         """This node's credential (``--node-credential``), or None."""

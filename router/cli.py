@@ -10,6 +10,7 @@ from types import FrameType
 import uvicorn
 
 from macpool import logs
+from macpool.credentials import warn_on_command_line
 from macpool.serving import server_config
 from router.settings import ConfigError, Settings
 
@@ -55,6 +56,7 @@ class _Server(uvicorn.Server):
 
 
 def main(argv: list[str]) -> int:
+    warn_on_command_line("macpool router", argv, ("--admin-key", "--read-key", "--agent-token"))
     try:
         settings = build_settings(argv)
         if settings.api_keys_file:

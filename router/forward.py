@@ -240,9 +240,12 @@ class Forwarder:
         if too_large is not None:
             return too_large
         if self.cold_start.needed(call.model):
-            refused = await self.cold_start.wait(call.ticket)
-            if refused is not None:
-                return self.rejection(refused, call)
+            try:
+                await self.cold_start.wait(call.ticket)
+            except Rejected as rejected:
+                return self.rejection(rejected, call)
+            except Limited as limited:
+                return self.limited(limited, call)
         tried: set[str] = set()
         failures: set[str] = set()  # what each node tried answered
         for _ in range(self.settings.max_attempts):

@@ -88,6 +88,9 @@ class PoolView:
         self.snapshot = PoolSnapshot()  # its nodes: those trusted only
         self.trust = NodeTrust(settings)
         self.untrusted: dict[str, tuple[NodeDoc, str]] = {}  # node id -> its last heartbeat, why refused
+        # node id -> the refusal last logged for it: apart from ``untrusted``, which a refresh read before a
+        # heartbeat arrived may prune, so that a refusal is logged once
+        self._refusals_told: dict[str, str] = {}
         self.redis_ok = False
         self.redis_seen = time.monotonic()  # when Redis last answered a full read
         self._outage_logged = False  # an outage is logged once, when it begins, and once when it ends
@@ -245,6 +248,7 @@ class PoolView:
             case Gone(node_id):
                 self._forget(node_id)
                 self.untrusted.pop(node_id, None)
+                self._refusals_told.pop(node_id, None)
             case Freed(node_id):
                 self.freed.mark()
                 if self.snapshot.reservations.get(node_id, 0) > 0:
@@ -286,15 +290,15 @@ class PoolView:
 
     def _distrust(self, doc: NodeDoc, reason: str) -> None:
         """Keep ``doc`` out of the pool; say so once per node and reason."""
-        previous = self.untrusted.get(doc.node_id)
         self.untrusted[doc.node_id] = (doc, reason)
-        if reason != PENDING and (previous is None or previous[1] != reason):
+        if reason != PENDING and self._refusals_told.get(doc.node_id) != reason:
+            self._refusals_told[doc.node_id] = reason
             log.warning("node %s (%s) is not trusted and gets no traffic: %s", doc.node_id, doc.url, reason,
                         extra={"node": doc.node_id})
 
     def _trusted(self, doc: NodeDoc) -> None:
-        previous = self.untrusted.pop(doc.node_id, None)
-        if previous is not None and previous[1] != PENDING:
+        self.untrusted.pop(doc.node_id, None)
+        if self._refusals_told.pop(doc.node_id, None) is not None:
             log.info("node %s (%s) is trusted again", doc.node_id, doc.url, extra={"node": doc.node_id})
 
     def reserved(self, node_id: str, count: int) -> None:
