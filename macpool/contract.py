@@ -9,7 +9,7 @@ import math
 import time
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 NodeState = Literal[
     "starting", "ready", "draining", "unhealthy", "paging",
@@ -17,6 +17,9 @@ NodeState = Literal[
     # controller's word, finishing its requests before going back to standby; "asleep" and "waking" are
     # the autoscaler's records of a Mac whose agent does not beat (autoscaler/controller.py)
     "standby", "loading", "draining-to-standby", "asleep", "waking",
+    # a model the pool declared (``macpool models add``) that this Mac took and is downloading from the hub
+    # (node_agent/pool_models.py): in standby once it is on the Mac and verified
+    "downloading",
 ]
 NODE_STATES: tuple[NodeState, ...] = get_args(NodeState)  # every state, for metrics that show each one
 MemoryState = Literal["healthy", "near_ceiling", "paging", "collapsed"]
@@ -53,16 +56,29 @@ LoadCost = Literal["free", "evict", "full"]
 LOAD_COST_ORDER: dict[str, int] = {"free": 0, "evict": 1, "full": 2}
 
 
+class Download(BaseModel):
+    """How far a model's download from the hub is: bytes over all its files."""
+
+    done_bytes: int = 0
+    total_bytes: int = 0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def percent(self) -> float:
+        return round(100.0 * self.done_bytes / self.total_bytes, 1) if self.total_bytes else 0.0
+
+
 class ModelState(BaseModel):
     """What a node says of one model it serves, or would serve once loaded (``NodeDoc.model_states``)."""
 
     name: str
-    state: Literal["loaded", "loading", "loadable"]
+    state: Literal["loaded", "loading", "loadable", "downloading"]
     capacity: int = 0  # requests it takes at once, when loaded
     in_flight: int = 0
     # what it holds loaded, in GB (10**9 bytes): weights and the KV cache of every slot (None: not known)
     memory_gb: float | None = None
     load_s: float | None = None  # how long its last load took on this node (None: not seen yet)
+    download: Download | None = None  # while it downloads: how far
 
 
 class NodeDoc(BaseModel):
@@ -116,6 +132,24 @@ class NodeDoc(BaseModel):
 
     @classmethod
     def decode(cls, raw: str | bytes) -> NodeDoc:
+        return cls.model_validate_json(raw)
+
+
+class DeclaredModel(BaseModel):
+    """A model the pool serves (``macpool models add``): the agents started with ``--from-pool`` take it,
+    ``replicas`` Macs at most, each one whose memory budget holds it (macpool/store/models.py)."""
+
+    name: str
+    ref: str  # a Hugging Face reference (org/repo:QUANT, org/repo/file.gguf), or a GGUF path every Mac has
+    replicas: int = Field(default=1, ge=1)
+    removing: bool = False  # `macpool models rm`: drained, then unloaded, then forgotten
+    added_at_ms: int = 0
+
+    def encode(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> DeclaredModel:
         return cls.model_validate_json(raw)
 
 
