@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench.cli", "load sweeps, seed table, overload and router-cost benchmarks"),
     "autoscale": ("autoscaler.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
+    "models": ("macpool.models_cli", "the models the pool serves, from Hugging Face, on how many Macs"),
     "top": ("router.top", "live terminal view of the pool"),
     "dev": ("macpool.dev", "developer tasks: build llama-server, generate a tiny model, run the tests"),
 }

@@ -33,13 +33,21 @@ def _run_parser() -> argparse.ArgumentParser:
         "--llama-server", dest="llama_server", help="supervise: llama-server path or command line"
     )
     mode.add_argument(
-        "-m", "--model", type=Path, help="the GGUF file (required to supervise; sizes the KV cache)"
+        "-m", "--model",
+        help="the GGUF file, or a Hugging Face model (org/repo:QUANT as llama.cpp's -hf, or "
+        "org/repo/file.gguf), downloaded into the Hugging Face cache before llama-server starts (required "
+        "to supervise; sizes the KV cache)",
     )
     mode.add_argument(
         "--models",
-        help="several models on this Mac instead of --model: NAME=FILE.gguf[,NAME=FILE.gguf...], served by "
-        "llama-server's router mode, loaded on demand under one memory budget (each is a pool node "
-        "<node-id>/<NAME>)",
+        help="several models on this Mac instead of --model: NAME=SOURCE[,NAME=SOURCE...], each SOURCE a "
+        "GGUF file or a Hugging Face model, served by llama-server's router mode, loaded on demand under "
+        "one memory budget (each is a pool node <node-id>/<NAME>)",
+    )
+    mode.add_argument(
+        "--from-pool", dest="from_pool", action="store_true", default=None,
+        help="also serve the models the pool declares (`macpool models add`) that fit this Mac's memory "
+        "budget: download them from Hugging Face and serve them as with --models",
     )
     mode.add_argument(
         "--parallel", type=int,

@@ -23,9 +23,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from .settings import AgentSettings
 
 log = logging.getLogger("macpool.agent")
 
@@ -361,3 +364,28 @@ def _remove(pointer: Path, blob: Path) -> None:
     for item in (pointer, blob):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(item)
+
+
+def fetch(ref: HubRef) -> Path:
+    """``ref`` resolved, downloaded and verified; the path of its GGUF (ConfigError when it cannot be)."""
+    from macpool.settings import ConfigError
+
+    try:
+        resolved = resolve(ref)
+        log.info("model %s: %s, %.2f GB at %s", ref, ", ".join(f.name for f in resolved.files),
+                 resolved.size / 1e9, resolved.revision[:12])
+        return download(resolved)
+    except HubError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def fetch_models(settings: AgentSettings) -> AgentSettings:
+    """``settings`` with each Hugging Face model it names (``--model``, ``--models``) downloaded: the
+    reference replaced by its file."""
+    update: dict[str, Any] = {}
+    if isinstance(settings.model, HubRef):
+        update["model"] = fetch(settings.model)
+    if any(isinstance(source, HubRef) for source in settings.models.values()):
+        update["models"] = {name: fetch(source) if isinstance(source, HubRef) else source
+                            for name, source in settings.models.items()}
+    return settings.model_copy(update=update) if update else settings

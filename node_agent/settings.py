@@ -24,13 +24,25 @@ from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import BadMac, normalize_mac
 
+from .hub import HubRef, model_source
+
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
 # a model's name on a Mac of several (--models): its llama-server model id, and part of its node id and URL
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][\w.:-]*$")
 
 
+def _source(value: object) -> object:
+    """A GGUF path or a Hugging Face reference (node_agent/hub.py), from text; anything else as it is."""
+    return model_source(value) if isinstance(value, str) else value
+
+
+# where a model comes from: a GGUF file, or a model on Hugging Face, downloaded before it is served
+ModelSource = Annotated[Path | HubRef, BeforeValidator(_source)]
+
+
 def _model_files(value: object) -> object:
-    """``NAME=FILE[,NAME=FILE...]`` (a flag, or MACPOOL_MODELS) -> {name: file}; a mapping passes as it is."""
+    """``NAME=SOURCE[,NAME=SOURCE...]`` (a flag, or MACPOOL_MODELS) -> {name: source}; a mapping passes as
+    it is."""
     if not isinstance(value, str):
         return value
     out: dict[str, str] = {}
@@ -44,7 +56,7 @@ def _model_files(value: object) -> object:
     return out
 
 
-ModelFiles = Annotated[dict[str, UserPath], NoDecode, BeforeValidator(_model_files)]
+ModelFiles = Annotated[dict[str, ModelSource], NoDecode, BeforeValidator(_model_files)]
 
 
 class AgentSettings(BaseSettings):
@@ -55,10 +67,13 @@ class AgentSettings(BaseSettings):
     # where llama-server is: attach to a running one, or supervise our own
     upstream: str | None = None
     llama_server: Annotated[str, AfterValidator(os.path.expanduser)] | None = None  # a path, or on PATH
-    model: UserPath | None = None
-    # several models on one Mac (node_agent/models.py): name -> GGUF file, served by llama-server's router
-    # mode; given as NAME=FILE[,NAME=FILE...] on the command line or in the environment, a table in TOML
+    model: ModelSource | None = None
+    # several models on one Mac (node_agent/models.py): name -> GGUF file or Hugging Face reference, served
+    # by llama-server's router mode; given as NAME=SOURCE[,NAME=SOURCE...] on the command line or in the
+    # environment, a table in TOML
     models: ModelFiles = Field(default_factory=dict)
+    # also serve the models the pool declares (`macpool models`) that fit this Mac (node_agent/pool_models.py)
+    from_pool: bool = False
     parallel: int | None = Field(default=None, ge=1)  # None: the slots that fit (node_agent/sizing.py)
     # the most tokens (prompt and output) one request may hold: a slot's context. 32K holds a coding agent's
     # turn (its system prompt, tools and the history it re-sends)
@@ -111,6 +126,29 @@ class AgentSettings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
 
     @property
+    def model_file(self) -> Path | None:
+        """``model`` as a file: a Hugging Face reference is downloaded before the agent starts
+        (``fetch_models``), so by then none is left."""
+        if isinstance(self.model, HubRef):
+            raise RuntimeError(f"model {self.model} was not downloaded")
+        return self.model
+
+    @property
+    def model_files(self) -> dict[str, Path]:
+        """``models`` as files (``model_file``)."""
+        out = {}
+        for name, source in self.models.items():
+            if isinstance(source, HubRef):
+                raise RuntimeError(f"model {name}={source} was not downloaded")
+            out[name] = source
+        return out
+
+    @property
+    def multi_model(self) -> bool:
+        """llama-server's router mode: several models (``--models``), or those of the pool."""
+        return bool(self.models) or self.from_pool
+
+    @property
     def supervise(self) -> bool:
         return self.llama_server is not None
 
@@ -145,11 +183,11 @@ class AgentSettings(BaseSettings):
                 raise ConfigError("--llama-server is empty")
             if shutil.which(argv[0]) is None:
                 raise ConfigError(f"--llama-server {argv[0]!r}: no such executable")
-            if self.model is None and not self.models:
-                raise ConfigError("--model FILE.gguf (or --models NAME=FILE,...) is required with "
-                                  "--llama-server")
-            if self.model is not None and self.models:
-                raise ConfigError("give --model FILE.gguf or --models NAME=FILE,..., not both")
+            if self.model is None and not self.multi_model:
+                raise ConfigError("--model FILE.gguf|org/repo:QUANT (or --models NAME=SOURCE,..., or "
+                                  "--from-pool) is required with --llama-server")
+            if self.model is not None and self.multi_model:
+                raise ConfigError("give --model, or --models NAME=SOURCE,... and/or --from-pool, not both")
             for arg in self.llama_args:
                 # llama-server takes the last --host/--port it is given, and these come after the agent's:
                 # one would open it to the network past the cap and token, the other hide it from the agent
@@ -162,16 +200,19 @@ class AgentSettings(BaseSettings):
                 normalize_mac(self.wol_mac)
             except BadMac as exc:
                 raise ConfigError(f"--wol-mac: {exc}") from None
-        if self.models and not self.supervise:
-            raise ConfigError("--models needs --llama-server: the agent runs llama-server's router mode")
+        if self.multi_model and not self.supervise:
+            flag = "--models" if self.models else "--from-pool"
+            raise ConfigError(f"{flag} needs --llama-server: the agent runs llama-server's router mode")
         for name, path in self.models.items():
             if not MODEL_NAME.match(name):
                 raise ConfigError(f"--models: {name!r} is not a model name (letters, digits, '.', '_', ':', "
                                   "'-'; a letter or digit first)")
-            if not path.is_file():
-                raise ConfigError(f"--models {name}={str(path)!r}: no such file")
-        if self.model is not None and not self.model.is_file():
-            raise ConfigError(f"--model {str(self.model)!r}: no such file")
+            if isinstance(path, Path) and not path.is_file():
+                raise ConfigError(f"--models {name}={str(path)!r}: no such file (nor a Hugging Face "
+                                  "reference: org/repo:QUANT or org/repo/file.gguf)")
+        if isinstance(self.model, Path) and not self.model.is_file():
+            raise ConfigError(f"--model {str(self.model)!r}: no such file (nor a Hugging Face reference: "
+                              "org/repo:QUANT or org/repo/file.gguf)")
         if self.calibration is not None and not self.calibration.is_file():
             raise ConfigError(f"--calibration {str(self.calibration)!r}: no such file")
 
