@@ -38,7 +38,7 @@ def test_references_read_as_llama_cpp_takes_them() -> None:
 
 def test_the_quant_is_chosen_as_llama_cpp_chooses_it() -> None:
     names = ["README.md", "m-Q8_0.gguf", "m-Q4_K_M.gguf", "mmproj-m-Q4_K_M.gguf", "m-IQ4_XS.gguf",
-             "big/m-Q6_K-00002-of-00003.gguf", "big/m-Q6_K-00001-of-00003.gguf", "big/m-Q6_K-00003-of-00003.gguf"]
+             *(f"big/m-Q6_K-0000{i}-of-00003.gguf" for i in (2, 1, 3))]
     assert choose_files(names, "Q4_K_M") == ["m-Q4_K_M.gguf"]  # never the projector
     assert choose_files(names, "q8_0") == ["m-Q8_0.gguf"]
     assert choose_files(names, "") == ["m-Q4_K_M.gguf"]  # no quant: Q4_K_M first
@@ -61,7 +61,8 @@ def test_a_split_quant_is_downloaded_whole_and_the_token_sent(local_stack: Local
     assert done.returncode == 0, done.stderr
     first = Path(done.stdout.strip())
     assert first.name == "m-Q4_K_M-00001-of-00002.gguf"
-    assert (first.parent / "m-Q4_K_M-00002-of-00002.gguf").read_bytes() == parts["m-Q4_K_M-00002-of-00002.gguf"]
+    second = "m-Q4_K_M-00002-of-00002.gguf"
+    assert (first.parent / second).read_bytes() == parts[second]
     assert first.is_relative_to(tmp_path / "hf" / "hub")
     assert {auth for *_, auth in hub.requests} == {"Bearer hf_secret"}
     assert not any("Q8_0" in path for _, path, *_ in hub.requests)
