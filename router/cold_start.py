@@ -95,7 +95,8 @@ class ColdStart:
         # its way
         asked = self.declared(ticket.model)
         try:
-            while not self.ready(ticket.model):
+            # (until ready, or until nothing would make it ready: its nodes gone, the pool not declaring it)
+            while self.needed(ticket.model):
                 now = time.monotonic()
                 if now >= deadline:
                     if asked:
