@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from macpool.redis_server import ClusterDeployment
+from macpool.dev.redis_server import ClusterDeployment
 from macpool.store import Keys
 from macpool.store.connect import connect, parse
 
