@@ -6,6 +6,7 @@ The Redis side of the contract - key names, the scripts and the typed calls - is
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Any, Literal, get_args
 
@@ -24,6 +25,11 @@ NodeState = Literal[
 NODE_STATES: tuple[NodeState, ...] = get_args(NodeState)  # every state, for metrics that show each one
 MemoryState = Literal["healthy", "near_ceiling", "paging", "collapsed"]
 Priority = Literal["interactive", "batch"]
+
+
+# a model's name on a Mac of several (--models) or in the pool's declarations (`macpool models`): its
+# llama-server model id, and part of its node id and URL
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][\w.:-]*$")
 
 
 def now_ms() -> int:

@@ -11,7 +11,8 @@ import time
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from macpool.contract import DeclaredModel, now_ms
+from macpool.contract import MODEL_NAME, DeclaredModel, now_ms
+from macpool.hub import HubRef, model_source
 from macpool.settings import CommandSettings, ConfigError, RedisUrl
 from macpool.store import DEFAULT_PREFIX, Keys
 from macpool.store.connect import connect
@@ -56,15 +57,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _add(store: ModelStore, name: str, ref: str, replicas: int) -> int:
-    from node_agent.hub import model_source
-    from node_agent.settings import MODEL_NAME
-
     if not MODEL_NAME.match(name):
         raise ConfigError(f"{name!r} is not a model name ({NAME_HELP})")
     if replicas < 1:
         raise ConfigError(f"--replicas {replicas}: must be >= 1")
     source = model_source(ref)
-    kind = "a file path every Mac must have" if not hasattr(source, "repo") else "Hugging Face"
+    kind = "Hugging Face" if isinstance(source, HubRef) else "a file path every Mac must have"
     await store.declare(DeclaredModel(name=name, ref=str(source), replicas=replicas, added_at_ms=now_ms()))
     print(f"{name}: {source} ({kind}) on {replicas} Mac{'s' if replicas > 1 else ''}")
     return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import shutil
 import socket
@@ -20,15 +19,13 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from macpool.contract import MODEL_NAME
+from macpool.hub import HubRef, model_source
 from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_layered
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import BadMac, normalize_mac
 
-from .hub import HubRef, model_source
-
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
-# a model's name on a Mac of several (--models): its llama-server model id, and part of its node id and URL
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][\w.:-]*$")
 
 
 def _source(value: object) -> object:

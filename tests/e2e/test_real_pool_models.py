@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from macpool import tiny_model
-from macpool.procs import macpool_argv
-from macpool.stack import Stack, free_port
+from macpool.dev import tiny_model
+from macpool.dev.procs import macpool_argv
+from macpool.dev.stack import Stack, free_port
 from tests.e2e.conftest import require_llama_server, wait_until
 from tests.inprocess import LocalStack
 from tests.node_agent.fake_hub import FakeHub

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from macpool import tiny_model
-from macpool.procs import macpool_argv
+from macpool.dev import tiny_model
+from macpool.dev.procs import macpool_argv
 from node_agent.hub import HubRef, choose_files, parse_ref
 from tests.inprocess import LocalStack
 from tests.node_agent.fake_hub import FakeHub
