@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("macpool.sim.cli", "run a simulated Mac running llama-server"),
     "bench": ("macpool.bench.cli", "load sweeps, seed table, overload and router-cost benchmarks"),
     "autoscale": ("macpool.autoscale.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
+    "pool": ("macpool.pool", "the operator's tasks: invite a Mac to join"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
     "models": ("macpool.models_cli", "the models the pool serves, from Hugging Face, on how many Macs"),
     "top": ("router.top", "live terminal view of the pool"),
