@@ -308,10 +308,13 @@ def fetch(ref: HubRef) -> Path:
 def fetch_models(settings: AgentSettings) -> AgentSettings:
     """``settings`` with each Hugging Face model it names (``--model``, ``--models``) downloaded: the
     reference replaced by its file."""
+    def fetched(source: str) -> str:
+        found = model_source(source)
+        return str(fetch(found)) if isinstance(found, HubRef) else source
+
     update: dict[str, Any] = {}
-    if isinstance(settings.model, HubRef):
-        update["model"] = fetch(settings.model)
-    if any(isinstance(source, HubRef) for source in settings.models.values()):
-        update["models"] = {name: fetch(source) if isinstance(source, HubRef) else source
-                            for name, source in settings.models.items()}
-    return settings.model_copy(update=update) if update else settings
+    if settings.model is not None:
+        update["model"] = fetched(settings.model)
+    if settings.models:
+        update["models"] = {name: fetched(source) for name, source in settings.models.items()}
+    return settings.model_copy(update=update)

@@ -386,7 +386,7 @@ def unit_settings(settings: AgentSettings, spec: ModelSpec) -> AgentSettings:
     return settings.model_copy(update={
         "node_id": f"{settings.node_id}/{spec.name}",
         "advertise_url": f"{settings.public_url}/m/{spec.name}",
-        "model": spec.path,
+        "model": str(spec.path),
         "models": {},
         "parallel": spec.sizing.parallel,
         "elastic": True,

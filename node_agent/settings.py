@@ -9,7 +9,7 @@ import shlex
 import shutil
 import socket
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
@@ -24,7 +24,7 @@ from pydantic_settings import (
 
 from macpool.contract import MODEL_NAME
 from macpool.hub import HubRef, model_source
-from macpool.settings import CommandSettings, ConfigError, RedisUrl, UserPath, first_error
+from macpool.settings import PATH_OR_REF, CommandSettings, ConfigError, RedisUrl, UserPath, first_error
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import normalize_mac
 
@@ -62,15 +62,15 @@ def _model_name(name: str) -> str:
     return name
 
 
-def _source(value: object) -> object:
-    """A GGUF path or a Hugging Face reference (macpool/hub.py), from text; anything else as it is."""
-    return model_source(value) if isinstance(value, str) else value
-
-
-def _a_model_file(path: Path) -> Path:
-    if not path.is_file():
+def _source(text: str) -> str:
+    """A GGUF file that is there (``~`` is the home directory) or a Hugging Face reference (macpool/hub.py),
+    as text: the path, or the reference as the hub module writes it."""
+    source = model_source(text)
+    if isinstance(source, HubRef):
+        return str(source)
+    if not source.is_file():
         raise ValueError("no such file (nor a Hugging Face reference: org/repo:QUANT or org/repo/file.gguf)")
-    return path
+    return str(source)
 
 
 def _model_files(value: object) -> object:
@@ -99,10 +99,10 @@ HttpUrl = Annotated[str, AfterValidator(_http_url)]
 LlamaServer = Annotated[str, AfterValidator(os.path.expanduser), AfterValidator(_executable)]
 # a file that must be there: ``~`` is the home directory, and a config file's relative path is the file's
 ExistingFile = Annotated[UserPath, AfterValidator(_a_file)]
-# where a model comes from: a GGUF file, or a model on Hugging Face, downloaded before it is served
-ModelSource = Annotated[
-    Annotated[UserPath, AfterValidator(_a_model_file)] | HubRef, BeforeValidator(_source)
-]
+# where a model comes from: a GGUF file, or a model on Hugging Face, downloaded before it is served; text,
+# so that the command line takes it as one value
+ModelSource = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, PurePath) else v),
+                        AfterValidator(_source), PATH_OR_REF]
 ModelFiles = Annotated[
     dict[Annotated[str, AfterValidator(_model_name)], ModelSource], NoDecode, BeforeValidator(_model_files)
 ]
@@ -291,19 +291,12 @@ class AgentSettings(CommandSettings):
     def model_file(self) -> Path | None:
         """``model`` as a file: a Hugging Face reference is downloaded before the agent starts
         (node_agent/hub.py ``fetch_models``), so by then none is left."""
-        if isinstance(self.model, HubRef):
-            raise RuntimeError(f"model {self.model} was not downloaded")
-        return self.model
+        return None if self.model is None else _file(self.model)
 
     @property
     def model_files(self) -> dict[str, Path]:
         """``models`` as files (``model_file``)."""
-        out = {}
-        for name, source in self.models.items():
-            if isinstance(source, HubRef):
-                raise RuntimeError(f"model {name}={source} was not downloaded")
-            out[name] = source
-        return out
+        return {name: _file(source) for name, source in self.models.items()}
 
     @property
     def multi_model(self) -> bool:
@@ -330,6 +323,13 @@ class AgentSettings(CommandSettings):
             return self.advertise_url.rstrip("/")
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
         return f"http://{host}:{self.port}"
+
+
+def _file(source: str) -> Path:
+    found = model_source(source)
+    if isinstance(found, HubRef):
+        raise RuntimeError(f"model {found} was not downloaded")
+    return found
 
 
 def _writable(path: Path) -> Path:
