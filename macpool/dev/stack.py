@@ -166,10 +166,11 @@ class Stack:
                 raise ProcessError(f"{proc.name} did not start (log: {proc.log_path}): {exc}") from None
 
     def wait_nodes(
-        self, router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False
+        self, router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False,
+        key: str | None = None,
     ) -> dict[str, Any]:
         """``wait_nodes`` below, failing early when one of this stack's processes has exited."""
-        return wait_nodes(router_url, count, timeout=timeout, exact=exact, stack=self)
+        return wait_nodes(router_url, count, timeout=timeout, exact=exact, stack=self, key=key)
 
     @property
     def stopped(self) -> bool:
@@ -245,16 +246,18 @@ class Stack:
 
 
 def wait_nodes(
-    router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False, stack: Stack | None = None
+    router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False, stack: Stack | None = None,
+    key: str | None = None,
 ) -> dict[str, Any]:
     """Until the router at ``router_url`` sees ``count`` ready nodes (``exact``: exactly that many); returns
-    its ``/api/pool`` document. With ``stack``, fails early when one of its processes has exited and gives
-    up when it is stopped."""
+    its ``/api/pool`` document (read with ``key``, the router's read or admin key, when given). With
+    ``stack``, fails early when one of its processes has exited and gives up when it is stopped."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     deadline = time.monotonic() + timeout
     seen: object = None
     while time.monotonic() < deadline and not (stack is not None and stack.stopped):
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            doc: dict[str, Any] = httpx.get(router_url + "/api/pool", timeout=5).json()
+            doc: dict[str, Any] = httpx.get(router_url + "/api/pool", headers=headers, timeout=5).json()
             seen = int(doc["pool"]["nodes_ready"])
             if seen == count or (seen > count and not exact):
                 return doc

@@ -40,6 +40,8 @@ cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or b
                       each renewing its lease while it has it (claim.lua: never more than its replicas).
 ``{p}model:wants:{name}``  HASH agent node id -> ``{"load", "until"}`` (JSON): Macs that would take a replica,
                       with how many declared models each holds already: the one holding fewest takes it.
+``{p}revoked``        HASH node id -> the operator's signed word on it (macpool/identity.py ``Revocation``:
+                      revoked or not, since when); routers remember every one they have seen.
 ``{p}events``         pub/sub channel: ``node <doc json>``, ``gone <id>``, ``freed <id>`` (one per slot),
                       ``granted <request id> <node id> <k>``, ``shed <request id>``, ``drain <id>``,
                       ``undrain <id>``, ``autoscale <decision json>`` (macpool/store/elastic.py).
@@ -71,6 +73,7 @@ class Keys:
         self.autoscale_leader = f"{prefix}autoscale:leader"
         self.autoscale_known = f"{prefix}autoscale:known"
         self.models = f"{prefix}models"
+        self.revoked = f"{prefix}revoked"
 
     def node(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}"
