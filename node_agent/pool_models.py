@@ -221,6 +221,9 @@ class PoolModels:
             started_at_ms=held.started_ms, updated_at_ms=now_ms(),
             model_states=[ModelState(name=name, state="downloading", download=download)],
         )
+        credential = settings.credential()  # signed as the Mac's other nodes are, when the pool issued one
+        if credential is not None:
+            doc = credential.sign(doc)
         await self.node_store.heartbeat(doc, heartbeat_ttl_ms(settings.heartbeat_interval))
 
     def _give_back(self, name: str, why: str) -> None:
