@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, TypeVar, get_args
@@ -11,7 +10,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsError
 
-from macpool.store.connect import parse
+from macpool.store.connect import parse, redact
 
 S = TypeVar("S", bound=BaseSettings)
 
@@ -136,6 +135,5 @@ def first_error(exc: ValidationError) -> str:
     if error["type"] == "extra_forbidden":
         return (f"unknown setting {key!r}: a misspelled key in the config file, or a "
                 f"MACPOOL_{key.upper()} environment variable this command does not read")
-    value = "***" if any(word in key.lower() for word in _SECRET_WORDS) else repr(error.get("input"))
-    value = re.sub(r"(//[^/@:]*:)[^@/]*@", r"\1***@", value)  # a URL's password
+    value = "***" if any(word in key.lower() for word in _SECRET_WORDS) else redact(repr(error.get("input")))
     return f"invalid {key}={value}: {error['msg']}"
