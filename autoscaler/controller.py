@@ -22,12 +22,13 @@ from redis.exceptions import RedisError
 from macpool import wol
 from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
 from macpool.loops import every
+from macpool.scaling import ScalePolicy
 from macpool.store import Keys, PoolSnapshot, Store
 from macpool.store.connect import AnyRedis
 from macpool.store.elastic import ElasticStore, WakeTarget
 from router.scale import demand_of
 
-from .policy import Action, Policy, PolicyConfig, PoolView
+from .policy import Action, Policy, PoolView
 
 log = logging.getLogger("macpool.autoscale")
 
@@ -41,7 +42,8 @@ SERVING_STATES = ("ready", "paging")
 
 @dataclass
 class ControllerConfig:
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    policy: ScalePolicy = field(default_factory=ScalePolicy)
+    cooldown_s: float = 30.0  # no scale-down this long after any action
     interval_s: float = 1.0
     lease_s: float = 5.0  # a leader that stops renewing is replaced this long after its last tick
     # a node told to load (or a Mac woken) counts as capacity coming this long, then may be told again
@@ -86,7 +88,7 @@ class Controller:
         self.config = config
         self.store = Store(redis, keys)
         self.elastic = ElasticStore(redis, keys)
-        self.policy = Policy(config.policy)
+        self.policy = Policy(config.policy, config.cooldown_s)
         self.leading = False
         # node id -> when it was told to load (activated in standby, or woken): capacity on its way
         self.coming: dict[str, float] = {}

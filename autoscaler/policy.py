@@ -1,9 +1,9 @@
 """What the autoscaler decides from one look at the pool, with hysteresis, bounds and a cool-down.
 
 Up: when demand exceeds the target share of the capacity that serves or is coming (ready, loading,
-waking) for ``up_delay_s``, activate standby nodes - and wake sleeping Macs - until it fits. A pool with
+waking) for ``up_delay``, activate standby nodes - and wake sleeping Macs - until it fits. A pool with
 no capacity at all and demand waiting (scale from zero), or below ``min_nodes``, acts at once. Down: when
-demand would fit under the low share of the ready capacity less one node for ``down_delay_s``, send that
+demand would fit under the low share of the ready capacity less one node for ``down_delay``, send that
 node (the least busy elastic one) to standby. After any action the pool is left ``cooldown_s`` before the
 next scale-down; scale-up needs no cool-down, since nodes on their way count as capacity already.
 Every call takes ``now`` (seconds, monotonic), so tests pass the time.
@@ -16,20 +16,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from macpool.contract import NodeDoc
+from macpool.scaling import ScalePolicy
 from macpool.store.elastic import WakeTarget
 
 ActionKind = Literal["activate", "wake", "standby"]
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    target_utilisation: float = 0.8
-    low_utilisation: float = 0.5
-    up_delay_s: float = 10.0
-    down_delay_s: float = 120.0
-    cooldown_s: float = 30.0
-    min_nodes: int = 0
-    max_nodes: int = 64
 
 
 @dataclass(frozen=True)
@@ -55,7 +45,8 @@ class Action:
 
 @dataclass
 class Policy:
-    config: PolicyConfig
+    config: ScalePolicy
+    cooldown_s: float = 30.0  # no scale-down this long after any action
     up_since: float | None = None
     down_since: float | None = None
     quiet_until: float = -math.inf  # no scale-down before then (the cool-down)
@@ -68,12 +59,12 @@ class Policy:
         if short or cold or view.demand > supply * cfg.target_utilisation:
             self.down_since = None
             self.up_since = now if self.up_since is None else self.up_since
-            if not (short or cold) and now - self.up_since < cfg.up_delay_s:
+            if not (short or cold) and now - self.up_since < cfg.up_delay:
                 return []
             actions = self._grow(view)
             if actions:
                 self.up_since = None
-                self.quiet_until = now + cfg.cooldown_s
+                self.quiet_until = now + self.cooldown_s
             return actions
         self.up_since = None
         return self._shrink(view, now)
@@ -115,10 +106,10 @@ class Policy:
             self.down_since = None
             return []
         self.down_since = now if self.down_since is None else self.down_since
-        if now - self.down_since < cfg.down_delay_s:
+        if now - self.down_since < cfg.down_delay:
             return []
         self.down_since = None
-        self.quiet_until = now + cfg.cooldown_s
+        self.quiet_until = now + self.cooldown_s
         why = (f"demand {view.demand:.1f} slots fits under {cfg.low_utilisation:.0%} of the {after} ready "
-               f"without it for {cfg.down_delay_s:.0f}s")
+               f"without it for {cfg.down_delay:.0f}s")
         return [Action("standby", node.node_id, why)]

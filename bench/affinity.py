@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from bench.report import run_and_report
+from bench.sse import Events, delta_text
 from bench.stack import Stack
 from bench.stats import pct
 from macpool.procs import macpool_argv
@@ -156,11 +157,8 @@ async def chat_turn(http: httpx.AsyncClient, body: dict[str, Any], started: floa
             answer.hint = response.headers.get("retry-after", "") if is_503 else response.text[:200]
             return answer
         parts: list[str] = []
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choices = json.loads(line[6:]).get("choices") or []
-            text = (choices[0].get("delta") or {}).get("content") if choices else None
+        async for doc in Events(response):
+            text = delta_text(doc)
             if text:
                 if answer.ttft_s is None:
                     answer.ttft_s = time.monotonic() - started

@@ -39,6 +39,7 @@ import httpx
 import redis
 from redis.sentinel import Sentinel
 
+from bench.sse import Events
 from macpool.contract import now_ms
 from macpool.redis_server import RedisServer, SentinelDeployment
 from macpool.stack import Proc, Stack
@@ -87,16 +88,19 @@ def stream_once(client: httpx.Client, model: str, max_tokens: int) -> str:
             "messages": [{"role": "user", "content": "tell me about unified memory"}]}
     try:
         with client.stream("POST", "/v1/chat/completions", json=body) as reply:
-            text = b"".join(reply.iter_raw()).decode(errors="replace")
+            if reply.status_code == 503:
+                return "503" if reply.headers.get("retry-after") else "503 without Retry-After"
+            if reply.status_code != 200:
+                return f"http {reply.status_code}"
+            events = Events(reply)
+            errors = sum("error" in event for event in events)
     except httpx.HTTPError as exc:
         return f"transport {type(exc).__name__}"
-    if reply.status_code == 503:
-        return "503" if reply.headers.get("retry-after") else "503 without Retry-After"
-    if reply.status_code != 200:
-        return f"http {reply.status_code}"
-    if '"error"' in text:
+    except ValueError:
+        return "bad_json"
+    if errors:
         return "sse_error"
-    return "ok" if "data: [DONE]" in text else "truncated"
+    return "ok" if events.done else "truncated"
 
 
 class Load:

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from bench.sse import Events
 from simulator import tokens
 
 BodyFactory = Callable[[int], dict[str, Any]]
@@ -105,10 +106,8 @@ async def stream_request(
                     error=response.text[:200] if response.status_code not in (429, 503) else None,
                     reason=response.headers.get("x-macpool-reason"),
                 )
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                n, usage = _chunk_tokens(json.loads(line[6:]))
+            async for doc in Events(response):
+                n, usage = _chunk_tokens(doc)
                 if n and ttft is None:
                     ttft = time.monotonic() - started
                 counted += n

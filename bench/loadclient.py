@@ -1,6 +1,8 @@
-"""A closed-loop HTTP/1.1 load client on raw asyncio protocols (keep-alive, no JSON parsing), cheap enough
-that one core drives a router core to saturation. It records status, time to the first SSE event, latency
-and the number of SSE events and body reads of every request.
+"""A closed-loop load client on aiohttp's ``ClientSession`` (keep-alive connections, no JSON parsing: SSE
+events are counted, not read). It records status, time to the first body byte, latency and the number of SSE
+events and body reads of every request. Its own CPU is reported beside the router's (``client_cpu_util``): a
+router on a quiet machine refuses a request in less CPU than this client takes to send it
+(docs/benchmarks.md, "The load client and the fast upstream").
 """
 
 from __future__ import annotations
@@ -11,97 +13,56 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httptools
+import aiohttp
 
 from bench.cpu import cpu_seconds
+from bench.sse import EventCounter
 from bench.stats import ms, pct
-from bench.wire import LOOP, HttpConnection, build_request, chat_json
+from bench.wire import LOOP, Post, chat_json
 
 
 @dataclass
 class Rec:
     status: int  # 0: connection failed
     latency_s: float
-    ttft_s: float | None  # first SSE event (streams) / first body byte
-    events: int = 0  # "data: " occurrences in the body
-    reads: int = 0  # body pieces received (how coalesced the events arrived)
+    ttft_s: float | None  # first body byte (of a stream: its first event)
+    events: int = 0  # SSE events in the body
+    reads: int = 0  # body pieces received: HTTP chunks of a chunked body (how coalesced the events arrived)
     retry_after: bool = False
     reason: str = ""
 
 
-class _ClientConn(HttpConnection):
-    parser: httptools.HttpResponseParser
-
-    def __init__(self, tally: list[int] | None = None) -> None:
-        self.tally = tally if tally is not None else [0, 0]
-        self.parser = httptools.HttpResponseParser(self)
-        self.done: asyncio.Future[Rec] | None = None
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._reset(0.0)
-
-    def _reset(self, started: float) -> None:
-        self.started = started
-        self.first: float | None = None
-        self.events = 0
-        self.reads = 0
-        self.carry = b""
-        self.header = b""
-        self.retry_after = False
-        self.reason = ""
-        self.keep_alive = False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(None)
-        if self.done is not None and not self.done.done():
-            self.done.set_result(Rec(0, time.perf_counter() - self.started, None))
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        lname = name.lower()
-        if lname == b"retry-after":
-            self.retry_after = True
-        elif lname == b"x-macpool-reason":
-            self.reason = value.decode()
-
-    def on_body(self, body: bytes) -> None:
-        if self.first is None:
-            self.first = time.perf_counter()
-        self.reads += 1
-        joined = self.carry + body
-        found = joined.count(b"data: ")
-        self.events += found
-        self.tally[0] += found
-        self.tally[1] += 1
-        self.carry = joined[-5:]
-
-    def on_message_complete(self) -> None:
-        now = time.perf_counter()
-        # only valid here: once the message is complete the parser resets and reports False
-        self.keep_alive = self.parser.should_keep_alive()
-        ttft = None if self.first is None else self.first - self.started
-        rec = Rec(
-            self.parser.get_status_code(),
-            now - self.started,
-            ttft,
-            self.events,
-            self.reads,
-            self.retry_after,
-            self.reason,
-        )
-        if self.done is not None and not self.done.done():
-            self.done.set_result(rec)
-
-    async def request(self, raw: bytes) -> Rec:
-        assert self.transport is not None
-        self._reset(time.perf_counter())
-        self.done = asyncio.get_running_loop().create_future()
-        self.transport.write(raw)
-        return await self.done
+async def _send(session: aiohttp.ClientSession, post: Post, tally: list[int]) -> Rec:
+    started = time.perf_counter()
+    first: float | None = None
+    events = reads = 0
+    counter = EventCounter()
+    async with session.post(post.path, data=post.body) as response:
+        async for data, _ in response.content.iter_chunks():
+            if not data:
+                continue
+            if first is None:
+                first = time.perf_counter()
+            found = counter.feed(data)
+            events += found
+            reads += 1
+            tally[0] += found
+            tally[1] += 1
+    headers = response.headers
+    return Rec(
+        response.status,
+        time.perf_counter() - started,
+        None if first is None else first - started,
+        events,
+        reads,
+        "Retry-After" in headers,
+        headers.get("X-Macpool-Reason", ""),
+    )
 
 
-async def raw_load(
+async def closed_loop(
     port: int,
-    make_request: Callable[[int], bytes],
+    make_request: Callable[[int], Post],
     concurrency: int,
     duration_s: float | None = None,
     requests: int | None = None,
@@ -111,59 +72,56 @@ async def raw_load(
     request_timeout: float = 120.0,
     stagger_s: float = 0.0,
 ) -> list[Rec]:
-    """``concurrency`` keep-alive connections in a closed loop; records requests started after warm-up.
+    """``concurrency`` clients in a closed loop, each on a keep-alive connection while the server keeps it;
+    records requests started after warm-up.
 
     ``tally`` (``[events, body reads]``) is incremented live, for callers that sample rates over a window.
-    ``stagger_s`` spreads the connections' first requests evenly over that many seconds: streams of equal
-    length started together would otherwise end together and arrive again as one burst, every time.
+    ``stagger_s`` spreads the clients' first requests evenly over that many seconds: streams of equal length
+    started together would otherwise end together and arrive again as one burst, every time.
     """
-    loop = asyncio.get_running_loop()
+    counts = tally if tally is not None else [0, 0]
     records: list[Rec] = []
     start = time.perf_counter()
     measure_from = start + warmup_s
     deadline = None if duration_s is None else measure_from + duration_s
     budget = [requests if requests is not None else -1]
 
-    async def connect() -> _ClientConn:
-        _, conn = await loop.create_connection(lambda: _ClientConn(tally), host, port)
-        return conn
-
-    async def worker(index: int) -> None:
-        conn: _ClientConn | None = None
+    async def client(session: aiohttp.ClientSession, index: int) -> None:
         if stagger_s:
             await asyncio.sleep(stagger_s * index / concurrency)
-        try:
-            while True:
-                now = time.perf_counter()
-                if deadline is not None and now >= deadline:
-                    return
-                if budget[0] == 0:
-                    return
-                if budget[0] > 0:
-                    budget[0] -= 1
-                if conn is None or conn.lost.done():
-                    try:
-                        conn = await connect()
-                    except OSError:
-                        records.append(Rec(0, 0.0, None))
-                        await asyncio.sleep(0.01)
-                        continue
-                try:
-                    rec = await asyncio.wait_for(conn.request(make_request(index)), request_timeout)
-                except TimeoutError:
-                    rec = Rec(0, request_timeout, None)
-                    if conn.transport is not None:
-                        conn.transport.close()
-                if now >= measure_from:
-                    records.append(rec)
-                if not conn.keep_alive and conn.transport is not None:
-                    conn.transport.close()
-                    conn = None
-        finally:
-            if conn is not None and conn.transport is not None:
-                conn.transport.close()
+        while True:
+            now = time.perf_counter()
+            if (deadline is not None and now >= deadline) or budget[0] == 0:
+                return
+            if budget[0] > 0:
+                budget[0] -= 1
+            try:
+                async with asyncio.timeout(request_timeout):
+                    rec = await _send(session, make_request(index), counts)
+            except TimeoutError:
+                rec = Rec(0, request_timeout, None)
+            except aiohttp.ClientConnectorError:
+                records.append(Rec(0, 0.0, None))
+                await asyncio.sleep(0.01)
+                continue
+            except aiohttp.ClientError:
+                rec = Rec(0, time.perf_counter() - now, None)
+            if now >= measure_from:
+                records.append(rec)
 
-    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    # no limit on the pool: each client holds at most one connection, and gets it back for its next request
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        f"http://{host}:{port}",
+        connector=connector,
+        headers={"Content-Type": "application/json"},
+        # Host, Content-Type and Content-Length only: the router forwards a request's headers, so every extra
+        # one is work the bench would count as the router's
+        skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"),
+        timeout=aiohttp.ClientTimeout(total=None),  # request_timeout bounds each request
+        auto_decompress=False,
+    ) as session:
+        await asyncio.gather(*(client(session, i) for i in range(concurrency)))
     return records
 
 
@@ -182,16 +140,25 @@ def summarize(records: list[Rec]) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Window:
+    """What a measured window of load saw: the records, and the seconds that passed over it."""
+
+    records: list[Rec]
+    server_cpu_s: float  # CPU seconds of the process measured (the router)
+    client_cpu_s: float  # of this process, the load client: whether it, not the server, was the limit
+    wall_s: float
+
+
 async def measured_chat_load(
     port: int, pid: int, stream: bool, concurrency: int, warmup: float, duration: float
-) -> tuple[list[Rec], float, float]:
-    """Closed-loop chat requests at ``port`` for ``duration`` s after ``warmup`` s: the records, and the CPU
-    seconds process ``pid`` used and the wall seconds that passed over the measured window."""
-    raw = build_request("/v1/chat/completions", chat_json(stream=stream))
+) -> Window:
+    """Closed-loop chat requests at ``port``, served by process ``pid``, for ``duration`` s after warm-up."""
+    post = Post("/v1/chat/completions", chat_json(stream=stream))
     load = asyncio.create_task(
-        raw_load(port, lambda _: raw, concurrency, duration_s=duration, warmup_s=warmup)
+        closed_loop(port, lambda _: post, concurrency, duration_s=duration, warmup_s=warmup)
     )
     await asyncio.sleep(warmup)
-    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
+    cpu0, own0, t0 = cpu_seconds(pid), time.process_time(), time.perf_counter()
     records = await load
-    return records, cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    return Window(records, cpu_seconds(pid) - cpu0, time.process_time() - own0, time.perf_counter() - t0)

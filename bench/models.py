@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import time
 from collections import Counter
@@ -45,6 +44,7 @@ from typing import Any
 import httpx
 
 from bench.report import run_and_report
+from bench.sse import Events, delta_text
 from bench.stack import Stack
 from bench.stats import pct
 from macpool.gguf_info import read_shape
@@ -226,22 +226,15 @@ async def stream_chat(http: httpx.AsyncClient, url: str, body: dict[str, Any], o
             await response.aread()
             out.error = f"HTTP {response.status_code}: {response.text[:120]}"
             return 0.0
-        done = False
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                continue
-            event = json.loads(line[6:])
+        events = Events(response)
+        async for event in events:
             if "error" in event:
                 out.error = f"error event: {(event['error'] or {}).get('code', '?')}"
                 continue
-            choices = event.get("choices") or []
-            if out.ttft_s is None and choices and (choices[0].get("delta") or {}).get("content"):
+            if out.ttft_s is None and delta_text(event):
                 out.ttft_s = time.monotonic() - started
-        if not out.error and (not done or out.ttft_s is None):
-            out.error = "stream ended without [DONE]" if not done else "stream without content"
+        if not out.error and (not events.done or out.ttft_s is None):
+            out.error = "stream ended without [DONE]" if not events.done else "stream without content"
     return 0.0
 
 

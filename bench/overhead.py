@@ -35,12 +35,12 @@ from typing import Any
 from redis.asyncio import Redis as AsyncRedis
 
 from bench.cpu import cpu_seconds
-from bench.loadclient import Rec, raw_load, summarize
+from bench.loadclient import Rec, closed_loop, summarize
 from bench.report import dump
 from bench.stack import Stack, write_machine
 from bench.stats import take_turns
 from bench.upstream import UpstreamConfig
-from bench.wire import MODEL, build_request, chat_json
+from bench.wire import MODEL, Post, chat_json
 from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
 from macpool.stack import Proc, wait_nodes
 from macpool.store import Keys, Store
@@ -117,9 +117,9 @@ def measure(
     spent over the measured window."""
     serial = itertools.count()
 
-    def make(client: int) -> bytes:
+    def make(client: int) -> Post:
         salt = f"c{client}-r{next(serial)}"
-        return build_request(path, chat_json(True, args.max_tokens, args.prompt_tokens, salt))
+        return Post(path, chat_json(True, args.max_tokens, args.prompt_tokens, salt))
 
     # paced streams all last about as long: start them spread over one stream's length (and measure after)
     stagger = args.max_tokens * args.interval_ms / 1000.0 if args.upstream == "paced" else 0.0
@@ -127,7 +127,7 @@ def measure(
 
     async def go() -> tuple[list[Rec], dict[str, float]]:
         load = asyncio.create_task(
-            raw_load(port, make, concurrency, duration_s=seconds, warmup_s=warmup, stagger_s=stagger)
+            closed_loop(port, make, concurrency, duration_s=seconds, warmup_s=warmup, stagger_s=stagger)
         )
         await asyncio.sleep(warmup)
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}

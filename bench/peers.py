@@ -29,12 +29,12 @@ from typing import Any
 
 from bench.cpu import core_plan, pin_self, pinned, tree_cpu_seconds
 from bench.installers import ensure_deb
-from bench.loadclient import raw_load, summarize
+from bench.loadclient import closed_loop, summarize
 from bench.report import dump
 from bench.stack import Stack, write_machine
 from bench.stats import shares, take_turns
 from bench.upstream import UpstreamConfig
-from bench.wire import MODEL, build_request, chat_json
+from bench.wire import MODEL, Post, chat_json
 from macpool.procs import ProcessError
 from macpool.redis_server import free_port
 from macpool.stack import Proc, wait_nodes
@@ -205,11 +205,11 @@ def ttft_run(
     serial = itertools.count()
 
     def maker(path: str) -> Any:
-        def make(client: int) -> bytes:
+        def make(client: int) -> Post:
             body = chat_json(True, 16, 16, f"c{client}-r{next(serial)}")
             if model != MODEL:
                 body = body.replace(f'"model": "{MODEL}"'.encode(), f'"model": "{model}"'.encode())
-            return build_request(path, body)
+            return Post(path, body)
 
         return make
 
@@ -217,13 +217,13 @@ def ttft_run(
 
     async def warm() -> None:  # the first requests through a cold proxy (LiteLLM: seconds) are not measured
         for port, path in targets:
-            await raw_load(port, maker(path), 2, requests=4)
+            await closed_loop(port, maker(path), 2, requests=4)
 
     async def go() -> list[Any]:
         await warm()
         parts = await asyncio.gather(
             *(
-                raw_load(port, maker(path), n, duration_s=seconds, warmup_s=args.warmup)
+                closed_loop(port, maker(path), n, duration_s=seconds, warmup_s=args.warmup)
                 for (port, path), n in zip(targets, split, strict=True)
                 if n
             )
@@ -270,11 +270,11 @@ def relay_run(port: int, pids: list[int], model: str, args: argparse.Namespace) 
     body = chat_json(True)
     if model != MODEL:
         body = body.replace(f'"model": "{MODEL}"'.encode(), f'"model": "{model}"'.encode())
-    raw = build_request("/v1/chat/completions", body)
+    post = Post("/v1/chat/completions", body)
 
     async def go() -> dict[str, Any]:
         tally = [0, 0]
-        load = asyncio.create_task(raw_load(port, lambda _: raw, args.streams, tally=tally))
+        load = asyncio.create_task(closed_loop(port, lambda _: post, args.streams, tally=tally))
         try:
             started = time.perf_counter()
             while tally[0] == 0 and time.perf_counter() - started < 120:  # noqa: ASYNC110 (cold proxy)

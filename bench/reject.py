@@ -12,8 +12,9 @@ httptools) that answers every POST with the router's 503: what uvicorn alone cos
 for any router served by it.
 
 ``--client wrk`` sends the load with wrk (C, Debian package ``wrk``, installed by the command when missing)
-instead of the bench's own Python client: one Python client core saturates at about the rate the router
-refuses at, so with it the latencies are partly the client's own queue.
+instead of the bench's own Python client (aiohttp), which spends more CPU per request than the router spends
+per refusal: with it the router stays below a full core (``measured.client_cpu_util`` says how busy the
+client was) and the latencies are partly the client's own queue.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def fill(redis_url: str, node_id: str, lease_ms: int = 600_000) -> None:
 
 
 async def measure(port: int, pid: int, concurrency: int, warmup: float, duration: float) -> dict[str, Any]:
-    records, cpu, wall = await measured_chat_load(port, pid, True, concurrency, warmup, duration)
+    window = await measured_chat_load(port, pid, True, concurrency, warmup, duration)
+    records, cpu, wall = window.records, window.server_cpu_s, window.wall_s
     rejected = [r for r in records if r.status == 503]
     latencies = [r.latency_s for r in rejected]
     reasons: dict[str, int] = {}
@@ -97,6 +99,8 @@ async def measure(port: int, pid: int, concurrency: int, warmup: float, duration
         if rejected
         else 0,
         "reasons": reasons,
+        "client_cpu_ms_per_request": round(window.client_cpu_s / len(records) * 1000, 3) if records else None,
+        "client_cpu_util": round(window.client_cpu_s / wall, 3),
     }
 
 

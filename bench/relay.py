@@ -24,12 +24,13 @@ from typing import Any
 import httpx
 
 from bench.cpu import core_plan, cpu_seconds, pin_self
-from bench.loadclient import measured_chat_load, raw_load
+from bench.loadclient import closed_loop, measured_chat_load
 from bench.report import dump
+from bench.sse import EventCounter
 from bench.stack import Stack
 from bench.stats import ms, pct
 from bench.upstream import UpstreamConfig
-from bench.wire import build_request, chat_json
+from bench.wire import Post, chat_json
 from macpool import upstream as upstream_http
 from macpool.stack import wait_nodes
 
@@ -57,14 +58,15 @@ async def measure_streams(
     port: int, pid: int, streams: int, warmup: float, duration: float
 ) -> dict[str, Any]:
     tally = [0, 0]
-    raw = build_request("/v1/chat/completions", chat_json(stream=True))
-    load = asyncio.create_task(raw_load(port, lambda _: raw, streams, tally=tally))
+    post = Post("/v1/chat/completions", chat_json(stream=True))
+    load = asyncio.create_task(closed_loop(port, lambda _: post, streams, tally=tally))
     try:
         await asyncio.sleep(warmup)
-        events0, reads0, cpu0, t0 = tally[0], tally[1], cpu_seconds(pid), time.perf_counter()
+        events0, reads0, t0 = tally[0], tally[1], time.perf_counter()
+        cpu0, own0 = cpu_seconds(pid), time.process_time()
         await asyncio.sleep(duration)
         events, reads = tally[0] - events0, tally[1] - reads0
-        cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+        cpu, own, wall = cpu_seconds(pid) - cpu0, time.process_time() - own0, time.perf_counter() - t0
     finally:
         load.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -76,25 +78,30 @@ async def measure_streams(
         "chunks_per_cpu_s": round(events / cpu, 1) if cpu > 0 else None,
         "router_cpu_util": round(cpu / wall, 3),
         "chunks_per_client_read": round(events / reads, 2) if reads else None,
+        "client_chunks_per_cpu_s": round(events / own, 1) if own > 0 else None,
+        "client_cpu_util": round(own / wall, 3),
     }
 
 
 async def measure_requests(
     port: int, pid: int, concurrency: int, warmup: float, duration: float
 ) -> dict[str, Any]:
-    records, cpu, wall = await measured_chat_load(port, pid, False, concurrency, warmup, duration)
-    ok = [r for r in records if r.status == 200]
+    window = await measured_chat_load(port, pid, False, concurrency, warmup, duration)
+    ok = [r for r in window.records if r.status == 200]
     latencies = [r.latency_s for r in ok]
+    cpu, wall = window.server_cpu_s, window.wall_s
     return {
         "concurrency": concurrency,
-        "requests": len(records),
+        "requests": len(window.records),
         "ok": len(ok),
-        "errors": len(records) - len(ok),
+        "errors": len(window.records) - len(ok),
         "requests_per_s": round(len(ok) / wall, 1),
         "router_cpu_util": round(cpu / wall, 3),
         "cpu_s_per_1000": round(cpu / len(ok) * 1000, 3) if ok else None,
         "latency_p50_ms": ms(pct(latencies, 50)),
         "latency_p99_ms": ms(pct(latencies, 99)),
+        "client_cpu_ms_per_request": round(window.client_cpu_s / len(ok) * 1000, 3) if ok else None,
+        "client_cpu_util": round(window.client_cpu_s / wall, 3),
     }
 
 
@@ -119,11 +126,12 @@ async def transport_cost(
     stop = asyncio.Event()
 
     async def one_stream() -> None:
+        counter = EventCounter()  # a transport may hand over several events at once
         if transport == "upstream.send":
             answer = await direct.send("POST", parsed, [], stream_body, timeouts)
             try:
                 async for part in upstream_http.chunks(answer):
-                    chunks[0] += part.count(b"\n\n")
+                    chunks[0] += counter.feed(part)
                     if stop.is_set():
                         return
             finally:
@@ -131,7 +139,7 @@ async def transport_cost(
             return
         async with client.stream("POST", path, content=stream_body) as response:
             async for part in response.aiter_raw():
-                chunks[0] += part.count(b"\n\n")  # SSE events: a transport may hand over several at once
+                chunks[0] += counter.feed(part)
                 if stop.is_set():
                     return
 

@@ -30,12 +30,12 @@ import httpx
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 
-from bench.loadclient import raw_load
+from bench.loadclient import closed_loop
 from bench.report import dump
 from bench.stack import Stack
 from bench.stats import ms, pct, shares
 from bench.upstream import UpstreamConfig
-from bench.wire import build_request, chat_json
+from bench.wire import Post, chat_json
 from macpool.stack import wait_nodes
 from macpool.store import Keys, Store
 from macpool.store.scripts import source
@@ -117,10 +117,13 @@ class ReservationWatch:
 
 
 async def drive(ports: list[int], concurrency: int, duration: float, events: int) -> list[Any]:
-    raw = build_request("/v1/chat/completions", chat_json(stream=True, max_tokens=events))
+    post = Post("/v1/chat/completions", chat_json(stream=True, max_tokens=events))
     share = shares(concurrency, len(ports))
     results = await asyncio.gather(
-        *(raw_load(port, lambda _: raw, n, duration_s=duration) for port, n in zip(ports, share, strict=True))
+        *(
+            closed_loop(port, lambda _: post, n, duration_s=duration)
+            for port, n in zip(ports, share, strict=True)
+        )
     )
     return [rec for part in results for rec in part]
 

@@ -35,6 +35,7 @@ import httpx
 import psutil
 import redis
 
+from bench.sse import Events, delta_text
 from macpool.stack import Proc, Stack, free_port
 from macpool.store import Keys
 from simulator import tokens
@@ -172,20 +173,13 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[
                 kind = "503" if response.status_code == 503 else f"http_{response.status_code}"
                 return kind, 0, response.headers.get("retry-after")
             count = 0
-            done = False
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    continue
-                payload = json.loads(line[6:])
+            events = Events(response)
+            async for payload in events:
                 if "error" in payload:
                     return "sse_error", count, None
-                choices = payload.get("choices") or []
-                if choices and (choices[0].get("delta") or {}).get("content"):
+                if delta_text(payload):
                     count += 1
-            return ("ok" if done else "truncated"), count, None
+            return ("ok" if events.done else "truncated"), count, None
     except httpx.HTTPError as exc:
         return type(exc).__name__, 0, None
     except ValueError:

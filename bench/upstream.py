@@ -1,6 +1,5 @@
-"""The bench's fast upstream: a tiny HTTP/1.1 server (asyncio protocol + httptools) that answers
-OpenAI-shaped chat completions as fast as possible: SSE events written one per write, optionally paced, or a
-short JSON body.
+"""The bench's fast upstream: an ``aiohttp.web`` server that answers OpenAI-shaped chat completions as fast
+as it can: SSE events written one per write, optionally paced, or a short JSON body.
 
 It can pose as ``N`` pool nodes (``/n{i}/v1/...``) and write their heartbeats, tracks in-flight requests per
 node and counts every time a node held more than its capacity (over-admission). The simulator models a
@@ -13,20 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import re
 import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-import httptools
+from aiohttp import web
 
-from bench.wire import LOOP, MODEL, HttpConnection, chunk_frame, completion_body, sse_event
+from bench.wire import LOOP, MODEL, completion_body, sse_event
 from macpool.contract import NodeDoc, heartbeat_ttl_ms, now_ms
 from macpool.store import Store
 
 _MAX_TOKENS = re.compile(rb'"max_tokens":\s*(\d+)')
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 @dataclass
@@ -52,9 +51,8 @@ class FastUpstream:
     def __init__(self, config: UpstreamConfig) -> None:
         self.config = config
         self.stats: dict[str, NodeStats] = {}
-        self.event = chunk_frame(sse_event())
-        done = chunk_frame(b"data: [DONE]\n\n")
-        self.tail = chunk_frame(sse_event(finish="length")) + done + b"0\r\n\r\n"
+        self.event = sse_event()
+        self.tail = sse_event(finish="length") + b"data: [DONE]\n\n"
         self.json_body = completion_body(config.tokens)
 
     def node(self, name: str) -> NodeStats:
@@ -73,122 +71,79 @@ class FastUpstream:
             "served": sum(v.served for v in self.stats.values()),
         }
 
+    def app(self) -> web.Application:
+        """The routes: ``/n{i}/...completions`` answers as node ``n{i}``, other ``completions`` as ``n``."""
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/v1/health", self.health),
+                web.get("/stats", self.stats_view),
+                web.post("/reset", self.reset),
+                web.get("/models", self.models),
+                web.get("/{prefix:.*}/models", self.models),
+                web.post("/{node:n[^/]*}/{api:.*}completions", self.complete),
+                web.post("/{api:.*}completions", self.complete),
+                web.route("*", "/{path:.*}", self.not_found),
+            ]
+        )
+        return app
 
-class _ServerConn(HttpConnection):
-    parser: httptools.HttpRequestParser
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
-    def __init__(self, server: FastUpstream) -> None:
-        self.server = server
-        self.parser = httptools.HttpRequestParser(self)
-        self.url = b""
-        self.body: list[bytes] = []
-        self.closed = False
-        self.writable = asyncio.Event()
-        self.writable.set()
-        self.counted: NodeStats | None = None  # the node this connection's request is counted against
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.writable.set()
-        self.finish()  # the request ends when its connection does, not at the stream's next write
-
-    def finish(self) -> None:
-        if self.counted is not None:
-            self.counted.in_flight -= 1
-            self.counted = None
-
-    def pause_writing(self) -> None:
-        self.writable.clear()
-
-    def resume_writing(self) -> None:
-        self.writable.set()
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        method = self.parser.get_method()
-        path = self.url.split(b"?", 1)[0]
-        body = b"".join(self.body)
-        self.url, self.body = b"", []
-        asyncio.get_running_loop().create_task(self.handle(method, path, body))
-
-    def write(self, data: bytes) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.write(data)
-
-    def respond(self, status: str, body: bytes, content_type: bytes = b"application/json") -> None:
-        self.write(
-            b"HTTP/1.1 "
-            + status.encode()
-            + b"\r\ncontent-type: "
-            + content_type
-            + b"\r\ncontent-length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-            + body
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
         )
 
-    async def handle(self, method: bytes, path: bytes, body: bytes) -> None:
-        if method == b"GET" and path in (b"/health", b"/v1/health"):
-            self.respond("200 OK", b'{"status":"ok"}')
-            return
-        if method == b"GET" and path.endswith(b"/models"):
-            data = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "bench"}]}
-            self.respond("200 OK", json.dumps(data).encode())
-            return
-        if method == b"GET" and path == b"/stats":
-            self.respond("200 OK", json.dumps(self.server.stats_json()).encode())
-            return
-        if method == b"POST" and path == b"/reset":
-            self.server.stats.clear()
-            self.respond("200 OK", b"{}")
-            return
-        if method != b"POST" or not path.endswith(b"completions"):
-            self.respond("404 Not Found", b'{"error":{"message":"not found","code":404}}')
-            return
-        parts = path.split(b"/")
-        name = parts[1].decode() if len(parts) > 2 and parts[1].startswith(b"n") else "n"
-        config = self.server.config
-        stats = self.server.node(name)
+    async def stats_view(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats_json())
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.stats.clear()
+        return web.json_response({})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "not found", "code": 404}}, status=404)
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        """A chat completion: streamed when the body asks for it. The request counts against its node until
+        its answer ends or its client leaves (aiohttp cancels the handler then)."""
+        body = await request.read()
+        config = self.config
+        stats = self.node(request.match_info.get("node", "n"))
         if config.capacity and stats.in_flight >= config.capacity:
             stats.over_capacity += 1
         stats.in_flight += 1
         stats.max_in_flight = max(stats.max_in_flight, stats.in_flight)
-        self.counted = stats
         try:
             if config.first_delay_s:
                 await asyncio.sleep(config.first_delay_s)
+            answer: web.StreamResponse
             if b'"stream":true' in body or b'"stream": true' in body:
                 events = config.events
                 if config.events_from_body:
                     found = _MAX_TOKENS.search(body)
                     events = int(found.group(1)) if found else events
-                await self.stream(config, events)
+                answer = await self.stream(request, events)
             else:
-                self.respond("200 OK", self.server.json_body)
+                answer = web.Response(body=self.json_body, content_type="application/json")
             stats.served += 1
+            return answer
         finally:
-            self.finish()
+            stats.in_flight -= 1
 
-    async def stream(self, config: UpstreamConfig, events: int) -> None:
-        self.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
-            b"transfer-encoding: chunked\r\n\r\n"
-        )
-        event = self.server.event
-        interval = config.interval_s
+    async def stream(self, request: web.Request, events: int) -> web.StreamResponse:
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        interval = self.config.interval_s
         for _ in range(events):
-            if self.closed:
-                return
-            self.write(event)
-            if not self.writable.is_set():
-                await self.writable.wait()
+            await response.write(self.event)  # one event per write, as llama-server sends them
             await asyncio.sleep(interval)
-        self.write(self.server.tail)
+        await response.write_eof(self.tail)
+        return response
 
 
 async def _heartbeats(
@@ -229,7 +184,11 @@ async def _heartbeats(
 async def serve_upstream(port: int, config: UpstreamConfig, redis_url: str | None, prefix: str) -> None:
     loop = asyncio.get_running_loop()
     upstream = FastUpstream(config)
-    server = await loop.create_server(lambda: _ServerConn(upstream), LOOP, port, backlog=4096)
+    # handler_cancellation: a request whose client left ends at once, and stops counting against its node;
+    # shutdown_timeout: streams are endless and nothing needs them finished once the bench stops this process
+    runner = web.AppRunner(upstream.app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, LOOP, port, backlog=4096).start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -237,7 +196,7 @@ async def serve_upstream(port: int, config: UpstreamConfig, redis_url: str | Non
     try:
         await stop.wait()
     finally:
-        server.close()
+        await runner.cleanup()
         if beats is not None:
             stop.set()
             await beats

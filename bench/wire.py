@@ -1,14 +1,11 @@
 """What the performance benches send and serve, as bytes: OpenAI-shaped chat requests, SSE events and
-completion bodies, and the httptools-parsed connection both ends of a bench's HTTP/1.1 build on.
+completion bodies.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import cast
-
-import httptools
+from dataclasses import dataclass
 
 MODEL = "sim"
 LOOP = "127.0.0.1"
@@ -25,10 +22,6 @@ def sse_event(text: str = "tok", finish: str | None = None) -> bytes:
         ],
     }
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-
-
-def chunk_frame(payload: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(payload), payload)
 
 
 def completion_body(tokens: int) -> bytes:
@@ -51,11 +44,12 @@ def completion_body(tokens: int) -> bytes:
     ).encode()
 
 
-def build_request(path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nhost: {LOOP}\r\ncontent-type: application/json\r\n"
-    head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    head += f"content-length: {len(body)}\r\n\r\n"
-    return head.encode() + body
+@dataclass(frozen=True)
+class Post:
+    """One request of the load client: a JSON body POSTed to ``path``."""
+
+    path: str
+    body: bytes
 
 
 def chat_json(stream: bool, max_tokens: int = 16, prompt_tokens: int = 16, salt: str = "") -> bytes:
@@ -70,20 +64,3 @@ def chat_json(stream: bool, max_tokens: int = 16, prompt_tokens: int = 16, salt:
             "stream": stream,
         }
     ).encode()
-
-
-class HttpConnection(asyncio.Protocol):
-    """An HTTP/1.1 connection parsed by httptools: the subclass sets ``parser`` and its callbacks."""
-
-    parser: httptools.HttpRequestParser | httptools.HttpResponseParser
-    transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            if self.transport is not None:
-                self.transport.close()

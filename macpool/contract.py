@@ -84,8 +84,9 @@ class NodeDoc(BaseModel):
     # a router scales it to the concurrency a new request would meet (router/placement.py)
     slot_tokens_per_s: float | None = None
     slot_concurrency: float | None = None
+    # prompt-processing speed, tokens/s (smoothed): what a request's prefill costs on this node
+    prefill_tokens_per_s: float | None = None
     ctx_per_slot: int = 0
-    prefill_tokens_per_s: float | None = None  # prompt processing speed, measured (smoothed); None: not yet
     # llama-server's KV cache, as admission counts it in tokens (0 / -1: unknown, and then only slots count):
     # the most tokens (prompt + output) one request may hold - its context per sequence, the whole context
     # when the slots share one pool of cells (kv_unified); the cells of its cache in all, and those it holds

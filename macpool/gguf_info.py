@@ -36,6 +36,7 @@ class ModelShape:
     head_dim_k: int
     head_dim_v: int
     file_bytes: int
+    n_ctx_train: int = 0  # the context the model was trained for (0: the file does not say)
 
     def kv_bytes_per_token(self, cache_type_k: str = "f16", cache_type_v: str = "f16") -> int:
         """layers x KV heads x (head dim K x bytes K + head dim V x bytes V)."""
@@ -83,6 +84,7 @@ def read_shape(path: Path) -> ModelShape:
         head_dim_k=int(head_k),
         head_dim_v=int(head_v),
         file_bytes=path.stat().st_size,
+        n_ctx_train=int(field(f"{arch}.context_length", 0) or 0),
     )
 
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import signal
 import socket
 import sys
@@ -30,7 +31,7 @@ from macpool.store import Keys
 from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.elastic import ElasticStore
 
-from . import models, sizing
+from . import kv, models, sizing
 from .gateway import create_app, create_models_app
 from .heartbeat import Heartbeat
 from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, SharedProbe, make_probe
@@ -115,10 +116,14 @@ class Agent:
         self.heartbeats: list[Heartbeat] = []  # one, or one per model (--models)
         self.models: models.ModelHost | None = None
         self.preset_dir: tempfile.TemporaryDirectory[str] | None = None
+        self.shape: ModelShape | None = None
+        self.kv_per_token: int | None = None
+        self.prepared = False
 
     async def run(self) -> int:
-        """startup -> main loop -> shutdown; returns the exit code."""
+        """prepare -> startup -> main loop -> shutdown; returns the exit code."""
         self._install_signals()
+        await self.prepare()
         try:
             await self.startup()
             await self.main_loop()
@@ -137,7 +142,38 @@ class Agent:
             self.force.set()
         self.stop_requested.set()
 
+    async def prepare(self) -> None:
+        """What the model file says and, in supervise mode, llama-server's slots: a Mac that cannot hold one
+        request at the context asked for is refused here (ConfigError), before anything starts."""
+        if self.prepared:
+            return
+        self.prepared = True
+        settings = self.settings
+        if settings.models:
+            return
+        self.shape, self.kv_per_token = shape, kv_per_token = load_model_shape(settings)
+        if not settings.supervise:
+            return
+        wired_limit = settings.wired_limit_gb or await probed_wired_limit(settings)
+        weights = shape.weights_gb if shape else None
+        chosen = sizing.choose(
+            parallel=settings.parallel,
+            ctx_per_slot=settings.ctx_per_slot,
+            wired_limit_gb=wired_limit,
+            weights_gb=weights,
+            headroom_gb=settings.headroom_gb,
+            kv_bytes_per_token=kv_per_token,
+            calibrated_cap=settings.calibrated_cap,
+            n_ctx_train=shape.n_ctx_train if shape else None,
+        )
+        if wired_limit is not None and kv_per_token:
+            refusal = sizing.cannot_hold(chosen, weights, settings.headroom_gb, wired_limit, kv_per_token)
+            if refusal is not None:  # it would page from its first request: better not start at all
+                raise ConfigError(refusal)
+        self._set_sizing(chosen)
+
     async def startup(self) -> None:
+        await self.prepare()
         settings = self.settings
         timeout = httpx.Timeout(settings.read_timeout, connect=settings.connect_timeout)
         # idle connections are given up after 4 s, before llama-server (Keep-Alive: timeout=5) or a simulator
@@ -177,22 +213,13 @@ class Agent:
         """One model: this node's heartbeat and standby follower, and the gateway over its runtime."""
         settings, redis = self.settings, self.redis
         assert redis is not None
-        shape, kv_per_token = load_model_shape(settings)
+        shape, kv_per_token = self.shape, self.kv_per_token
         self.runtime.details["model"] = {
             "path": str(settings.model) if settings.model else None,
             "kv_bytes_per_token": kv_per_token,
             "weights_gb": shape.weights_gb if shape else None,
         }
         if settings.supervise:
-            self._set_sizing(sizing.choose(
-                parallel=settings.parallel,
-                ctx_per_slot=settings.ctx_per_slot,
-                wired_limit_gb=settings.wired_limit_gb or await probed_wired_limit(settings),
-                weights_gb=shape.weights_gb if shape else None,
-                headroom_gb=settings.headroom_gb,
-                kv_bytes_per_token=kv_per_token,
-                calibrated_cap=settings.calibrated_cap,
-            ))
             if not settings.standby:
                 self._start_llama_server()
         else:
@@ -201,6 +228,11 @@ class Agent:
         probe = make_probe(settings.memory_probe, self.runtime.client(), lambda: self.runtime.upstream_url)
         heartbeat = Heartbeat(self.runtime, redis, probe, shape, kv_per_token,
                               on_persistent_pressure=self._shrink if settings.supervise else None)
+        if settings.supervise:
+            heartbeat.kv_source = self._supervised_args
+        else:
+            assert settings.upstream is not None
+            heartbeat.kv_source = functools.partial(kv.attached_async, settings.upstream, settings.llama_args)
         if settings.follows_autoscaler:
             store = ElasticStore(redis, Keys(settings.key_prefix))
             standby = Standby(self.runtime, store, self._start_llama_server, self._stop_llama_server)
@@ -232,6 +264,7 @@ class Agent:
                                   model=spec.name, model_memory_gb=spec.memory_gb,
                                   load_cost=functools.partial(host.load_cost, unit))
             heartbeat.before_beat = host.standby_for(unit).follow
+            heartbeat.kv_source = functools.partial(_preset_args, spec, settings.llama_args)
             self._beat(heartbeat)
         return create_models_app({name: unit.runtime for name, unit in host.units.items()}, self.runtime)
 
@@ -251,7 +284,7 @@ class Agent:
             settings.llama_command,
             settings.model,
             self.runtime.sizing.parallel if self.runtime.sizing else 1,
-            settings.ctx_per_slot,
+            self.runtime.sizing.ctx_per_slot if self.runtime.sizing else settings.ctx_per_slot,
             settings.llama_args,
             settings.llama_log,
             settings.restart_backoff_max,
@@ -265,6 +298,12 @@ class Agent:
         run = self.supervisor.run(self.runtime.client())
         self._llama_task = asyncio.create_task(run, name="llama-server")
         self.tasks.append(self._llama_task)
+
+    async def _supervised_args(self, slots: int) -> kv.Source:
+        supervisor = self.supervisor
+        if supervisor is None:  # (stopped between its poll and now: the next start reads them again)
+            return kv.Source(kv.LlamaArgs(), "no llama-server running", known=False)
+        return kv.supervised(supervisor.argv())
 
     def _llama_healthy(self) -> None:
         self.runtime.llama_up(self.supervisor.load_s if self.supervisor else None)
@@ -382,6 +421,14 @@ class Agent:
                 log.warning("drain timeout: %d requests still in flight", in_flight())
                 break
             await asyncio.sleep(0.05)
+
+
+async def _preset_args(spec: models.ModelSpec, llama_args: list[str], slots: int) -> kv.Source:
+    """A model of several: the slots and context of its preset section, and the agent's llama-server
+    arguments, which its own process is started with."""
+    ctx = spec.sizing.parallel * spec.sizing.ctx_per_slot
+    args = ["--parallel", str(spec.sizing.parallel), "--ctx-size", str(ctx), *llama_args]
+    return kv.Source(kv.parse_args(args, os.environ), "its preset and the arguments after --")
 
 
 def run_agent(settings: AgentSettings) -> int:

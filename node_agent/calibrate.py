@@ -1,6 +1,8 @@
 """``macpool agent calibrate``: measure a Mac's ceiling instead of copying a table.
 
-Drive concurrency up in steps with a fixed prompt length, record throughput, p50 latency, TTFT and pinned
+Drive concurrency up in steps with a fixed prompt length - by default near the context one request may hold
+on the server (its slots' context less the output): the requests the operator sized the Mac for, whose
+prefill makes the knee lower than short prompts would - record throughput, p50 latency, TTFT and pinned
 memory, and recommend the cap: the smaller of two knees - memory (the level before pinned memory nears the
 wired limit) and throughput saturation (the smallest level reaching 95% of the best healthy throughput: past
 it, every admitted request only makes the others slower). A level where more than 5% of requests fail ends
@@ -15,6 +17,7 @@ import json
 import re
 import statistics
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +26,9 @@ import httpx
 
 from macpool import plotting
 
-from .loadgen import Clock, Level, LevelResult
+from . import kv
+from .heartbeat import training_context
+from .loadgen import Clock, Level, LevelResult, chars_per_token
 
 NEAR_LIMIT = 0.85  # pinned at this share of the wired limit "nears" it
 SATURATED = 0.95  # the throughput knee: the smallest level reaching this share of the best healthy throughput
@@ -270,10 +275,14 @@ def _line(points: list[tuple[int, float]]) -> tuple[float | None, float | None]:
     return slope, mean_y - slope * mean_x
 
 
+DEFAULT_PROMPT_TOKENS = 4096  # a server that does not say its context
+MIN_MARGIN = 64  # tokens a prompt near the context leaves free beside the output: the unique tag, BOS
+
+
 @dataclass
 class CalibrateOptions:
     upstream: str
-    prompt_tokens: int = 4096
+    prompt_tokens: int | None = None  # None: near the context one request may hold (``near_context``)
     max_tokens: int = 1024
     max_concurrency: int = 24
     step: int = 1
@@ -292,6 +301,60 @@ class CalibrateOptions:
         return self.window_requests or max(16, 6 * concurrency)
 
 
+def near_context(seq_ctx: int, max_tokens: int) -> int:
+    """A prompt near the context one request may hold: the context less the output and a small margin
+    (the prompt's length is the server tokenizer's, measured on the filler text, give or take the tag)."""
+    prompt = seq_ctx - max_tokens - max(MIN_MARGIN, seq_ctx // 100)
+    if prompt < 1:
+        raise ValueError(f"the server holds {seq_ctx} tokens a request: --max-tokens {max_tokens} leaves no "
+                         "room for a prompt")
+    return prompt
+
+
+@dataclass
+class Plan:
+    """What a sweep measures, decided from what the server says before it starts."""
+
+    prompt_tokens: int
+    chars_per_token: float  # the server tokenizer's, for prompts of the right length
+    levels: list[int]
+    seq_ctx: int  # the context one request may hold (0: the server does not say)
+    notes: list[str] = field(default_factory=list)  # said before the sweep: the prompt, levels left out
+
+
+async def plan(client: httpx.AsyncClient, base: str, options: CalibrateOptions) -> Plan:
+    """The prompt length and the levels: none above the server's slots (they would queue inside it), nor
+    above what a shared KV cache holds of such requests at once (llama-server fails every running request
+    when its cells run out)."""
+    response = await client.get(base + "/props", timeout=10)
+    response.raise_for_status()
+    props = response.json()
+    slots = int(props.get("total_slots") or 0)
+    seq_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
+    notes = []
+    prompt = options.prompt_tokens
+    if prompt is None:
+        prompt = near_context(seq_ctx, options.max_tokens) if seq_ctx else DEFAULT_PROMPT_TOKENS
+        where = f"near the {seq_ctx} tokens a request may hold" if seq_ctx else "the server says no context"
+        notes.append(f"prompts of {prompt} tokens ({where}), {options.max_tokens} generated")
+    levels = [c for c in options.concurrency_levels() if not slots or c <= slots]
+    if not levels:
+        raise ValueError(f"the server has only {slots} slots; start it with --parallel >= the levels")
+    if slots and seq_ctx:
+        models = await client.get(base + "/v1/models", timeout=10)
+        train = training_context(models.json().get("data")) if models.status_code == 200 else 0
+        found = await kv.attached_async(base, [], slots)
+        cache = kv.layout(found.args, slots, seq_ctx, train)
+        if cache.unified:
+            fits = max(1, cache.cells // (prompt + options.max_tokens))
+            if any(c > fits for c in levels):
+                many = f"{fits} request{'s' if fits > 1 else ''}"
+                notes.append(f"levels above {fits} left out: the {slots} slots share {cache.cells} KV cells "
+                             f"({found.said}), room for {many} of {prompt} + {options.max_tokens} tokens")
+                levels = [c for c in levels if c <= fits]
+    return Plan(prompt, await chars_per_token(client, base), levels, seq_ctx, notes)
+
+
 async def _settle(client: httpx.AsyncClient, base: str) -> None:
     """Wait until the previous level's cancelled requests have left the server."""
     for _ in range(200):
@@ -302,14 +365,6 @@ async def _settle(client: httpx.AsyncClient, base: str) -> None:
         except httpx.HTTPError:
             pass
         await asyncio.sleep(0.05)
-
-
-async def total_slots(client: httpx.AsyncClient, base: str) -> int | None:
-    """llama-server's slot count: levels above it would queue inside the server and read as latency."""
-    response = await client.get(base + "/props", timeout=10)
-    response.raise_for_status()
-    slots = response.json().get("total_slots")
-    return int(slots) if slots else None
 
 
 def dipped(rows: list[LevelResult], row: LevelResult) -> bool:
@@ -333,8 +388,9 @@ def decided(rows: list[LevelResult], bounds: Bounds) -> bool:
     return throughput_confirmed(rows)
 
 
-async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[LevelResult], Knee]:
-    """Measure level after level; stop once the knee is decided."""
+async def sweep(options: CalibrateOptions, progress: Any = None,
+                announce: Callable[[str], None] | None = None) -> tuple[list[LevelResult], Knee, Plan]:
+    """Measure level after level; stop once the knee is decided. ``announce`` hears the plan's notes."""
     base = options.upstream.rstrip("/")
     timeout = httpx.Timeout(600, connect=5)
     rows: list[LevelResult] = []
@@ -344,10 +400,10 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         clock = Clock(client, base)
         await clock.detect()
-        slots = await total_slots(client, base)
-        levels = [c for c in options.concurrency_levels() if slots is None or c <= slots]
-        if not levels:
-            raise ValueError(f"the server has only {slots} slots; start it with --parallel >= the levels")
+        planned = await plan(client, base, options)
+        if announce is not None:
+            for note in planned.notes:
+                announce(note)
 
         async def measure(concurrency: int) -> LevelResult:
             await _settle(client, base)
@@ -356,14 +412,15 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
                 base,
                 clock,
                 concurrency,
-                options.prompt_tokens,
+                planned.prompt_tokens,
                 options.max_tokens,
                 options.model,
                 options.window(concurrency),
+                chars_per_token=planned.chars_per_token,
             )
             return await level.run()
 
-        for concurrency in levels:
+        for concurrency in planned.levels:
             row = await measure(concurrency)
             if dipped(rows, row):
                 again = await measure(concurrency)
@@ -374,10 +431,11 @@ async def sweep(options: CalibrateOptions, progress: Any = None) -> tuple[list[L
             if decided(rows, options.bounds):
                 break
         await _settle(client, base)
-    return rows, find_knee(rows, options.bounds)
+    return rows, find_knee(rows, options.bounds), planned
 
 
-def result_json(rows: list[LevelResult], knee: Knee, options: CalibrateOptions) -> dict[str, Any]:
+def result_json(rows: list[LevelResult], knee: Knee, options: CalibrateOptions,
+                planned: Plan | None = None) -> dict[str, Any]:
     base = rows[0].p50_latency_s if rows and rows[0].p50_latency_s else 1.0
     return {
         "recommended_cap": knee.recommended_cap,
@@ -392,8 +450,9 @@ def result_json(rows: list[LevelResult], knee: Knee, options: CalibrateOptions) 
         "per_request_gb": knee.per_request_gb,
         "weights_gb": knee.weights_gb,
         "wired_limit_gb": knee.wired_limit_gb,
-        "prompt_tokens": options.prompt_tokens,
+        "prompt_tokens": planned.prompt_tokens if planned else options.prompt_tokens,
         "max_tokens": options.max_tokens,
+        "context": planned.seq_ctx if planned else None,
         "rows": [{**asdict(r), "p50_ratio": round(r.p50_latency_s / base, 3)} for r in rows],
     }
 

@@ -46,7 +46,11 @@ def _run_parser() -> argparse.ArgumentParser:
         help="llama-server slots (supervise; default: the slots whose KV cache fits the memory budget at "
         "--ctx-per-slot, bounded by the calibrated cap; fewer after persistent memory pressure)",
     )
-    mode.add_argument("--ctx-per-slot", dest="ctx_per_slot", type=int, help="context per slot (default 4096)")
+    mode.add_argument(
+        "--ctx-per-slot", dest="ctx_per_slot", type=int,
+        help="the most tokens (prompt and output) one request may hold: each slot's context (default 32768, "
+        "a coding agent's turn); the slots that fit are sized at it",
+    )
     mode.add_argument(
         "--llama-log", dest="llama_log", type=Path, help="append llama-server output to this file"
     )
@@ -147,7 +151,11 @@ def _calibrate_parser() -> argparse.ArgumentParser:
         "level is safe.",
     )
     p.add_argument("--upstream", required=True, help="llama-server (or `macpool sim`) URL")
-    p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
+    p.add_argument(
+        "--prompt-tokens", type=int,
+        help="prompt length (default: near the context one request may hold on the server - its slots' "
+        "context less --max-tokens - the requests the Mac is sized for)",
+    )
     p.add_argument(
         "--max-tokens", type=int, default=1024, help="generated tokens per request (default 1024)"
     )
@@ -200,7 +208,8 @@ def run(argv: list[str]) -> int:
 
 def _check_calibrate_args(a: argparse.Namespace, levels: list[int]) -> None:
     """Bad figures and unwritable outputs fail before the sweep, not after minutes of measuring."""
-    for flag, value, least in (("--prompt-tokens", a.prompt_tokens, 1), ("--max-tokens", a.max_tokens, 1),
+    prompt = 1 if a.prompt_tokens is None else a.prompt_tokens  # (unset: near the server's context)
+    for flag, value, least in (("--prompt-tokens", prompt, 1), ("--max-tokens", a.max_tokens, 1),
                                ("--max-concurrency", a.max_concurrency, 1), ("--step", a.step, 1),
                                ("--window", a.window, 0)):
         if value < least:
@@ -253,11 +262,18 @@ def calibrate(argv: list[str]) -> int:
 
     _check_http_url("--upstream", a.upstream)
     _check_calibrate_args(a, levels)
-    print(f"{'conc':>4} {'tok/s':>8} {'p50 s':>8} {'ratio':>6} {'ttft s':>7} {'pinned GB':>9} {'errors':>6}"
-          "  state", flush=True)
+    header: list[bool] = []
+
+    def announce(note: str) -> None:
+        print(note, flush=True)
+
     first: list[float] = []
 
     def progress(row: Any) -> None:
+        if not header:
+            header.append(True)
+            print(f"{'conc':>4} {'tok/s':>8} {'p50 s':>8} {'ratio':>6} {'ttft s':>7} {'pinned GB':>9} "
+                  f"{'errors':>6}  state", flush=True)
         first.append(row.p50_latency_s or 1.0)
         pinned = "-" if row.peak_pinned_gb is None else f"{row.peak_pinned_gb:.1f}"
         print(
@@ -270,12 +286,12 @@ def calibrate(argv: list[str]) -> int:
     import httpx
 
     try:
-        rows, knee = asyncio.run(cal.sweep(options, progress))
+        rows, knee, planned = asyncio.run(cal.sweep(options, progress, announce))
     except httpx.HTTPError as exc:
         raise ConfigError(f"--upstream {a.upstream}: {type(exc).__name__} ({exc})") from exc
     except (ValueError, RuntimeError) as exc:
         raise ConfigError(str(exc)) from exc
-    data = cal.result_json(rows, knee, options)
+    data = cal.result_json(rows, knee, options, planned)
     if a.json:
         cal.dump_json(a.json, data)
     if a.plot:

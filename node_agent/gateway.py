@@ -13,7 +13,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -24,15 +24,16 @@ from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from macpool import relay
 from macpool import upstream as http
 from macpool.apis import APIS, GENERATION_PATHS, LIGHT_PATHS
-from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash, end_stream
+from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash
 from macpool.contract import slots_needed
-from macpool.errors import error_response, exception_handlers, sse_error
+from macpool.errors import error_response, exception_handlers
 from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER, connection_listed
 
 from . import unstream
@@ -82,94 +83,41 @@ def _is_stream(upstream: http.Response) -> bool:
     return upstream.status == 200 and _is_event_stream(upstream)
 
 
-class ProxyResponse(StreamingResponse):
-    """Streams the upstream body; releases what the request holds and closes upstream exactly once, on every
-    path."""
+class ProxyResponse(relay.Relay):
+    """llama-server's answer relayed to the router (macpool/relay.py): measured as it streams (TTFT, decode
+    speed), and what the request holds against the caps released when it ends."""
 
-    guard: Guard | None = None  # the request's own, when it has one already (``Gateway._relay``)
+    upstream_name = "llama-server"
 
     def __init__(
         self, upstream: http.Response, runtime: Runtime, started: float, endpoint: str,
         release: Callable[[], None] | None,
     ) -> None:
-        self._upstream = upstream
+        api = APIS.get(endpoint)  # GET /v1/models is in no API of the table: OpenAI's framing
+        super().__init__(upstream, _response_headers(upstream), api.dialect if api is not None else "chat")
         self._runtime = runtime
         self._started = started
         self._held = release  # gives back what counts against a cap until the response ends (None: nothing)
-        self._streamed = _is_event_stream(upstream)
-        self._head_sent = False
-        self._ended = True  # the last chunk sent closed its SSE event
-        self._chunks = self._body()
-        # what StreamingResponse.__init__ would set, with the headers taken over as bytes (no str round trip)
-        self.body_iterator = self._chunks
-        self.status_code = upstream.status
-        self.media_type = None
-        self.background = None
-        self.raw_headers = _response_headers(upstream)
-        api = APIS.get(endpoint)  # a mid-stream failure ends the stream in its API's terms
-        self._dialect = api.dialect if api else "chat"
+        self._clock = AnswerClock()
         runtime.metrics.requests.labels(endpoint, str(upstream.status)).inc()
 
-    async def _body(self) -> AsyncGenerator[bytes, None]:
-        ended = True  # the last chunk closed its SSE event (an error event must not extend a cut one)
-        clock = AnswerClock()
-        try:
-            async for chunk in http.chunks(self._upstream):
-                ended = chunk.endswith(b"\n\n")
-                if self._streamed:
-                    at = time.perf_counter()
-                    if clock.tick(at, chunk.count(b"data: "), self._runtime.in_flight):
-                        self._runtime.ttft_samples.append(at - self._started)
-                        self._runtime.metrics.ttft.observe(at - self._started)
-                yield chunk
-            if self._streamed and self.status_code == 200:
-                concurrency = (clock.running + self._runtime.in_flight) / 2
-                self._runtime.note_decode(clock.gaps, concurrency)
-        except httpx.HTTPError:
-            # a mid-stream upstream failure must not look like a normal end: a stream gets an SSE error
-            # event; a plain body is cut off (the connection drops), so the router reports a failure
-            self._runtime.metrics.upstream_errors.labels("mid_stream").inc()
-            if not self._streamed:
-                raise
-            yield sse_error(502, "llama-server failed mid-stream", "upstream_midstream", ended=ended,
-                            dialect=self._dialect)
-        finally:
-            http.close(self._upstream)
+    def relayed(self, chunk: bytes) -> None:
+        if self.streaming:
+            at = time.perf_counter()
+            if self._clock.tick(at, chunk.count(b"data: "), self._runtime.in_flight):
+                self._runtime.ttft_samples.append(at - self._started)
+                self._runtime.metrics.ttft.observe(at - self._started)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Starlette's StreamingResponse would run an anyio task group of two tasks per response; one plain
-        # task watching for the client's disconnect does the same job (macpool/asgi.py Guard)
-        guard = self.guard or Guard(receive)
-        try:
-            try:
-                await guard.run(self._send(send))
-            except asyncio.CancelledError:
-                # not the guard's: nobody else cancels a response - the agent is stopping and its drain
-                # timeout has passed; a stream ends with an error event, anything else is cut off
-                if not (self._streamed and self._head_sent):
-                    raise
-                message = "the node shut down mid-stream"
-                event = sse_error(502, message, "upstream_midstream", ended=self._ended,
-                                  dialect=self._dialect)
-                await end_stream(send, event)
-            finally:
-                guard.finish()
-        finally:
-            await self._release()
+    def completed(self) -> None:
+        if self.streaming and self.status_code == 200:
+            concurrency = (self._clock.running + self._runtime.in_flight) / 2
+            self._runtime.note_decode(self._clock.gaps, concurrency)
 
-    async def _send(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        self._head_sent = True
-        async for chunk in self._chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            self._ended = chunk.endswith(b"\n\n")
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    def failed(self, kind: str) -> None:
+        # a mid-stream upstream failure must not look like a normal end: the router reports it as one
+        self._runtime.metrics.upstream_errors.labels("mid_stream").inc()
 
-    async def _release(self) -> None:
-        # the generator may never have started (client gone before the first send), or stopped at a yield
-        # (client gone mid-stream): close it and the upstream response here too
-        await self._chunks.aclose()
-        http.close(self._upstream)
+    async def finish(self) -> None:
         held, self._held = self._held, None
         if held is not None:
             held()
@@ -351,6 +299,7 @@ class Gateway:
                         self.runtime.ttft_samples.append(at - started)
                         metrics.ttft.observe(at - started)
                 assembler.feed_line(line)
+            assembler.end()
         except httpx.HTTPError:
             metrics.upstream_errors.labels("mid_response").inc()
             metrics.requests.labels(endpoint, "502").inc()

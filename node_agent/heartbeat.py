@@ -13,6 +13,7 @@ from typing import Literal
 from urllib.parse import quote
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
 from macpool import __version__
@@ -31,7 +32,7 @@ from macpool.store import Keys, Store
 from macpool.store.connect import AnyRedis
 from macpool.wol import normalize_mac
 
-from . import capacity
+from . import capacity, kv
 from .memory import GB, MemoryProbe, MemorySample, ProbeError, UpstreamUnreachable
 from .runtime import Runtime
 from .standby import REASONS, standby_models
@@ -39,6 +40,7 @@ from .standby import REASONS, standby_models
 log = logging.getLogger("macpool.agent")
 
 UpstreamCondition = Literal["healthy", "loading", "unreachable"]
+PREFILL_MIN_TOKENS = 512  # prompt tokens processed between two readings of the prefill speed
 # the model's phase in a node state (any other: loaded)
 MODEL_PHASE: dict[str, Literal["loaded", "loading", "loadable"]] = {
     "standby": "loadable", "asleep": "loadable", "waking": "loadable",
@@ -47,15 +49,16 @@ MODEL_PHASE: dict[str, Literal["loaded", "loading", "loadable"]] = {
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name: value} for the unlabelled ``llamacpp:*`` samples."""
+    """Prometheus text -> {sample name: value} for the unlabelled ``llamacpp:*`` samples (prometheus_client's
+    parser: a counter's sample is named ``..._total``); what a malformed page held before its fault."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("llamacpp:"):
-            name, _, value = line.partition(" ")
-            try:
-                values[name] = float(value.split()[0])
-            except (ValueError, IndexError):
-                continue
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith("llamacpp:") and not sample.labels:
+                    values[sample.name] = sample.value
+    except ValueError:
+        pass  # the samples read so far are llama-server's; the rest of the page is not
     return values
 
 
@@ -73,6 +76,14 @@ class UpstreamView:
     tokens_total: float | None = None
     tokens_at: float = 0.0
     tokens_per_s: float = 0.0
+    n_ctx_train: int = 0  # the model's training context (/v1/models), 0 until known
+    kv_cells_used: int = 0  # KV cells the slots hold now (/slots)
+    # prompt tokens processed and seconds spent on them so far (/metrics), and where the last prefill
+    # reading of them was taken
+    prompt_tokens: float | None = None
+    prompt_seconds: float | None = None
+    prefill_mark: tuple[float, float] | None = None
+    starts: int = 0  # times it turned healthy: each may be another llama-server, with other arguments
 
     @property
     def condition(self) -> UpstreamCondition:
@@ -97,6 +108,8 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
         view.problem = f"not answering /health ({type(exc).__name__})"
         return
     view.reachable = True
+    if healthy and not view.healthy:
+        view.starts += 1
     view.healthy = healthy
     if not view.healthy:
         view.problem = problem
@@ -115,17 +128,26 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
         view.build = str(data.get("build_info", ""))
     if isinstance(models, httpx.Response) and models.status_code == 200:
         names: list[str] = []
-        for entry in models.json().get("data", []):
+        entries = models.json().get("data", [])
+        for entry in entries:
             for name in [entry.get("id"), *entry.get("aliases", [])]:
                 if isinstance(name, str) and name and name not in names:
                     names.append(name)
         view.models = names
+        view.n_ctx_train = training_context(entries)
+    slot_list: object = None
+    if isinstance(slots, httpx.Response) and slots.status_code == 200:
+        with contextlib.suppress(ValueError):
+            slot_list = slots.json()
+        view.kv_cells_used = cells_held(slot_list)
     if isinstance(metrics, httpx.Response) and metrics.status_code == 200:
-        total = parse_metrics(metrics.text).get("llamacpp:tokens_predicted_total")
-        if total is not None and isinstance(slots, httpx.Response) and slots.status_code == 200:
-            with contextlib.suppress(ValueError):
-                total += decoded_so_far(slots.json())
+        values = parse_metrics(metrics.text)
+        total = values.get("llamacpp:tokens_predicted_total")
+        if total is not None and slot_list is not None:
+            total += decoded_so_far(slot_list)
         _update_rate(view, total)
+        view.prompt_tokens = values.get("llamacpp:prompt_tokens_total")
+        view.prompt_seconds = values.get("llamacpp:prompt_seconds_total")
 
 
 async def _model_loaded(client: httpx.AsyncClient, base: str, model: str) -> tuple[bool, str]:
@@ -160,6 +182,43 @@ def decoded_so_far(slots: object) -> int:
                 if type(decoded) is int:
                     total += decoded
     return total
+
+
+def cells_held(slots: object) -> int:
+    """KV cells llama-server's slots hold now (``/slots``): each slot's tokens, prompt and generated, idle
+    slots' cached prompts included (they hold their cells until a new task clears them)."""
+    held = 0
+    for slot in slots if isinstance(slots, list) else ():
+        tokens = slot.get("n_prompt_tokens") if isinstance(slot, dict) else None
+        if type(tokens) is int and tokens > 0:
+            held += tokens
+    return held
+
+
+def training_context(models: object) -> int:
+    """The model's training context from ``/v1/models`` (llama-server's ``meta.n_ctx_train``; 0: none)."""
+    for entry in models if isinstance(models, list) else ():
+        meta = entry.get("meta") if isinstance(entry, dict) else None
+        value = meta.get("n_ctx_train") if isinstance(meta, dict) else None
+        if type(value) is int and value > 0:
+            return value
+    return 0
+
+
+def prefill_reading(view: UpstreamView) -> tuple[float, float] | None:
+    """Prompt tokens processed, and the seconds they took, since the last reading: once at least
+    ``PREFILL_MIN_TOKENS`` have been (fewer say more of a step's fixed cost than of the prompt's)."""
+    tokens, seconds = view.prompt_tokens, view.prompt_seconds
+    if tokens is None or seconds is None:
+        return None
+    mark = view.prefill_mark
+    if mark is None or tokens < mark[0] or seconds < mark[1]:  # the first reading, or a restarted counter
+        view.prefill_mark = (tokens, seconds)
+        return None
+    if tokens - mark[0] < PREFILL_MIN_TOKENS or seconds <= mark[1]:
+        return None
+    view.prefill_mark = (tokens, seconds)
+    return tokens - mark[0], seconds - mark[1]
 
 
 def _describe(error: Exception) -> str:
@@ -214,8 +273,11 @@ class Heartbeat:
     model: str | None = None
     model_memory_gb: float | None = None
     load_cost: Callable[[], LoadCost] | None = None
-    _redis_retry_at: float = 0.0
-    _redis_backoff: float = 0.0
+    # llama-server's arguments, read again for each llama-server (given its slot count): they alone say
+    # whether its slots share one KV cache, of how many cells, and its -n (node_agent/kv.py)
+    kv_source: Callable[[int], Awaitable[kv.Source]] | None = None
+    kv_args: kv.Source | None = None
+    _kv_for: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         settings = self.runtime.settings
@@ -246,9 +308,29 @@ class Heartbeat:
             raise probed
         sample = probed if isinstance(probed, MemorySample) else None
         self._note_probe(None if isinstance(probed, MemorySample) else probed)
+        await self._read_kv_args()
         doc = self._decide(sample)
         runtime.doc = doc
         return doc
+
+    async def _read_kv_args(self) -> None:
+        """llama-server's arguments, once for each llama-server: read when one turns healthy or its
+        slots change; logged with the cache they give."""
+        view = self.upstream
+        key = (view.starts, view.total_slots, view.ctx_per_slot)
+        if self.kv_source is None or not view.healthy or not view.total_slots or key == self._kv_for:
+            return
+        found = self.kv_args = await self.kv_source(view.total_slots)
+        self._kv_for = key
+        cache = kv.layout(found.args, view.total_slots, view.ctx_per_slot, view.n_ctx_train)
+        self.runtime.details["kv"] = {**found.as_dict(), "cache": cache.describe(view.total_slots)}
+        whose = "llama-server" if self.model is None else f"model {self.model}"
+        said = f"{whose}'s KV cache: {cache.describe(view.total_slots)}"
+        if found.known:
+            log.info("%s (from %s)", said, found.said)
+        else:
+            log.warning("%s: taking %s; give its arguments after -- if it was started otherwise", said,
+                        found.said)
 
     def _note_probe(self, error: ProbeError | OSError | None) -> None:
         """Warn once when the memory probe starts failing, and say when it answers again.
@@ -277,7 +359,8 @@ class Heartbeat:
 
     def _decide(self, sample: MemorySample | None) -> NodeDoc:
         runtime, settings, view = self.runtime, self.runtime.settings, self.upstream
-        per_request = self._per_request_gb(sample, view.ctx_per_slot)
+        cache = self._kv_cache()
+        per_request = self._per_request_gb(sample, self._slot_share(cache))
         weights = self._weights_gb(sample)
         memory_cap: int | None = None
         pressure_reason = ""
@@ -302,6 +385,9 @@ class Heartbeat:
             runtime.metrics.pinned.set(sample.pinned_gb * GB)
             runtime.metrics.wired_limit.set(sample.wired_limit_gb * GB)
         self._log_upstream_change()
+        reading = prefill_reading(view)
+        if reading is not None:
+            runtime.note_prefill(*reading)
         slots = view.total_slots or None
         self._warn_cap_over_slots(slots)
         decision = capacity.decide(
@@ -331,7 +417,13 @@ class Heartbeat:
             ttft_p50_ms=runtime.ttft_p50_ms(),
             slot_tokens_per_s=_rounded(runtime.slot_tokens_per_s),
             slot_concurrency=_rounded(runtime.slot_concurrency),
+            prefill_tokens_per_s=_rounded(runtime.prefill_tokens_per_s),
             ctx_per_slot=view.ctx_per_slot,
+            seq_ctx=cache.seq_ctx,
+            kv_unified=cache.unified,
+            kv_cells=cache.cells,
+            kv_cells_used=view.kv_cells_used,
+            n_predict=cache.n_predict,
             sizing=runtime.sizing.reason if runtime.sizing else "",
             llama_build=view.build,
             agent_version=__version__,
@@ -345,6 +437,24 @@ class Heartbeat:
             model_states=self._model_states(models, state, decision.capacity, view, weights, per_request),
             load_cost=self.load_cost() if self.load_cost is not None else "free",
         )
+
+    def _kv_cache(self) -> kv.KvCache:
+        """The KV cache as admission counts it: the context one request may hold from /props alone, whether
+        the slots share their cells and how many from llama-server's arguments (0: unknown)."""
+        view, found = self.upstream, self.kv_args
+        if found is None or not view.total_slots or not view.ctx_per_slot:
+            return kv.KvCache(view.ctx_per_slot, False, 0, -1)
+        return kv.layout(found.args, view.total_slots, view.ctx_per_slot, view.n_ctx_train)
+
+    def _slot_share(self, cache: kv.KvCache) -> int:
+        """The KV cells one slot stands for in the memory term: its own context in a split cache; its share
+        of a shared one (the slots together never hold more than its cells, and any one may take them all:
+        counting the whole cache per request would cap a cache sized to the memory at one request). A cache
+        taken to be shared for want of llama-server's arguments may be split: its slots count in full."""
+        slots, known = self.upstream.total_slots, self.kv_args is not None and self.kv_args.known
+        if cache.unified and cache.cells and slots and known:
+            return cache.cells // slots
+        return self.upstream.ctx_per_slot
 
     def _model_states(self, models: list[str], state: NodeState, capacity: int, view: UpstreamView,
                       weights_gb: float, per_request_gb: float | None) -> list[ModelState]:
@@ -449,15 +559,14 @@ class Heartbeat:
         return self.model_shape.weights_gb if self.model_shape else 0.0
 
     async def publish(self, doc: NodeDoc) -> None:
-        """Write to Redis; while it is down, back off (keep serving under the cap) and re-register after."""
-        if time.monotonic() < self._redis_retry_at:
-            return
+        """Write to Redis; while it is down, keep serving under the cap and re-register when it answers. Each
+        beat is the next attempt, bounded by one interval: a Redis that does not answer never holds the beat
+        longer (a lost connection is retried within the call by redis-py, with backoff and jitter)."""
         try:
-            holder = await self.store.heartbeat(doc, self.ttl_ms)
-        except (RedisError, OSError) as exc:
+            async with asyncio.timeout(self.runtime.settings.heartbeat_interval):
+                holder = await self.store.heartbeat(doc, self.ttl_ms)
+        except (RedisError, OSError, TimeoutError) as exc:
             self.runtime.metrics.heartbeat_failures.inc()
-            self._redis_backoff = min(max(self._redis_backoff * 2, 0.5), 10.0)
-            self._redis_retry_at = time.monotonic() + self._redis_backoff
             if self.redis_ok:
                 log.warning("redis at %s unreachable (%s: %s); serving under the local cap, retrying",
                             self.store.address, type(exc).__name__, exc)
@@ -468,7 +577,6 @@ class Heartbeat:
             log.info("redis is back; node %s re-registered", doc.node_id)
         self.redis_ok = True
         self.runtime.details["redis_ok"] = True
-        self._redis_backoff = 0.0
         self._note_holder(doc, holder)
 
     def _note_holder(self, doc: NodeDoc, holder: str | None) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 
 from macpool.loops import wait_event
 
@@ -30,6 +31,8 @@ from .heartbeat import decoded_so_far, parse_metrics
 from .memory import MacProbe, ProbeError
 
 MEMORY_EVERY_S = 0.1  # pinned-memory sampling period while a level is measured
+FILLER = " calibrate "  # the prompt's text, after a tag that makes each prompt unique
+CHARS_PER_TOKEN = 4.0  # when the server cannot say (no /tokenize)
 WARMUP_ROUNDS = 2  # requests per client before measuring: the first round starts all prefills at once
 
 
@@ -93,16 +96,26 @@ class Clock:
             return None
 
 
-def final_timings(tail: bytes) -> dict[str, Any] | None:
-    """The ``timings`` object of the last SSE event that carries one."""
-    for line in reversed(tail.split(b"\n")):
-        if line.startswith(b"data: {") and b'"timings"' in line:
-            try:
-                timings = json.loads(line[6:])["timings"]
-            except (ValueError, KeyError):
-                return None
-            return timings if isinstance(timings, dict) else None
-    return None
+def final_timings(data: str) -> dict[str, Any] | None:
+    """The ``timings`` object of an event's data (the stream's last event that carries one)."""
+    try:
+        timings = json.loads(data)["timings"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return timings if isinstance(timings, dict) else None
+
+
+async def chars_per_token(client: httpx.AsyncClient, base: str) -> float:
+    """Characters of the prompt's filler text per token of the server's tokenizer (``/tokenize``), so that
+    a prompt of ``n`` tokens is ``n`` tokens whatever the model: a prompt near the context must not pass it.
+    """
+    sample = FILLER * 200
+    try:
+        response = await client.post(base + "/tokenize", json={"content": sample}, timeout=10)
+        count = len(response.json().get("tokens", [])) if response.status_code == 200 else 0
+    except (httpx.HTTPError, ValueError, AttributeError):
+        count = 0
+    return len(sample) / count if count else CHARS_PER_TOKEN
 
 
 async def memory(client: httpx.AsyncClient, base: str) -> dict[str, Any] | None:
@@ -137,6 +150,7 @@ class Level:
     model: str | None
     window_requests: int
     headers: dict[str, str] = field(default_factory=dict)
+    chars_per_token: float = CHARS_PER_TOKEN  # the server tokenizer's, on FILLER (chars_per_token below)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _salt: str = field(default_factory=lambda: secrets.token_hex(5))  # unique across levels and runs
     latencies: list[float] = field(default_factory=list)
@@ -150,7 +164,8 @@ class Level:
     def _body(self) -> dict[str, Any]:
         # a distinct first block per request, so no slot's prompt cache skips the prefill
         tag = f"{self._salt}{next(self._ids):06d}"
-        text = (tag + " calibrate " * self.prompt_tokens)[: self.prompt_tokens * 4]
+        chars = max(1, round(self.prompt_tokens * self.chars_per_token))
+        text = (tag + FILLER * (chars // len(FILLER) + 1))[:chars]
         body: dict[str, Any] = {
             "prompt": text,
             "max_tokens": self.max_tokens,
@@ -164,7 +179,7 @@ class Level:
     async def _one(self) -> None:
         started = time.monotonic()
         first: float | None = None
-        tail = b""
+        last = ""  # the data of the last event that carried llama-server's timings
         body = self._body()
         for attempt in range(2):
             answered = False
@@ -176,10 +191,11 @@ class Level:
                     if response.status_code != 200:
                         await response.aread()
                         raise httpx.HTTPStatusError("bad status", request=response.request, response=response)
-                    async for chunk in response.aiter_raw():
+                    async for event in EventSource(response).aiter_sse():
                         if first is None:
                             first = time.monotonic()
-                        tail = (tail + chunk)[-8192:]
+                        if '"timings"' in event.data:
+                            last = event.data
                 break
             except httpx.RemoteProtocolError:
                 # a kept-alive connection the server closed as the request went out (llama-server's HTTP
@@ -188,7 +204,7 @@ class Level:
                     raise
         if not self.measuring:
             return
-        timings = final_timings(tail)
+        timings = final_timings(last) if last else None
         if timings is not None:
             prompt_s, predicted_s = timings["prompt_ms"] / 1000, timings["predicted_ms"] / 1000
             self.latencies.append(prompt_s + predicted_s)

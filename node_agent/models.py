@@ -75,23 +75,28 @@ def plan_models(settings: AgentSettings, wired_limit_gb: float | None) -> list[M
             shape = read_shape(path)
             kv_per_token: int | None = shape.kv_bytes_per_token(*cache_types(settings.llama_args))
             weights: float | None = shape.weights_gb
+            n_ctx_train: int | None = shape.n_ctx_train
         except GGUFError as exc:
             log.warning("model %s: no memory estimate from its file (%s); the budget counts it as 0",
                         name, exc)
-            kv_per_token = weights = None
+            kv_per_token = weights = n_ctx_train = None
         chosen = sizing.choose(
             parallel=settings.parallel, ctx_per_slot=settings.ctx_per_slot, wired_limit_gb=wired_limit_gb,
             weights_gb=weights, headroom_gb=settings.headroom_gb, kv_bytes_per_token=kv_per_token,
-            calibrated_cap=settings.calibrated_cap,
+            calibrated_cap=settings.calibrated_cap, n_ctx_train=n_ctx_train,
         )
         if chosen.chosen_by == "memory" and chosen.parallel > sizing.DEFAULT_SLOTS:
             chosen = replace(chosen, parallel=sizing.DEFAULT_SLOTS,
-                             reason=f"{sizing.DEFAULT_SLOTS} slots x {settings.ctx_per_slot} tokens: at most "
+                             reason=f"{sizing.DEFAULT_SLOTS} slots x {chosen.ctx_per_slot} tokens: at most "
                                     f"{sizing.DEFAULT_SLOTS} for one model of several ({chosen.fits} would "
                                     "fit alone; --parallel to choose)")
+        if wired_limit_gb is not None and kv_per_token:
+            refusal = sizing.cannot_hold(chosen, weights, settings.headroom_gb, wired_limit_gb, kv_per_token)
+            if refusal is not None:  # (the others may still serve: this one will not load)
+                log.warning("model %s: %s", name, refusal)
         memory = None
         if weights is not None and kv_per_token is not None:
-            memory = weights + chosen.parallel * kv_per_token * settings.ctx_per_slot / GB
+            memory = weights + chosen.parallel * kv_per_token * chosen.ctx_per_slot / GB
         specs.append(ModelSpec(name, path, chosen, memory))
         log.info("model %s: %s; holds %s GB loaded", name, chosen.reason,
                  "?" if memory is None else f"{memory:.2f}")

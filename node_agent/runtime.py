@@ -127,6 +127,7 @@ class Runtime:
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     slot_tokens_per_s: float | None = None  # smoothed decode speed of one answer (note_decode)
     slot_concurrency: float | None = None  # ... and the requests in flight while it was measured
+    prefill_tokens_per_s: float | None = None  # smoothed prompt-processing speed (note_prefill)
     # set to publish a heartbeat now rather than at the next tick (llama-server found dead)
     beat_now: asyncio.Event = field(default_factory=asyncio.Event)
     _state: NodeState = field(default="starting", init=False)
@@ -336,6 +337,18 @@ class Runtime:
             return
         self.slot_tokens_per_s += DECODE_EWMA * (rate - self.slot_tokens_per_s)
         self.slot_concurrency += DECODE_EWMA * (concurrency - self.slot_concurrency)
+
+    def note_prefill(self, tokens: float, seconds: float) -> None:
+        """llama-server processed ``tokens`` prompt tokens (those its prompt cache held left out) in
+        ``seconds`` of prompt processing since the last reading: what a request's prefill costs here, which
+        routers weigh against the prompt they would send. Smoothed as the decode speed is."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        if self.prefill_tokens_per_s is None:
+            self.prefill_tokens_per_s = rate
+            return
+        self.prefill_tokens_per_s += DECODE_EWMA * (rate - self.prefill_tokens_per_s)
 
     def _set_state(self, state: NodeState) -> None:
         self._state = state

@@ -60,7 +60,9 @@ class AgentSettings(BaseSettings):
     # mode; given as NAME=FILE[,NAME=FILE...] on the command line or in the environment, a table in TOML
     models: ModelFiles = Field(default_factory=dict)
     parallel: int | None = Field(default=None, ge=1)  # None: the slots that fit (node_agent/sizing.py)
-    ctx_per_slot: int = Field(default=4096, ge=16)
+    # the most tokens (prompt and output) one request may hold: a slot's context. 32K holds a coding agent's
+    # turn (its system prompt, tools and the history it re-sends)
+    ctx_per_slot: int = Field(default=32768, ge=16)
     llama_args: list[str] = Field(default_factory=list)
     llama_log: UserPath | None = None
 

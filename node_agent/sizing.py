@@ -1,9 +1,12 @@
 """How many slots a supervised llama-server gets when the operator does not say: what fits the Mac.
 
-llama-server allocates every slot's KV cache for its whole context when it starts, so the slot count is a
-start-up memory question: ``(wired limit - weights - headroom) / (KV bytes per token x context per slot)``,
-from the GGUF's attention shape, bounded by the calibrated cap (more slots than the Mac serves well only
-hold memory) and by ``MAX_SLOTS``.
+Each slot holds one request of up to ``--ctx-per-slot`` tokens (the context the operator expects a request
+to need: 32K by default, a coding agent's turn). llama-server allocates every slot's KV cache for its whole
+context when it starts, so the slot count is a start-up memory question: ``(wired limit - weights -
+headroom) / (KV bytes per token x context per slot)``, from the GGUF's attention shape, bounded by the
+calibrated cap (more slots than the Mac serves well only hold memory) and by ``MAX_SLOTS``. A context above
+the model's training context is cut to it, as llama-server cuts each slot's. A Mac that cannot hold one
+request at that context is told so, with what to change (:func:`cannot_hold`).
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .memory import GB
+from .memory import GB, MIB
 
 DEFAULT_SLOTS = 4  # when memory cannot be sized (no GGUF shape, no wired limit)
 MAX_SLOTS = 32
 SHRINK = 0.75  # after persistent memory pressure, restart with a quarter fewer slots
+CONTEXT_STEP = 1024  # a smaller context suggested to a Mac that cannot hold one request is a multiple of this
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,21 @@ class Sizing:
     ctx_per_slot: int
     chosen_by: str  # "operator" (--parallel), "memory", "calibrated", "default" or "pressure"
     reason: str
-    fits: int | None = None  # slots the memory budget holds
+    fits: int | None = None  # slots the memory budget holds (None: not sized)
     budget_gb: float | None = None
     per_slot_gb: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def context(ctx_per_slot: int, n_ctx_train: int | None) -> tuple[int, str]:
+    """The context a slot gets: ``ctx_per_slot``, or the model's training context when that is smaller
+    (llama-server gives a slot no more), and how to say it."""
+    if n_ctx_train and n_ctx_train < ctx_per_slot:
+        said = f"{n_ctx_train} tokens (the model's training context; --ctx-per-slot {ctx_per_slot})"
+        return n_ctx_train, said
+    return ctx_per_slot, f"{ctx_per_slot} tokens"
 
 
 def choose(
@@ -43,19 +56,24 @@ def choose(
     headroom_gb: float,
     kv_bytes_per_token: int | None,
     calibrated_cap: int | None,
+    n_ctx_train: int | None = None,
 ) -> Sizing:
-    """The operator's ``--parallel`` when given, else the slots that fit, bounded by the calibrated cap."""
-    if parallel is not None:
-        said = f"{parallel} slots x {ctx_per_slot} tokens (--parallel)"
-        return Sizing(parallel, ctx_per_slot, "operator", said)
+    """The operator's ``--parallel`` when given, else the slots that fit, bounded by the calibrated cap.
+    Either way ``fits`` says how many slots the memory holds when it can be sized."""
+    ctx, tokens = context(ctx_per_slot, n_ctx_train)
     if wired_limit_gb is None or not kv_bytes_per_token:
         missing = "no wired limit" if wired_limit_gb is None else "no KV shape in the model file"
-        slots = min(DEFAULT_SLOTS, calibrated_cap or DEFAULT_SLOTS)
-        return Sizing(max(1, slots), ctx_per_slot, "default",
-                      f"{max(1, slots)} slots x {ctx_per_slot} tokens: {missing} to size memory by")
-    per_slot = kv_bytes_per_token * ctx_per_slot / GB
+        if parallel is not None:
+            return Sizing(parallel, ctx, "operator", f"{parallel} slots x {tokens} (--parallel)")
+        slots = max(1, min(DEFAULT_SLOTS, calibrated_cap or DEFAULT_SLOTS))
+        return Sizing(slots, ctx, "default", f"{slots} slots x {tokens}: {missing} to size memory by")
+    per_slot = kv_bytes_per_token * ctx / GB
     budget = wired_limit_gb - (weights_gb or 0.0) - headroom_gb
     fits = max(0, math.floor(budget / per_slot + 1e-9))
+    figures = (fits, round(budget, 3), round(per_slot, 4))
+    if parallel is not None:
+        return Sizing(parallel, ctx, "operator", f"{parallel} slots x {tokens} (--parallel; {fits} fit)",
+                      *figures)
     slots, chosen_by = min(fits, MAX_SLOTS), "memory"
     said = f"{fits} fit (wired limit {wired_limit_gb:.1f} GB - weights {weights_gb or 0.0:.1f} GB - " \
            f"headroom {headroom_gb:.1f} GB, {per_slot:.2f} GB a slot)"
@@ -66,9 +84,29 @@ def choose(
         said += f", at most {MAX_SLOTS}"
     if slots < 1:
         slots = 1
-        said += "; not even one slot fits: starting 1, expect paging (lower --ctx-per-slot or --headroom-gb)"
-    return Sizing(slots, ctx_per_slot, chosen_by, f"{slots} slots x {ctx_per_slot} tokens: {said}", fits,
-                  round(budget, 3), round(per_slot, 4))
+        said += "; not even one slot fits"
+    return Sizing(slots, ctx, chosen_by, f"{slots} slots x {tokens}: {said}", *figures)
+
+
+def cannot_hold(sizing: Sizing, weights_gb: float | None, headroom_gb: float, wired_limit_gb: float,
+                kv_bytes_per_token: int) -> str | None:
+    """One line for a Mac whose memory cannot hold one request at the context asked for, saying what to
+    change; None when it can (or memory was not sized)."""
+    if sizing.fits is None or sizing.fits >= 1 or sizing.budget_gb is None or sizing.per_slot_gb is None:
+        return None
+    weights = weights_gb or 0.0
+    need_gb = weights + headroom_gb + sizing.per_slot_gb
+    limit_mb = math.ceil(need_gb * GB / MIB)
+    largest = math.floor(max(0.0, sizing.budget_gb) * GB / kv_bytes_per_token / CONTEXT_STEP) * CONTEXT_STEP
+    smaller = (f"a smaller --ctx-per-slot ({largest} fits)" if largest >= CONTEXT_STEP
+               else "a smaller --ctx-per-slot (none fits beside these weights)")
+    return (
+        f"this Mac cannot hold one request of {sizing.ctx_per_slot} tokens: its KV cache takes "
+        f"{sizing.per_slot_gb:.2f} GB, and the wired limit {wired_limit_gb:.1f} GB - weights "
+        f"{weights:.1f} GB - headroom {headroom_gb:.1f} GB leaves {sizing.budget_gb:.2f} GB. Change one: "
+        f"{smaller}, a smaller model or quantization, or more wired memory (at least {need_gb:.1f} GB: "
+        f"sudo sysctl iogpu.wired_limit_mb={limit_mb})"
+    )
 
 
 def shrunk(sizing: Sizing, beats: int) -> Sizing | None:

@@ -22,12 +22,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from macpool.redis_server import free_port
 
 log = logging.getLogger("macpool.agent")
 
-STABLE_AFTER_S = 30.0  # a run this long resets the restart backoff
+STABLE_AFTER_S = 30.0  # a run this long starts the restart backoff again from its first, short wait
 # llama-server flags whose value is a credential: /status needs no token, so it never shows them
 # (--api-key-file names a path, which is no secret)
 SECRET_FLAGS = frozenset({"--api-key", "--hf-token", "-hft"})
@@ -56,6 +57,19 @@ def _die_with_parent() -> None:
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class _Crashed(Exception):
+    """llama-server exited on its own soon after it started."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"llama-server exited with {code}")
+
+
+def _log_restart(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    delay = state.next_action.sleep if state.next_action is not None else 0.0
+    log.warning("%s; restarting in %.1fs", exc, delay)
 
 
 class Supervisor:
@@ -137,30 +151,38 @@ class Supervisor:
         return ["--alias", name.removesuffix(".gguf")]
 
     async def run(self, client: httpx.AsyncClient) -> None:
-        """Start, watch and restart until cancelled; the process is stopped on every exit path."""
-        backoff = 0.5
+        """Start, watch and restart until cancelled; the process is stopped on every exit path. Restarts
+        after a crash back off (with jitter) up to ``backoff_max``; after a stable run, from the shortest."""
+        wait = wait_exponential_jitter(multiplier=0.5, max=self.backoff_max, jitter=0.5)
         try:
             while not self._stopping:
-                started = time.monotonic()
-                await self._start()
-                self._started_at = started
-                code = await self._watch(client)
-                if self._stopping:
-                    return
-                if self._resizing:  # stopped on purpose: start again at once, with the new slot count
-                    self._resizing = False
-                    log.info("llama-server restarting with %d slots", self.parallel)
-                    continue
-                self.restarts += 1
-                if self.on_exit:
-                    self.on_exit()
-                if time.monotonic() - started > STABLE_AFTER_S:
-                    backoff = 0.5
-                log.warning("llama-server exited with %s; restarting in %.1fs", code, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max)
+                async for attempt in AsyncRetrying(wait=wait, retry=retry_if_exception_type(_Crashed),
+                                                   before_sleep=_log_restart):
+                    with attempt:
+                        await self._run_once(client)
         finally:
             await self.stop()
+
+    async def _run_once(self, client: httpx.AsyncClient) -> None:
+        """One llama-server, until it exits: returns when it is to start again at once (stopped on purpose,
+        or after a stable run), raises _Crashed when it crashed soon after starting."""
+        started = time.monotonic()
+        await self._start()
+        self._started_at = started
+        code = await self._watch(client)
+        if self._stopping:
+            return
+        if self._resizing:  # stopped on purpose: start again at once, with the new slot count
+            self._resizing = False
+            log.info("llama-server restarting with %d slots", self.parallel)
+            return
+        self.restarts += 1
+        if self.on_exit:
+            self.on_exit()
+        if time.monotonic() - started > STABLE_AFTER_S:
+            log.warning("llama-server exited with %s; restarting", code)
+            return
+        raise _Crashed(code)
 
     async def _start(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115, ASYNC230 (the child inherits it)

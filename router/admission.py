@@ -298,8 +298,10 @@ class Admission:
     ) -> Reservation | None:
         """One reservation attempt; None when Redis is unreachable (the router admits from its own view)."""
         settings = self.settings
+        # a prompt's prefill weighs on every candidate or on none: one node not measured yet would look free
+        prompt = ticket.prompt_tokens if all(doc.prefill_tokens_per_s for doc in docs) else 0
         request = ReserveRequest(
-            request_id, [self.place(doc, settings.placement_tokens, ticket.prompt_tokens) for doc in docs],
+            request_id, [self.place(doc, settings.placement_tokens, prompt) for doc in docs],
             self.leases.lease_ms,
             queue_size=settings.queue_size, enqueue=True, dequeue=dequeue, priority=ticket.priority,
             tenant=ticket.tenant, model=ticket.model, key_limit=ticket.key_limit,

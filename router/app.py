@@ -372,10 +372,10 @@ def create_app(settings: Settings) -> Starlette:
 CORS_EXPOSED = ("Retry-After", "X-Macpool-Reason", "X-Macpool-Node", "X-Request-ID")
 
 
-def with_cors(app: ASGIApp, origins: str) -> ASGIApp:
+def with_cors(app: ASGIApp, origins: str | None) -> ASGIApp:
     """``app`` answering CORS for ``origins`` (settings.cors_origins): preflights, and the headers that let
     a page on those origins read the answers. Without origins, ``app`` itself: nothing added per chunk."""
-    allowed = origin_list(origins)
+    allowed = origin_list(origins or "")
     if not allowed:
         return app
     return _Cors(app, allow_origins=allowed, allow_methods=["GET", "POST"], allow_headers=["*"],
@@ -415,7 +415,7 @@ def _usable_request_id(value: str | None) -> str | None:
     return None
 
 
-def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str]:
+def _inspect(body: bytes, default_model: str | None) -> tuple[dict[str, Any], str]:
     """The parsed body and its ``model``; the body itself is forwarded untouched."""
     try:
         payload = json.loads(body)
@@ -427,7 +427,7 @@ def _inspect(body: bytes, default_model: str) -> tuple[dict[str, Any], str]:
         raise BadRequest(400, "the request body must be a JSON object", "invalid_request")
     model = payload.get("model")
     if model is None or model == "":
-        model = default_model
+        model = default_model or ""  # no model: any node
     if not isinstance(model, str):
         raise BadRequest(400, "`model` must be a string", "invalid_model")
     if not model.isascii():

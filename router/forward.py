@@ -11,15 +11,16 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
-import anyio
 import httpx
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive, Send
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
+from macpool import relay
 from macpool import upstream as http
-from macpool.asgi import Guard, end_stream
+from macpool.asgi import Guard
 from macpool.contract import NodeDoc, slots_needed
 from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER, connection_listed
 from router import tokens
@@ -52,8 +53,11 @@ _TAIL = 512
 _TAIL_CHUNKS = 3  # the last chunks of an answer kept (as references) to read its usage from at its end
 _ERROR_DOCUMENT_BYTES = 65536  # a node's error answer is read whole to be put in the caller's dialect
 COUNT_TIMEOUT_S = 10.0  # a node counts a prompt in milliseconds; past this the bound stands
-# an agent saying node_full is asked again (5 ms apart, doubling) for up to 0.5 s before another node is tried
+# an agent saying node_full is asked again (from 5 ms apart, doubling, with jitter) for up to 0.5 s before
+# another node is tried
 _CATCH_UP_PAUSE, _CATCH_UP_S = 0.005, 0.5
+_CATCH_UP_WAIT = wait_exponential_jitter(multiplier=_CATCH_UP_PAUSE, max=_CATCH_UP_S / 4,
+                                         jitter=_CATCH_UP_PAUSE)
 
 
 # an idle pooled connection to an agent is given up after this long, well before the agent closes it
@@ -156,6 +160,10 @@ def full_capacity(node: NodeDoc) -> int:
     b = node.capacity_breakdown
     terms = [term for term in (b.configured, b.memory, b.calibrated) if term is not None]
     return max(node.capacity, min(terms, default=0))
+
+
+class _NodeFull(Exception):
+    """The agent said node_full: asked again in a moment."""
 
 
 class _Retry(Exception):
@@ -515,18 +523,26 @@ class Forwarder:
         request end whose slot Redis already gave on (its client gone, the router's release first): asked
         again a few ms later, it takes the request. Only a refusal that lasts fails over to another node.
         """
-        pause, deadline = _CATCH_UP_PAUSE, time.monotonic() + _CATCH_UP_S
-        while True:
-            upstream = await self.client.send("POST", url, headers, body, self._timeouts)
-            self.pool.connected(node_id)
-            if upstream.status != 503:
-                return upstream
-            kind = await _node_full_kind(upstream)
-            if kind != "node_full" or time.monotonic() + pause > deadline:
-                self._upstream_error(node_id, kind)
-                raise _Retry(kind)
-            await asyncio.sleep(pause)
-            pause *= 2
+        try:
+            return await self._ask(node_id, url, headers, body)
+        except _NodeFull:
+            self._upstream_error(node_id, "node_full")
+            raise _Retry("node_full") from None
+
+    @retry(stop=stop_after_delay(_CATCH_UP_S), wait=_CATCH_UP_WAIT, retry=retry_if_exception_type(_NodeFull),
+           reraise=True)
+    async def _ask(
+        self, node_id: str, url: http.URL, headers: list[tuple[str, str]], body: bytes
+    ) -> http.Response:
+        upstream = await self.client.send("POST", url, headers, body, self._timeouts)
+        self.pool.connected(node_id)
+        if upstream.status != 503:
+            return upstream
+        kind = await _node_full_kind(upstream)
+        if kind == "node_full":
+            raise _NodeFull
+        self._upstream_error(node_id, kind)
+        raise _Retry(kind)
 
     def _first_byte_timeout(self, call: Call, node: NodeDoc) -> float:
         """A stream's first byte comes with its first token, after its prompt is processed; a non-streamed
@@ -569,15 +585,12 @@ class Forwarder:
         self.metrics.upstream_errors.labels(node=node_id, kind=kind).inc()
 
 
-class Relay(Response):
-    """Relays an upstream response to the client chunk by chunk; owns the upstream stream and the hold.
+class Relay(relay.Relay):
+    """An agent's answer relayed to the client (macpool/relay.py), with the request's hold: given back when
+    the relay ends, the final status and the tokens counted, a stall in either direction cut off after
+    ``--idle-timeout``."""
 
-    Whatever ends the relay - the last chunk, an upstream failure, an idle timeout, the client going
-    away, or cancellation - the upstream stream is closed and the hold given back, once, in ``finally``.
-    """
-
-    guard: Guard | None = None  # set by Forwarder.handle
-    started = False  # the response's head has been sent
+    shutdown_error = (503, "the router is shutting down; retry", "router_shutdown")
 
     def __init__(
         self,
@@ -592,24 +605,18 @@ class Relay(Response):
         self.call = call
         self.hold = hold
         self.node_id = hold.node.node_id
-        self.upstream = upstream
-        self.first = first
+        super().__init__(upstream, [], call.dialect.name, first, chunks)
+        self.raw_headers = self.downstream_headers()
+        self.outcome = str(upstream.status)
+        self.done = False  # the stream's last event is relayed: a client may go without waiting for the end
         # the first chunk with an event (a long prefill may send keep-alive comments first): where a stream
         # says its prompt's usage
-        self.head = first if b"data:" in first else b""
-        self.chunks = chunks
-        self.status_code = upstream.status
-        self.streaming = http.content_type(upstream).startswith("text/event-stream")
-        self.outcome = str(upstream.status)
-        self.ended = True  # the last chunk relayed closed its SSE event
-        self.done = False  # the stream's last event is relayed: a client may go without waiting for the end
+        self.head = b""
         # the last chunks relayed (references), where every API puts its usage
         self.tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)
-        self.background = None
-        self.phase: Literal["read", "send"] = "send"  # what the relay is waiting for
-        self.progress_at = time.monotonic()  # when it last made progress
+        self._timer: asyncio.TimerHandle | None = None
 
-    def response_headers(self) -> list[tuple[bytes, bytes]]:
+    def downstream_headers(self) -> list[tuple[bytes, bytes]]:
         raw = http.raw_headers(self.upstream)
         drop = _DROP_DOWNSTREAM | connection_listed(raw)
         headers = [(k, v) for k, v in raw if k not in drop]
@@ -621,8 +628,32 @@ class Relay(Response):
                     (b"x-macpool-node", self.node_id.encode())]
         return headers
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guard = self.guard or Guard(receive)
+    def relayed(self, chunk: bytes) -> None:
+        if not self.head and b"data:" in chunk:
+            self.head = chunk
+        # a client closes the connection once it reads the stream's last event ([DONE], message_stop), often
+        # before the node's end of the body reaches the router: that stream was served whole
+        self.done = self.streaming and chunk.endswith(self.call.dialect.stream_end)
+        self.tail.append(chunk)
+
+    def completed(self) -> None:
+        if self.streaming and self.tail and _AGENT_MIDSTREAM in self.tail[-1][-_TAIL:]:
+            # the agent ended the stream with its own error event (llama-server failed mid-stream): relayed
+            # as is, and counted as the failure it is, not as a 200
+            self.failed("midstream")
+
+    def failed(self, kind: str) -> None:
+        self.forwarder.metrics.upstream_errors.labels(node=self.node_id, kind=kind).inc()
+        log.warning("node %s: %s after the first byte (request %s)", self.node_id, kind, self.call.request_id,
+                    extra=_ids(self.node_id, self.call))
+        self.outcome = kind
+        if kind == "idle_timeout":
+            self.forwarder.pool.connect_failed(self.node_id)  # a hung node: stop sending it traffic
+
+    def stopped(self) -> None:
+        self.outcome = "router_shutdown"
+
+    def watch(self, guard: Guard) -> None:
         idle = self.forwarder.settings.idle_timeout
         loop = asyncio.get_running_loop()
 
@@ -630,40 +661,30 @@ class Relay(Response):
             # one timer per relay, re-armed only when it fires: the relay loop just stamps its progress
             left = self.progress_at + idle - time.monotonic()
             if left > 0:
-                timers[0] = loop.call_later(left, watchdog)
+                self._timer = loop.call_later(left, watchdog)
             else:
                 guard.cancel(self.phase)
 
-        timers = [loop.call_later(idle, watchdog)]
-        try:
-            try:
-                await guard.run(self._relay(send))
-            except asyncio.CancelledError:
-                # not the guard's: nobody else cancels a relay - the server is stopping and its shutdown
-                # timeout has passed; a stream ends with an error event, anything else is cut off
-                if not await self._shutting_down(send):
-                    raise
-            finally:
-                guard.finish()
-                timers[0].cancel()
-            if guard.reason == "client_closed" and not self.done:
-                self.outcome = "client_closed"
-            elif guard.reason == "read":
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(idle):
-                        await self._fail(send, "idle_timeout")
-            elif guard.reason == "send":
-                self.outcome = "client_stalled"  # the response stays incomplete: the server drops it
-                log.info("request %s: the client stopped reading; cut off", self.call.request_id,
-                         extra=_ids(self.node_id, self.call))
-        finally:
-            with anyio.CancelScope(shield=True):
-                http.close(self.upstream)
-                await self.hold.give_back(failed=self.outcome in ("midstream", "idle_timeout"))
-                self._count()
+        self._timer = loop.call_later(idle, watchdog)
 
-    def _count(self) -> None:
-        """The request's final status, its duration and, for an answer served, the tokens it used."""
+    def unwatch(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    async def after(self, guard: Guard, send: Send) -> None:
+        if guard.reason == "client_closed" and not self.done:
+            self.outcome = "client_closed"
+        elif guard.reason == "read":
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.forwarder.settings.idle_timeout):
+                    await self.fail(send, "idle_timeout")
+        elif guard.reason == "send":
+            self.outcome = "client_stalled"  # the response stays incomplete: the server drops it
+            log.info("request %s: the client stopped reading; cut off", self.call.request_id,
+                     extra=_ids(self.node_id, self.call))
+
+    async def finish(self) -> None:
+        await self.hold.give_back(failed=self.outcome in ("midstream", "idle_timeout"))
         metrics, call = self.forwarder.metrics, self.call
         metrics.requests.labels(model=call.model, node=self.node_id, status=self.outcome).inc()
         metrics.duration.observe(time.monotonic() - call.arrived)
@@ -672,72 +693,6 @@ class Relay(Response):
         usage = call.dialect.usage(self.head, b"".join(self.tail))
         if usage is not None:
             metrics.count_usage(call.model, usage)
-
-    async def _relay(self, send: Send) -> None:
-        """Relay every chunk; a stall in either direction is the watchdog's to catch."""
-        self.phase = "send"
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.response_headers()})
-        self.started = True
-        if self.first:
-            await send({"type": "http.response.body", "body": self.first, "more_body": True})
-            self.ended = self.first.endswith(b"\n\n")
-            self.done = self.streaming and self.first.endswith(self.call.dialect.stream_end)
-            self.tail.append(self.first)
-        while True:
-            self.phase, self.progress_at = "read", time.monotonic()
-            try:
-                chunk = await anext(self.chunks, None)
-            except httpx.HTTPError:
-                await self._fail(send, "midstream")
-                return
-            if chunk is None:
-                break
-            self.phase, self.progress_at = "send", time.monotonic()
-            if not self.head and b"data:" in chunk:
-                self.head = chunk
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            self.ended = chunk.endswith(b"\n\n")
-            # a client closes the connection once it reads the stream's last event ([DONE], message_stop),
-            # often before the node's end of the body reaches the router: that stream was served whole
-            self.done = self.streaming and chunk.endswith(self.call.dialect.stream_end)
-            self.tail.append(chunk)
-        self.phase, self.progress_at = "send", time.monotonic()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        if self.streaming and self.tail and _AGENT_MIDSTREAM in self.tail[-1][-_TAIL:]:
-            # the agent ended the stream with its own error event (llama-server failed mid-stream): relayed
-            # as is, and counted as the failure it is, not as a 200
-            self._failed_upstream("midstream")
-
-    async def _shutting_down(self, send: Send) -> bool:
-        """The router is stopping and its shutdown timeout has passed: a stream still open is told so with
-        an SSE error event, within a second (True); a plain response is cut off (False)."""
-        self.outcome = "router_shutdown"
-        if not (self.streaming and self.started):
-            return False
-        event = self.call.dialect.stream_error(503, "the router is shutting down; retry", "router_shutdown",
-                                               ended=self.ended)
-        await end_stream(send, event)
-        return True
-
-    def _failed_upstream(self, kind: str) -> None:
-        self.forwarder.metrics.upstream_errors.labels(node=self.node_id, kind=kind).inc()
-        log.warning("node %s: %s after the first byte (request %s)", self.node_id, kind, self.call.request_id,
-                    extra=_ids(self.node_id, self.call))
-        self.outcome = kind
-
-    async def _fail(self, send: Send, kind: str) -> None:
-        """No retry after the first byte: a stream ends with an error event in the caller's dialect."""
-        self._failed_upstream(kind)
-        if kind == "idle_timeout":
-            self.forwarder.pool.connect_failed(self.node_id)  # a hung node: stop sending it traffic
-        if not self.streaming:
-            return  # returning without completing the response makes the server drop the connection
-        message = ("the node stopped answering mid-stream" if kind == "idle_timeout"
-                   else "the node failed mid-stream")
-        event = self.call.dialect.stream_error(502, message, f"upstream_{kind}", ended=self.ended)
-        await send({"type": "http.response.body", "body": event, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _over_context(status: int, document: object) -> int | None:

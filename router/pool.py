@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from redis.asyncio import RedisCluster
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
 from macpool.contract import NODE_STATES, NodeDoc, now_ms
 from macpool.loops import every, raise_if_cancelled
@@ -28,9 +29,8 @@ from router.settings import Settings
 log = logging.getLogger("macpool.router")
 
 CircuitState = Literal["closed", "open", "half_open"]
-# while Redis is away, the events channel is subscribed to again after this delay, doubled per failure
-LISTEN_BACKOFF_MIN_S = 0.1
-LISTEN_BACKOFF_MAX_S = 2.0
+# while Redis is away, the events channel is subscribed again from 0.1 s later, doubling to 2 s, with jitter
+LISTEN_WAIT = wait_exponential_jitter(multiplier=0.1, max=2.0, jitter=0.1)
 
 
 class NoNodes(Exception):
@@ -88,6 +88,7 @@ class PoolView:
         self.redis_ok = False
         self.redis_seen = time.monotonic()  # when Redis last answered a full read
         self._outage_logged = False  # an outage is logged once, when it begins, and once when it ends
+        self._subscribed = False  # to the events channel before: a new subscription follows a lost one
         self.heard: dict[str, float] = {}  # node id -> monotonic time its latest heartbeat arrived
         self.circuits: dict[str, Circuit] = {}
         self.freed = RateMeter(window=30.0)
@@ -145,34 +146,45 @@ class PoolView:
                 self._forget(node_id)
 
     async def _listen(self) -> None:
-        """Follow the events channel, subscribing again (with backoff) whenever the connection is lost."""
-        delay = LISTEN_BACKOFF_MIN_S
-        subscribed = False
+        """Follow the events channel. A subscription lost after it worked is taken again at once; while Redis
+        does not answer, the attempts back off (with jitter)."""
         while True:
-            try:
-                async with self.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(self.keys.events)
-                    while True:
-                        message = await pubsub.get_message(timeout=None)
-                        if message is None:
-                            continue
-                        if message["type"] == "subscribe":
-                            # subscribed, by this loop or by redis-py after it reconnected on its own: the
-                            # events published while nobody listened are lost, so the pool is read again
-                            delay = LISTEN_BACKOFF_MIN_S
-                            if subscribed:  # again: the connection was lost, Redis may have restarted
-                                await self._drop_idle_connections()
-                            subscribed = True
-                            await self.refresh()
-                        elif message["type"] == "message":
-                            self._on_event(message["data"])
-                        raise_if_cancelled()
-            except asyncio.CancelledError:
+            async for attempt in AsyncRetrying(wait=LISTEN_WAIT, retry=retry_if_exception_type(Exception),
+                                               before_sleep=self._listen_failed):
+                with attempt:
+                    await self._follow_events()
+
+    async def _follow_events(self) -> None:
+        """One subscription to the events channel, until its connection is lost: an error when it never
+        worked (to back off), a return when it did (to subscribe again at once)."""
+        working = False
+        try:
+            async with self.redis.pubsub() as pubsub:
+                await pubsub.subscribe(self.keys.events)
+                while True:
+                    message = await pubsub.get_message(timeout=None)
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe":
+                        # subscribed, by this loop or by redis-py after it reconnected on its own: the
+                        # events published while nobody listened are lost, so the pool is read again
+                        working = True
+                        if self._subscribed:  # again: the connection was lost, Redis may have restarted
+                            await self._drop_idle_connections()
+                        self._subscribed = True
+                        await self.refresh()
+                    elif message["type"] == "message":
+                        self._on_event(message["data"])
+                    raise_if_cancelled()
+        except Exception as exc:
+            if not working:
                 raise
-            except Exception as exc:
-                self._redis_failed("pool events", exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, LISTEN_BACKOFF_MAX_S)
+            self._redis_failed("pool events", exc)
+
+    def _listen_failed(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(exc, Exception):
+            self._redis_failed("pool events", exc)
 
     async def _drop_idle_connections(self) -> None:
         """Close the pooled connections idle since before Redis went away: a restarted Redis closed them, and

@@ -2,9 +2,9 @@
 
 demand = busy + queued + the concurrency the pool turned away (503s per second times the mean time a
 request holds a slot, by Little's law: busy / requests per second). desired = ceil(demand / (typical
-per-node capacity x target utilisation)). Going up needs the higher figure to hold for ``up_delay_s``;
-going down needs demand to fit under a lower utilisation for ``down_delay_s`` - so a pool at the
-edge does not flap.
+per-node capacity x target utilisation)). Going up needs the higher figure to hold for ``up_delay``;
+going down needs demand to fit under a lower utilisation for ``down_delay`` - so a pool at the
+edge does not flap (the knobs: macpool/scaling.py).
 
 :class:`ScaleWatch` samples the router's pool view, keeps a rolling history for the dashboard's
 sparklines and the current hint, and (with a webhook URL) POSTs the hint when ``desired_nodes``
@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from macpool.loops import wait_event
+from macpool.scaling import ScalePolicy
 from router.settings import Settings
 
 log = logging.getLogger("macpool.router.scale")
@@ -39,12 +40,7 @@ PoolSource = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
 class ScaleConfig:
     """How the hint is computed and delivered (defaults suit a pool of a few Macs)."""
 
-    target_utilisation: float = 0.8  # scale up when demand exceeds this share of capacity
-    low_utilisation: float = 0.5  # scale down only when demand fits under this share
-    up_delay_s: float = 10.0
-    down_delay_s: float = 120.0
-    min_nodes: int = 1
-    max_nodes: int = 64
+    policy: ScalePolicy = field(default_factory=ScalePolicy)
     default_node_capacity: int = 8  # used while no node is in the pool
     webhook_url: str = ""
     webhook_debounce_s: float = 5.0
@@ -55,16 +51,9 @@ class ScaleConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ScaleConfig:
-        """The hint's knobs from the router's settings (``--scale-*``); the rest keep their defaults."""
-        return cls(
-            target_utilisation=settings.scale_target_utilisation,
-            low_utilisation=settings.scale_low_utilisation,
-            up_delay_s=settings.scale_up_delay,
-            down_delay_s=settings.scale_down_delay,
-            min_nodes=settings.scale_min_nodes,
-            max_nodes=settings.scale_max_nodes,
-            webhook_url=settings.scale_webhook,
-        )
+        """The hint's policy and webhook from the router's settings (``--scale-*``); the rest keep their
+        defaults."""
+        return cls(policy=settings.policy(), webhook_url=settings.scale_webhook or "")
 
 
 @dataclass(frozen=True)
@@ -132,10 +121,10 @@ class ScaleAdvisor:
         self._per_node = float(config.default_node_capacity)
 
     def _clamp(self, n: int) -> int:
-        return max(self.config.min_nodes, min(self.config.max_nodes, n))
+        return max(self.config.policy.min_nodes, min(self.config.policy.max_nodes, n))
 
     def observe(self, view: dict[str, Any], now: float) -> ScaleHint:
-        cfg = self.config
+        cfg = self.config.policy
         pool = view.get("pool") or {}
         nodes = [n for n in view.get("nodes") or [] if isinstance(n, dict)]
         current = int(_num(pool, "nodes_ready"))
@@ -155,22 +144,22 @@ class ScaleAdvisor:
         if up > self.desired:
             self._down_since = None
             self._up_since = now if self._up_since is None else self._up_since
-            if now - self._up_since >= cfg.up_delay_s:
+            if now - self._up_since >= cfg.up_delay:
                 self.desired, self._up_since = up, None
                 reason = f"{why} at {cfg.target_utilisation:.0%} target: scale up to {up}"
             else:
-                reason = f"{why}: above target, scale up to {up} if it lasts {cfg.up_delay_s:.0f}s"
+                reason = f"{why}: above target, scale up to {up} if it lasts {cfg.up_delay:.0f}s"
         elif down < self.desired:
             self._up_since = None
             if self._down_since is None:
                 self._down_since, self._down_peak = now, down
             self._down_peak = max(self._down_peak, down)
-            if now - self._down_since >= cfg.down_delay_s:
+            if now - self._down_since >= cfg.down_delay:
                 self.desired, self._down_since = self._down_peak, None
                 reason = f"{why} fits under {cfg.low_utilisation:.0%}: scale down to {self.desired}"
             else:
                 reason = (
-                    f"{why}: below {cfg.low_utilisation:.0%}, scale down if it lasts {cfg.down_delay_s:.0f}s"
+                    f"{why}: below {cfg.low_utilisation:.0%}, scale down if it lasts {cfg.down_delay:.0f}s"
                 )
         else:
             self._up_since = self._down_since = None

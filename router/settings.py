@@ -1,122 +1,224 @@
-"""The router's one settings object: defaults < TOML file < ``MACPOOL_*`` environment < command-line flags."""
+"""The router's one settings object, and its command line (``macpool router``): flags > ``MACPOOL_*``
+environment > ``--config`` TOML file (top-level keys or a ``[router]`` table) > defaults."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import socket
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasGenerator, Field
+from pydantic_settings import SettingsConfigDict
 
-from macpool.settings import ConfigError, Origins, RedisUrl, UserPath, load_layered
+from macpool.scaling import MinNodes, ScalePolicy
+from macpool.settings import CommandSettings, ConfigError, Origins, RedisUrl, UserPath
 from macpool.store import DEFAULT_PREFIX
 from router.aliases import AliasTable
 
-__all__ = ["ConfigError", "Settings", "load_settings"]
+__all__ = ["ConfigError", "Settings"]
 
 
-def _default_router_id() -> str:
+def _scale_prefixed(name: str) -> str:
+    """The router's name of a setting: ``scale_`` and the knob for the scale policy's, the name itself for
+    the others."""
+    return f"scale_{name}" if name in ScalePolicy.model_fields else name
+
+
+def host_pid_random() -> str:
+    """A router replica's default id: its host, its process and a random suffix."""
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
-class Settings(BaseSettings):
-    """Everything the router process is configured with (see docs/router.md for each knob)."""
+class _Serving(CommandSettings):
+    """The router's settings but for its scale hint's and its process's, which :class:`Settings` adds after
+    these (``--help`` lists the settings in the order their classes declare them)."""
 
-    model_config = SettingsConfigDict(env_prefix="MACPOOL_", extra="forbid")
+    config_table = "router"
 
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0"
-    host: str = "127.0.0.1"
-    port: int = Field(default=8080, ge=0, le=65535)
-    key_prefix: str = DEFAULT_PREFIX
-    router_id: str = Field(default_factory=_default_router_id)
+    redis_url: RedisUrl = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis URL shared with the agents and the other router replicas: redis://, rediss://, "
+        "unix://, redis+sentinel:// or redis+cluster://",
+    )
+    host: str = Field(default="127.0.0.1", description="address to listen on (0.0.0.0 to serve the LAN)")
+    port: int = Field(default=8080, ge=0, le=65535, description="port to listen on")
+    key_prefix: str = Field(default=DEFAULT_PREFIX, description="prefix of every Redis key (as the agents')")
+    router_id: str = Field(default_factory=host_pid_random, description="this replica's id")
 
     # admission
-    queue_size: int = Field(default=64, ge=0)
-    queue_timeout: float = Field(default=2.0, ge=0)
-    # scale to zero (router/cold_start.py): how long a request waits for a standby node to load (0: 503 now)
-    cold_start_timeout: float = Field(default=60.0, ge=0)
-    # ... and asks the standby node of the model that loads it soonest to load it (once for every router)
-    load_on_demand: bool = True
-    lease_seconds: float = Field(default=30.0, gt=0)
-    # a router that has not beaten for this long counts as dead: what it held is given back
-    liveness_seconds: float = Field(default=4.0, gt=0)
-    default_model: str = ""
-    # names clients send for a model the pool serves: exact names, then glob patterns (router/aliases.py)
-    model_aliases: AliasTable = Field(default_factory=dict)
-    # light requests (token counts, templates) this router has in flight on one node at most (router/light.py)
-    light_concurrency: int = Field(default=8, ge=1)
+    queue_size: int = Field(
+        default=64, ge=0,
+        description="global bound of the wait queue, across all replicas (0: no queue)",
+    )
+    queue_timeout: float = Field(
+        default=2.0, ge=0,
+        description="seconds a request may wait in the queue before 503 queue_timeout",
+    )
+    # scale to zero (router/cold_start.py)
+    cold_start_timeout: float = Field(
+        default=60.0, ge=0,
+        description="seconds a request waits while a standby node loads its model, when no node of its "
+        "model is ready (then 503 cold_start; 0: at once)",
+    )
+    load_on_demand: bool = Field(
+        default=True,
+        description="a request for a model no ready node serves asks a standby node of it to load it, once "
+        "for every router (--no-load-on-demand: only the autoscaler loads)",
+    )
+    lease_seconds: float = Field(
+        default=30.0, gt=0,
+        description="reservation lease; live requests renew it, a crashed router's expire",
+    )
+    liveness_seconds: float = Field(
+        default=4.0, gt=0,
+        description="a router that has not beaten in Redis for this long counts as dead: the other routers "
+        "give its reservations back",
+    )
+    default_model: str | None = Field(
+        default=None,
+        description="model used when a request names none (unset: any node)",
+    )
+    model_aliases: AliasTable = Field(
+        default={},
+        description="names clients send for a served model, NAME=MODEL or PATTERN=MODEL, comma-separated: "
+        "exact names first, then patterns in order (claude-*=qwen3-coder)",
+    )
+    light_concurrency: int = Field(
+        default=8, ge=1,
+        description="light requests (token counts, templates) this router sends a node at once",
+    )
 
     # prefix-cache affinity (router/affinity.py): prefer the node that served a request's prompt prefix,
     # unless it is busier than the node placement chose by both thresholds (SGLang's rule)
-    affinity: bool = True
-    affinity_abs_threshold: int = Field(default=4, ge=0)
-    affinity_rel_threshold: float = Field(default=1.5, ge=1.0)
-    affinity_max_entries: int = Field(default=100_000, ge=1)
+    affinity: bool = Field(
+        default=True,
+        description="prefer the node holding the prompt's prefix; --no-affinity routes by load only",
+    )
+    affinity_abs_threshold: int = Field(
+        default=4, ge=0,
+        description="affinity yields to the node placement chose when the preferred node has at least this "
+        "many more requests in flight (and the relative threshold holds)",
+    )
+    affinity_rel_threshold: float = Field(
+        default=1.5, ge=1.0,
+        description="affinity yields when the preferred node's utilisation is over this multiple of "
+        "placement's node's (and the absolute threshold holds)",
+    )
+    affinity_max_entries: int = Field(
+        default=100_000, ge=1,
+        description="prompt-prefix entries remembered in Redis (least recently used dropped)",
+    )
 
-    # placement (router/placement.py): the node that would answer soonest, weighing what each node measured
-    # (its TTFT and the decode speed of one slot) for an answer of placement_tokens, or least utilisation
-    placement: Literal["fastest", "least-utilised"] = "fastest"
-    placement_tokens: int = Field(default=256, ge=1)
+    # placement (router/placement.py)
+    placement: Literal["fastest", "least-utilised"] = Field(
+        default="fastest",
+        description="fastest: the node that would answer soonest, from each node's measured TTFT and "
+        "per-slot decode speed; least-utilised: the node with the smallest share in use",
+    )
+    placement_tokens: int = Field(
+        default=256, ge=1,
+        description="answer length, in tokens, the fastest placement expects a request to ask for",
+    )
 
     # priority classes and tenants (docs/router.md "Priorities, fairness and per-key limits")
-    default_priority: Literal["interactive", "batch"] = "interactive"
-    batch_queue_share: float = Field(default=0.25, ge=0.0, le=1.0)
-    key_max_concurrency: int = Field(default=0, ge=0)
+    default_priority: Literal["interactive", "batch"] = Field(
+        default="interactive",
+        description="priority of requests without X-Macpool-Priority or a per-key default",
+    )
+    batch_queue_share: float = Field(
+        default=0.25, ge=0.0, le=1.0,
+        description="share of the queue batch requests may hold (0: batch never queues)",
+    )
+    key_max_concurrency: int = Field(
+        default=0, ge=0,
+        description="requests in flight (and queued) per API key, 429 above (0: no limit)",
+    )
 
     # forwarding
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
-    request_read_timeout: float = Field(default=30.0, gt=0)
-    connect_timeout: float = Field(default=2.0, gt=0)
-    first_byte_timeout: float = Field(default=120.0, gt=0)
-    # a non-streamed answer's first byte comes with its last: the whole generation is the wait
-    response_timeout: float = Field(default=600.0, gt=0)
-    idle_timeout: float = Field(default=60.0, gt=0)
-    max_attempts: int = Field(default=3, ge=1)
-    agent_token: str = ""
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, gt=0,
+        description="largest accepted request body (413 above)",
+    )
+    request_read_timeout: float = Field(
+        default=30.0, gt=0,
+        description="seconds a client may take to send a request's body, then 408",
+    )
+    connect_timeout: float = Field(default=2.0, gt=0, description="seconds to connect to an agent")
+    first_byte_timeout: float = Field(
+        default=120.0, gt=0,
+        description="seconds from sending a streamed request to its first response byte",
+    )
+    response_timeout: float = Field(
+        default=600.0, gt=0,
+        description="seconds from sending a non-streamed request to its answer (it arrives whole, after the "
+        "whole generation)",
+    )
+    idle_timeout: float = Field(
+        default=60.0, gt=0,
+        description="seconds allowed between two chunks of a response",
+    )
+    max_attempts: int = Field(
+        default=3, ge=1,
+        description="nodes tried per request before giving up (failover before the first byte)",
+    )
+    agent_token: str | None = Field(default=None, description="token sent to the agents in X-Macpool-Token")
 
     # pool view and passive health
-    refresh_interval: float = Field(default=1.0, gt=0)
-    stale_after: float = Field(default=5.0, gt=0)
-    circuit_failures: int = Field(default=3, ge=1)
-    circuit_cooldown: float = Field(default=5.0, ge=0)
+    refresh_interval: float = Field(default=1.0, gt=0, description="seconds between full reads of the pool")
+    stale_after: float = Field(
+        default=5.0, gt=0,
+        description="a node whose heartbeat is older than this many seconds is not routed to",
+    )
+    circuit_failures: int = Field(
+        default=3, ge=1,
+        description="consecutive connect failures that open a node's circuit",
+    )
+    circuit_cooldown: float = Field(
+        default=5.0, ge=0,
+        description="seconds an open circuit waits before letting traffic probe the node",
+    )
 
     # auth
-    api_keys_file: UserPath | None = None
-    admin_key: str = ""
-    # browser applications on these origins may call the API (CORS); "*" any, "" none (no CORS headers)
-    cors_origins: Origins = ""
+    api_keys_file: UserPath | None = Field(
+        default=None,
+        description="client API keys, one per line: plaintext or SHA-256 hex digest, then optional "
+        "name=TENANT priority=interactive|batch max_concurrency=N (unset: no client auth)",
+    )
+    admin_key: str | None = Field(
+        default=None,
+        description="bearer key for /admin/* (unset: admin API disabled)",
+    )
+    cors_origins: Origins | None = Field(
+        default=None,
+        description="browser origins allowed to call the API, comma-separated (https://chat.example.com), "
+        "or * for any (unset: no CORS)",
+    )
 
-    # scale hint (router/scale.py): the Macs demand needs, between min and max, up when it passes the target
-    # utilisation for up_delay seconds, down when it fits under the low one for down_delay; POSTed to the
-    # webhook when it changes
-    scale_target_utilisation: float = Field(default=0.8, gt=0, le=1)
-    scale_low_utilisation: float = Field(default=0.5, gt=0, le=1)
-    scale_up_delay: float = Field(default=10.0, ge=0)
-    scale_down_delay: float = Field(default=120.0, ge=0)
-    scale_min_nodes: int = Field(default=1, ge=0)
-    scale_max_nodes: int = Field(default=64, ge=1)
-    scale_webhook: str = ""
 
-    @model_validator(mode="after")
-    def _scale_bands(self) -> Settings:
-        if self.scale_low_utilisation > self.scale_target_utilisation:
-            raise ValueError(f"scale_low_utilisation ({self.scale_low_utilisation}) is over "
-                             f"scale_target_utilisation ({self.scale_target_utilisation})")
-        if self.scale_min_nodes > self.scale_max_nodes:
-            raise ValueError(f"scale_min_nodes ({self.scale_min_nodes}) is over scale_max_nodes "
-                             f"({self.scale_max_nodes})")
-        return self
+class Settings(ScalePolicy, _Serving):
+    """Run the pool's OpenAI-compatible router. docs/router.md, "Configuration", says more of each setting."""
+
+    model_config = SettingsConfigDict(
+        cli_prog_name="macpool router", alias_generator=AliasGenerator(validation_alias=_scale_prefixed)
+    )
+
+    # the scale hint (router/scale.py), how many Macs demand needs: ScalePolicy's knobs, each named
+    # scale_<knob> here (--scale-target-utilisation, MACPOOL_SCALE_TARGET_UTILISATION), and where to POST it
+    min_nodes: MinNodes = 1
+    scale_webhook: str | None = Field(
+        default=None, description="POST the scale hint (GET /api/pool/scale) here when desired_nodes changes"
+    )
 
     # process
-    shutdown_timeout: int = Field(default=15, ge=0)
-    access_log: bool = False
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["text", "json"] = "text"
-
-
-def load_settings(overrides: dict[str, Any], config_file: Path | None = None) -> Settings:
-    """Build the settings: flags (``overrides``) beat ``MACPOOL_*`` env, which beats the TOML file."""
-    return load_layered(Settings, overrides, config_file, "router")
+    shutdown_timeout: int = Field(
+        default=15, ge=0,
+        description="on SIGTERM, seconds in-flight requests may take to finish; streams still open then end "
+        "with an SSE error event (router_shutdown)",
+    )
+    access_log: bool = Field(default=False, description="log every request")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="text, or json: one JSON object per line (uvicorn's lines too)",
+    )

@@ -34,6 +34,7 @@ from router.app import with_cors
 from router.cli import build_settings as router_settings
 from simulator.cli import create as sim_app
 from simulator.cli import parse_settings as sim_settings
+from simulator.settings import Resolved
 
 T = TypeVar("T")
 STOP_TIMEOUT_S = 20.0  # an agent's shutdown alone is bounded at about 13 s of Redis, server and loop waits
@@ -62,6 +63,7 @@ class LocalStack:
         self.thread = threading.Thread(target=self.loop.run_forever, name="local-stack", daemon=True)
         self.thread.start()
         self.served: list[Served] = []
+        self.llama_args: dict[str, list[str]] = {}  # a simulator's URL -> its shape as llama-server flags
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         """Run ``coro`` on the servers' loop and return its result."""
@@ -98,7 +100,14 @@ class LocalStack:
         as for ``serve``."""
         with _environment(env):
             settings, _ = sim_settings(list(args))
-        return self.serve(name, sim_app(settings), **options)
+        served = self.serve(name, sim_app(settings), **options)
+        # an agent in this process cannot read a simulator's command line from the process on its port (it is
+        # this one), as it reads a llama-server's: it is told it after --, as an operator tells an agent
+        # attached to a llama-server it cannot see
+        shape = Resolved(settings, settings.load_machine())
+        cells = ["-np", str(shape.n_slots), "-c", str(shape.n_cells)]
+        self.llama_args[served.url] = [*cells, "-kvu" if shape.kv_unified else "-no-kvu"]
+        return served
 
     def router(
         self, name: str, redis_url: str, *args: str, env: dict[str, str] | None = None, **options: Any
@@ -114,7 +123,11 @@ class LocalStack:
     def agent(
         self, name: str, upstream: str, redis_url: str, node_id: str, *args: str, **options: Any
     ) -> Served:
-        """A node agent in front of ``upstream``, heartbeating ``node_id`` into ``redis_url``."""
+        """A node agent in front of ``upstream``, heartbeating ``node_id`` into ``redis_url``; in front of a
+        simulator of this stack, told its llama-server arguments (``sim``)."""
+        described = self.llama_args.get(upstream)
+        if described and "--" not in args:
+            args = (*args, "--", *described)
         argv = ("--upstream", upstream, "--redis-url", redis_url, "--node-id", node_id, *args)
         return self.agent_run(name, *argv, **options)
 

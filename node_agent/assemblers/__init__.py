@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from macpool.sse import Event, EventDecoder
+
 
 class Assembler:
     """Reads an SSE body line by line and hands each event to :meth:`fold`; the subclass builds the document.
@@ -21,28 +23,28 @@ class Assembler:
     def __init__(self) -> None:
         self.events = 0
         self.error: dict[str, Any] | None = None
-        self._name = ""  # the event being read, from its ``event:`` line
+        self._decoder = EventDecoder()
 
     def feed_line(self, line: str) -> None:
         """One line of the SSE body, without its line end."""
-        if line.startswith("event: "):
-            self._name = line[len("event: "):].strip()
+        event = self._decoder.feed(line)
+        if event is not None:
+            self.feed_event(event)
+
+    def end(self) -> None:
+        """The body ended (an event whose blank line never came still counts)."""
+        event = self._decoder.end()
+        if event is not None:
+            self.feed_event(event)
+
+    def feed_event(self, sse: Event) -> None:
+        if sse.data == "[DONE]":
             return
-        if not line.startswith("data: "):
-            if line.startswith("error: "):  # llama-server's in-stream error line
-                self.error = json_object(line[len("error: "):]) or {"message": line}
-            elif not line:  # a blank line ends an event
-                self._name = ""
+        event = json_object(sse.data)
+        if sse.event == "error":  # an Anthropic stream's error event (or llama-server's own error line)
+            self.error = event or {"message": sse.data}
             return
-        payload = line[len("data: "):].strip()
-        name, self._name = self._name, ""
-        if payload == "[DONE]":
-            return
-        event = json_object(payload)
         if event is None:
-            return
-        if name == "error":  # an Anthropic stream's error event: the data is the error itself
-            self.error = event
             return
         if "error" in event:
             error = event["error"]

@@ -12,13 +12,13 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from autoscaler.controller import Controller, ControllerConfig
-from autoscaler.policy import PolicyConfig
 from macpool.contract import NodeDoc, NodeState, now_ms
+from macpool.scaling import ScalePolicy
 from macpool.store import Candidate, Keys, Release, ReserveRequest, Store
 from macpool.store.elastic import ElasticStore
 
 LEASE = 60_000
-POLICY = PolicyConfig(up_delay_s=10, down_delay_s=30, cooldown_s=5, min_nodes=1, max_nodes=4)
+POLICY = ScalePolicy(up_delay=10, down_delay=30, min_nodes=1, max_nodes=4)
 
 
 def node(node_id: str, state: NodeState, capacity: int = 2, **extra: object) -> NodeDoc:
@@ -39,7 +39,8 @@ def scenario(redis_url: str, body: Callable[[Store, ElasticStore, Redis], Awaita
 
 
 def controller(redis: Redis, name: str = "c1", **config: object) -> Controller:
-    return Controller(redis, Keys(), ControllerConfig(policy=POLICY, controller_id=name, **config))  # type: ignore[arg-type]
+    settings = ControllerConfig(policy=POLICY, cooldown_s=5, controller_id=name, **config)  # type: ignore[arg-type]
+    return Controller(redis, Keys(), settings)
 
 
 async def load(store: Store, running: int, waiting: int, on: str = "n1") -> None:
@@ -104,7 +105,7 @@ def test_a_pool_all_in_standby_scales_from_zero_at_once(redis_url: str) -> None:
     async def body(store: Store, elastic: ElasticStore, redis: Redis) -> None:
         await store.heartbeat(node("n1", "standby", capacity=4), LEASE)
         await store.heartbeat(node("n2", "standby", capacity=2), LEASE)
-        scaler = Controller(redis, Keys(), ControllerConfig(policy=PolicyConfig(up_delay_s=10),
+        scaler = Controller(redis, Keys(), ControllerConfig(policy=ScalePolicy(up_delay=10),
                                                             controller_id="c1"))
         assert await scaler.tick(0) == []  # no demand, no node: nothing to pay for
         await load(store, running=0, waiting=1)

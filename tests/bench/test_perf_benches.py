@@ -18,9 +18,9 @@ from typing import Any
 import psutil
 import pytest
 
-from bench.loadclient import Rec, raw_load
+from bench.loadclient import Rec, closed_loop
 from bench.stats import take_turns
-from bench.wire import build_request
+from bench.wire import Post
 from tests.bench.conftest import run_bench
 
 pytestmark = pytest.mark.timeout(600)
@@ -183,7 +183,7 @@ def test_load_clients_keep_their_connections() -> None:
         server = await asyncio.start_server(answer, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            return await raw_load(port, lambda _: build_request("/", b"{}"), 2, requests=40)
+            return await closed_loop(port, lambda _: Post("/", b"{}"), 2, requests=40)
 
     records = asyncio.run(main())
     assert [r.status for r in records] == [200] * 40
@@ -208,7 +208,7 @@ def test_load_clients_can_start_staggered() -> None:
         server = await asyncio.start_server(answer, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         async with server:
-            await raw_load(port, lambda _: build_request("/", b"{}"), 4, requests=4, stagger_s=stagger)
+            await closed_loop(port, lambda _: Post("/", b"{}"), 4, requests=4, stagger_s=stagger)
 
     asyncio.run(main(0.0))
     assert max(arrivals) - min(arrivals) < 0.15

@@ -26,7 +26,7 @@ import pytest
 from macpool import tiny_model
 from macpool.procs import macpool_argv
 from macpool.stack import Stack, free_port
-from node_agent.loadgen import Clock, Level, LevelResult
+from node_agent.loadgen import Clock, Level, LevelResult, chars_per_token
 from tests.e2e.conftest import require_llama_server
 
 # the saturation point is a CPU's: measured with other tests running, it moves between the two sweeps
@@ -55,10 +55,12 @@ async def _sweep(url: str) -> list[LevelResult]:
     limits = httpx.Limits(keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=5), limits=limits) as client:
         clock = Clock(client, url)
+        per_token = await chars_per_token(client, url)  # the prompts calibrate sends: sized by the tokenizer
         for concurrency in REFERENCE:
             await _idle(client, url)
             # a longer window than calibrate's (6 rounds): this is the reference it is held to
-            level = Level(client, url, clock, concurrency, PROMPT_TOKENS, MAX_TOKENS, None, 8 * concurrency)
+            level = Level(client, url, clock, concurrency, PROMPT_TOKENS, MAX_TOKENS, None, 8 * concurrency,
+                          chars_per_token=per_token)
             rows.append(await level.run())
     return rows
 

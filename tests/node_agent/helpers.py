@@ -74,14 +74,15 @@ AgentFactory = Callable[..., Server]
 
 
 def write_gguf(
-    path: Path, layers: int, heads: int, kv_heads: int, embd: int, key_length: int | None = None
+    path: Path, layers: int, heads: int, kv_heads: int, embd: int, key_length: int | None = None,
+    context: int = 4096,
 ) -> Path:
     writer = GGUFWriter(str(path), "llama")
     writer.add_block_count(layers)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_embedding_length(embd)
-    writer.add_context_length(4096)
+    writer.add_context_length(context)
     if key_length:
         writer.add_key_length(key_length)
         writer.add_value_length(key_length)

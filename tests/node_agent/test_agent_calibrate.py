@@ -96,6 +96,27 @@ def test_a_latency_bound_picks_the_largest_level_that_meets_it(sim: SimFactory, 
     assert rows[-1]["p50_ratio"] > 2 and rows[-2]["p50_ratio"] > 2  # two levels past the bound: it stopped
 
 
+@pytest.mark.slow
+def test_prompts_near_the_context_find_a_lower_knee_than_short_ones(sim: SimFactory, tmp_path: Path) -> None:
+    # the seed's Mac, 4 slots of 32K tokens: a coding agent's turn holds 12.8 GB of working set, a 2K one 1.6
+    upstream = sim("--parallel", "4", "-c", str(4 * 32768), "--speed", "50", "--metrics")
+    near, short = tmp_path / "near", tmp_path / "short"
+    near.mkdir()
+    short.mkdir()
+    done = run_calibrate(upstream.url, near, "--max-tokens", "256", "--levels", "1,2,3,4")
+    assert done.returncode == 0, done.stderr
+    # 32,768 tokens a slot, less the output and a margin of 1% for the tokenizer's estimate
+    said = "prompts of 32185 tokens (near the 32768 tokens a request may hold), 256 generated"
+    assert done.stdout.splitlines()[0] == said
+    at_context = json.loads((near / "cal.json").read_text())
+    assert (at_context["prompt_tokens"], at_context["context"]) == (32185, 32768)
+    assert all(row["errors"] == 0 for row in at_context["rows"])  # each prompt fits its slot
+    at_2k = calibrate(upstream.url, short, "--prompt-tokens", "2048", "--max-tokens", "256",
+                      "--levels", "1,2,3,4")
+    assert at_context["recommended_cap"] == 1 and at_context["limited_by"] == "memory"
+    assert isinstance(at_2k["recommended_cap"], int) and at_2k["recommended_cap"] >= 3
+
+
 def test_a_first_level_past_the_memory_knee_says_so_and_exits_1(sim: SimFactory, tmp_path: Path) -> None:
     # 16 slots x 32K context of a 70B model: 160 GB of KV cache at start, past the 144 GB wired limit
     upstream = sim("--parallel", "16", "-c", "524288", "--speed", "200", "--metrics", preset=ULTRA)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import socket
 import string
@@ -241,7 +242,9 @@ def test_redis_outage_and_recovery(sim: SimFactory, agent: AgentFactory) -> None
         server.kill()
         wait_until(lambda: status(gateway.url)["redis_ok"] is False, what="outage noticed")
         log = gateway.child.log_path.read_text() if gateway.child.log_path else ""
-        assert f"redis at 127.0.0.1:{port} unreachable (ConnectionError: " in log, log
+        # refused, or timed out when the machine is too busy to refuse in time
+        unreachable = rf"redis at 127\.0\.0\.1:{port} unreachable \((ConnectionError|TimeoutError): "
+        assert re.search(unreachable, log), log
         # still serving, under the cap
         assert httpx.post(gateway.url + "/v1/chat/completions", json=chat(5, stream=False)).status_code == 200
         server.close()

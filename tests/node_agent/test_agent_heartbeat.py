@@ -188,3 +188,19 @@ def test_tokens_per_second_count_a_long_generation_before_it_ends(
                          what="tokens/s while the generation runs")
         assert status(gateway.url)["in_flight"] == 1
     assert doc.tokens_per_s > 0
+
+
+def test_llama_servers_metrics_are_read_with_prometheus_clients_parser() -> None:
+    from node_agent.heartbeat import parse_metrics
+
+    page = ("# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+            "# TYPE llamacpp:prompt_tokens_total counter\nllamacpp:prompt_tokens_total 1234\n"
+            "# HELP llamacpp:requests_processing Number of requests processing.\n"
+            "# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing 2\n"
+            'other_metric{label="x"} 7\n')
+    good = {"llamacpp:prompt_tokens_total": 1234.0, "llamacpp:requests_processing": 2.0}
+    assert parse_metrics(page) == good
+    # a page garbled after good samples: no exception, and only llama-server's own figures
+    broken = parse_metrics(page.replace('other_metric{label="x"} 7', "llamacpp:x {broken"))
+    assert broken.items() <= good.items() and "llamacpp:prompt_tokens_total" in broken
+    assert parse_metrics("") == {}

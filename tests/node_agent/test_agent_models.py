@@ -29,7 +29,7 @@ from node_agent.settings import AgentSettings
 from node_agent.sizing import Sizing
 from simulator.model_files import write_model_gguf
 from tests.blocking_store import sync_redis
-from tests.node_agent.helpers import wait_until
+from tests.node_agent.helpers import read_node, wait_until
 
 MAC = "m2pro-32g-8b-q4"  # wired limit 21.3 GB
 WIRED_LIMIT = 21.3
@@ -202,6 +202,9 @@ def test_the_idle_model_is_unloaded_for_a_third_never_the_one_streaming(
         "a": "loaded", "b": "unloaded", "c": "loaded"}
     with sync_redis(redis_url) as store:  # b says it is in standby, so no router's word loads it again
         assert store.get(Keys().desired("mac/b")) == "standby"
+    # a loaded model's KV cache is its preset's: 2 slots of 4096 tokens, each its own cells
+    wait_until(lambda: (d := read_node(redis_url, "mac/a")) and (d.seq_ctx, d.kv_unified, d.kv_cells)
+               == (4096, False, 8192), what="model a's KV cache in its heartbeat")
 
 
 def test_a_model_is_not_loaded_while_busy_models_hold_the_memory(

@@ -3,6 +3,7 @@ back (fewer slots) when pressure persists."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import httpx
 
 from node_agent.sizing import MAX_SLOTS, Sizing, choose, shrunk
 from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until, write_gguf
+from tests.node_agent.test_agent_supervise import one_liner
 
 KV_14B = 48 * 8 * 128 * 2 * 2  # bytes per token of a 14B GQA model's f16 KV cache (196,608)
 
@@ -37,6 +39,33 @@ def test_the_slots_that_fit_bounded_by_the_calibrated_cap() -> None:
     assert _choose(kv_bytes_per_token=None).parallel == 4
     tight = _choose(wired_limit_gb=10.0)
     assert tight.parallel == 1 and "not even one slot fits" in tight.reason
+    assert (tight.fits, given.fits) == (0, 32)  # the operator's slots are sized too: to say what fits
+
+
+def test_the_context_is_the_models_at_most() -> None:
+    trained = _choose(ctx_per_slot=32768, n_ctx_train=8192, wired_limit_gb=12.0)
+    assert (trained.ctx_per_slot, trained.parallel) == (8192, 1)
+    assert trained.reason.startswith("1 slots x 8192 tokens (the model's training context; --ctx-per-slot "
+                                     "32768): 1 fit")
+
+
+def test_a_mac_that_cannot_hold_one_request_says_what_to_change_and_does_not_start(tmp_path: Path) -> None:
+    model = write_gguf(tmp_path / "m.gguf", layers=48, heads=40, kv_heads=8, embd=5120, context=131072)
+    # a 14B-class KV cache at the default context, 32,768 tokens: 6.44 GB, where 8 - 2 GB are left
+    line = one_liner("--llama-server", SIM_COMMAND, "--model", str(model), "--wired-limit-gb", "8",
+                     "--headroom-gb", "2", "--redis-url", "redis://127.0.0.1:1/0")
+    weights = model.stat().st_size / 1e9
+    limit_mb = math.ceil((weights + 2 + 6.4425) * 1e9 / 2**20)
+    assert line == (
+        "macpool agent: error: this Mac cannot hold one request of 32768 tokens: its KV cache takes 6.44 GB, "
+        f"and the wired limit 8.0 GB - weights {weights:.1f} GB - headroom 2.0 GB leaves 6.00 GB. Change "
+        "one: a smaller --ctx-per-slot (29696 fits), a smaller model or quantization, or more wired memory "
+        f"(at least 8.4 GB: sudo sysctl iogpu.wired_limit_mb={limit_mb})"
+    )
+    # the operator's slots do not make it fit either
+    assert "cannot hold one request" in one_liner(
+        "--llama-server", SIM_COMMAND, "--model", str(model), "--wired-limit-gb", "8", "--parallel", "2",
+        "--redis-url", "redis://127.0.0.1:1/0")
 
 
 def test_pressure_takes_a_quarter_of_the_slots_down_to_one() -> None:

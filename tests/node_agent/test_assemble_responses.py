@@ -53,5 +53,6 @@ def test_an_error_event_mid_stream_is_the_error() -> None:
     # llama-server ends a Responses stream that fails with an OpenAI error event (no event name)
     assembler = ResponsesAssembler()
     assembler.feed_line('data: {"error": {"code": 500, "message": "boom", "type": "server_error"}}')
+    assembler.feed_line("")
     assert assembler.error == {"code": 500, "message": "boom", "type": "server_error"}
     assert not assembler.complete

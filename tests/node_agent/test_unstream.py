@@ -87,6 +87,7 @@ def test_tool_calls_and_errors_fold() -> None:
         {"tool_calls": [{"index": 0, "function": {"name": "weather", "arguments": ": 1}"}}]},
     ):
         assembler.feed_line("data: " + json.dumps({"choices": [{"index": 0, "delta": delta}]}))
+        assembler.feed_line("")  # the blank line that ends an event
     message = assembler.result({})["choices"][0]["message"]
     assert message["content"] is None
     assert message["tool_calls"] == [
@@ -94,6 +95,7 @@ def test_tool_calls_and_errors_fold() -> None:
     ]
     failing = unstream.assembler("/v1/completions")
     failing.feed_line('data: {"error": {"code": 500, "message": "boom", "type": "server_error"}}')
+    failing.end()  # the stream ended with that event (no blank line after it)
     assert failing.error == {"code": 500, "message": "boom", "type": "server_error"}
 
 

@@ -4,6 +4,7 @@ router and the agent really export, a balancer configured for streams and 503s."
 
 from __future__ import annotations
 
+import argparse
 import json
 import plistlib
 import re
@@ -20,6 +21,8 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
+from pydantic.fields import FieldInfo
+from pydantic_settings import CliSettingsSource
 
 from autoscaler.settings import AutoscaleSettings
 from macpool.procs import macpool_argv
@@ -71,12 +74,9 @@ def flag_value(args: list[str], flag: str) -> str:
 
 
 def env_names(settings_cls: type[Any]) -> set[str]:
-    names = {f"MACPOOL_{name.upper()}" for name in settings_cls.model_fields}
-    for field in settings_cls.model_fields.values():
-        alias = field.validation_alias
-        for choice in getattr(alias, "choices", []):
-            names.add(str(choice))
-    return names
+    """The MACPOOL_* variables a settings model reads, as pydantic-settings resolves them for --help."""
+    source = CliSettingsSource(settings_cls, cli_show_env_vars=True)
+    return {name for names in source.env_var_names.values() for name in names}
 
 
 def test_every_compose_service_runs_a_real_subcommand_with_real_flags() -> None:
@@ -505,6 +505,18 @@ def test_the_docs_name_metrics_with_their_real_labels() -> None:
     assert seen >= 5
 
 
+def keys(settings_cls: type[Any]) -> dict[str, FieldInfo]:
+    """A settings model's fields by the key each goes by: its alias (the router's scale_*), else its name."""
+    return {field.validation_alias if isinstance(field.validation_alias, str) else name: field
+            for name, field in settings_cls.model_fields.items()}
+
+
+def parser(settings_cls: type[Any]) -> argparse.ArgumentParser:
+    """The parser a settings model makes its command's flags with."""
+    parser: argparse.ArgumentParser = CliSettingsSource(settings_cls).root_parser
+    return parser
+
+
 def documented_settings(guide: str, heading: str) -> list[tuple[str, str, str]]:
     """A guide's configuration table: (flag, env or key, default) per row."""
     section = (ROOT / "docs" / guide).read_text().split(heading, 1)[1].split("\n#", 1)[0]
@@ -518,7 +530,7 @@ def default_matches(field: Any, documented: str) -> bool:
     computed = field.default_factory not in (None, list)  # the router id, the host name
     value = None if computed else field.get_default(call_default_factory=True)
     documented = documented.strip("`")
-    if value is None or value == "":
+    if value is None or value == "" or value == {}:  # an empty table: unset
         return not re.fullmatch(r"[\d.]+|on|off", documented)
     if isinstance(value, bool):
         return documented == ("on" if value else "off")
@@ -528,10 +540,9 @@ def default_matches(field: Any, documented: str) -> bool:
 
 
 def test_the_router_configuration_table_is_every_setting_with_its_flag_env_and_default() -> None:
-    from router.cli import parser
-
     table = documented_settings("router.md", "## Configuration")
-    flags = {option for action in parser()._actions for option in action.option_strings} - {"-h", "--help"}
+    flags = {option for action in parser(RouterSettings)._actions for option in action.option_strings}
+    flags -= {"-h", "--help"}
     names = set()
     for column, env, default in table:
         flag = column.strip("`")
@@ -539,10 +550,10 @@ def test_the_router_configuration_table_is_every_setting_with_its_flag_env_and_d
         names.add(name)
         assert flag in flags, f"docs/router.md documents {flag}, which `macpool router` does not take"
         assert env.strip("`").split("=")[0] == f"MACPOOL_{name.upper()}", f"docs/router.md, {flag}: {env}"
-        field = RouterSettings.model_fields.get(name)
+        field = keys(RouterSettings).get(name)
         assert field is not None, f"docs/router.md documents {flag}: no such router setting"
         assert default_matches(field, default), f"docs/router.md, {flag}: default {default} in the docs"
-    assert names == set(RouterSettings.model_fields), "docs/router.md's table misses a router setting"
+    assert names == set(keys(RouterSettings)), "docs/router.md's table misses a router setting"
     documented = {column.strip("`") for column, _, _ in table}
     switches = {f"--no-{flag[2:]}" for flag in documented}  # an on/off flag's other way (--no-affinity)
     undocumented = flags - documented - switches - {"--config"}

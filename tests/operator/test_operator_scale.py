@@ -18,6 +18,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from macpool.redis_server import free_port
+from macpool.scaling import ScalePolicy
 from router.scale import ScaleAdvisor, ScaleConfig, ScaleWatch
 from router.settings import ConfigError
 from tests.operator.helpers import Pool, wait_until
@@ -34,7 +35,7 @@ def view(busy: int, queued: int = 0, rejections: float = 0.0, requests: float = 
 
 
 def test_scale_up_needs_the_demand_to_last_and_down_needs_longer() -> None:
-    advisor = ScaleAdvisor(ScaleConfig(up_delay_s=10, down_delay_s=60))
+    advisor = ScaleAdvisor(ScaleConfig(ScalePolicy(up_delay=10, down_delay=60)))
     assert advisor.observe(view(busy=8), now=0).desired_nodes == 2
     # 16 busy + 8 queued + 4/s turned away x (16 busy / 4 admitted/s = 4 s each) = 40 slots over 8 x 0.8
     hot = view(busy=16, queued=8, rejections=4.0, requests=8.0)
@@ -46,10 +47,10 @@ def test_scale_up_needs_the_demand_to_last_and_down_needs_longer() -> None:
     assert advisor.observe(view(busy=4), now=40).desired_nodes == 7
     assert advisor.observe(view(busy=4), now=74).desired_nodes == 1
     # clients retrying every 10 ms: 100 refusals/s x 4 s would be 400 slots; counted as the pool's 16 at most
-    impatient = ScaleAdvisor(ScaleConfig(up_delay_s=0, down_delay_s=0))
+    impatient = ScaleAdvisor(ScaleConfig(ScalePolicy(up_delay=0, down_delay=0)))
     assert impatient.observe(view(busy=16, rejections=100.0, requests=104.0), now=0).desired_nodes == 5
     # in the band between 50% and 80% of the current nodes nothing moves, however long it lasts
-    band = ScaleAdvisor(ScaleConfig(up_delay_s=0, down_delay_s=0))
+    band = ScaleAdvisor(ScaleConfig(ScalePolicy(up_delay=0, down_delay=0)))
     band.observe(view(busy=10), now=0)
     assert [band.observe(view(busy=10), now=t).desired_nodes for t in range(1, 5)] == [2, 2, 2, 2]
 
@@ -71,7 +72,7 @@ def test_watch_posts_the_hint_once_per_change_after_the_debounce() -> None:
                 break
             await asyncio.sleep(0.01)
         current = {"v": view(busy=4)}
-        config = ScaleConfig(up_delay_s=0, down_delay_s=0, webhook_url=f"http://127.0.0.1:{port}/hook",
+        config = ScaleConfig(ScalePolicy(up_delay=0, down_delay=0), webhook_url=f"http://127.0.0.1:{port}/hook",
                              webhook_debounce_s=0.2, sample_interval_s=0.05)
         watch = ScaleWatch(lambda: current["v"], config)
         try:
@@ -129,8 +130,13 @@ def test_router_serves_the_hint_and_posts_it_to_its_webhook(
     url, received = receiver
     # (at least two Macs asked for, whatever the demand: the --scale-* flags reach the hint)
     running = pool(nodes=1, router_args=("--scale-webhook", url, "--scale-min-nodes", "2"))
-    hint = httpx.get(f"{running.router.url}/api/pool/scale", timeout=10).json()
-    assert hint["current_nodes"] == 1
+
+    def counted() -> dict[str, Any] | None:
+        hint: dict[str, Any] = httpx.get(f"{running.router.url}/api/pool/scale", timeout=10).json()
+        return hint if hint["current_nodes"] == 1 else None
+
+    # the hint is the router's last sample of the pool (one every half second), which may predate the node
+    hint = wait_until(counted, 10, "a scale hint counting the ready node")
     assert hint["desired_nodes"] == 2
     assert set(hint) >= {"current_nodes", "desired_nodes", "saturation", "reason"}
     wait_until(lambda: bool(received), 60, "the first scale document at the webhook")
@@ -144,8 +150,9 @@ def test_the_scale_knobs_come_from_the_routers_settings_and_must_make_sense(
 
     monkeypatch.setenv("MACPOOL_SCALE_MAX_NODES", "6")
     settings = build_settings(["--scale-target-utilisation", "0.9", "--scale-down-delay", "30"])
-    config = ScaleConfig.from_settings(settings)
-    assert (config.target_utilisation, config.down_delay_s, config.max_nodes) == (0.9, 30.0, 6)
+    policy = ScaleConfig.from_settings(settings).policy
+    assert (policy.target_utilisation, policy.down_delay, policy.max_nodes) == (0.9, 30.0, 6)
+    assert policy.min_nodes == 1  # the hint's own default
     with pytest.raises(ConfigError, match="scale_low_utilisation"):
         build_settings(["--scale-target-utilisation", "0.4"])  # under the low share's 0.5
     with pytest.raises(ConfigError, match="scale_min_nodes"):

@@ -212,7 +212,7 @@ def test_aliases_exact_names_first_then_patterns_in_order() -> None:
 
 @pytest.mark.parametrize("value", ["claude", "=x", "a=", "a=b,c"])
 def test_an_alias_without_a_model_is_refused(value: str) -> None:
-    from router.settings import ConfigError, load_settings
+    from router.settings import ConfigError, Settings
 
     with pytest.raises(ConfigError, match="model_aliases"):
-        load_settings({"model_aliases": value})
+        Settings.from_argv(["--model-aliases", value])

@@ -45,7 +45,7 @@ def test_the_api_keys_file_named_in_a_config_file_is_found_beside_it(
 
 
 def test_bad_value_names_key_and_value() -> None:
-    with pytest.raises(ConfigError, match=r"queue_size=-1"):
+    with pytest.raises(ConfigError, match=r"queue_size='-1'"):
         build_settings(["--queue-size", "-1"])
 
 
