@@ -11,12 +11,12 @@ from macpool.plotting import PlotUnavailable
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.cli", "run the router (the pool's single OpenAI-compatible endpoint)"),
     "agent": ("node_agent.cli", "run or calibrate the node agent on a Mac"),
-    "sim": ("simulator.cli", "run a simulated Mac running llama-server"),
-    "bench": ("bench.cli", "load sweeps, seed table, overload and router-cost benchmarks"),
-    "autoscale": ("autoscaler.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
+    "sim": ("macpool.sim.cli", "run a simulated Mac running llama-server"),
+    "bench": ("macpool.bench.cli", "load sweeps, seed table, overload and router-cost benchmarks"),
+    "autoscale": ("macpool.autoscale.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
     "top": ("router.top", "live terminal view of the pool"),
-    "dev": ("macpool.dev", "developer tasks: build llama-server, generate a tiny model, run the tests"),
+    "dev": ("macpool.dev.cli", "developer tasks: build llama-server, generate a tiny model, run the tests"),
 }
 
 

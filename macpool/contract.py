@@ -15,7 +15,7 @@ NodeState = Literal[
     "starting", "ready", "draining", "unhealthy", "paging",
     # the elastic pool (node_agent/standby.py): registered with its model not loaded, loading it on the
     # controller's word, finishing its requests before going back to standby; "asleep" and "waking" are
-    # the autoscaler's records of a Mac whose agent does not beat (autoscaler/controller.py)
+    # the autoscaler's records of a Mac whose agent does not beat (macpool/autoscale/controller.py)
     "standby", "loading", "draining-to-standby", "asleep", "waking",
 ]
 NODE_STATES: tuple[NodeState, ...] = get_args(NodeState)  # every state, for metrics that show each one

@@ -24,9 +24,9 @@ from typing import Any
 
 import httpx
 
+from macpool.dev.redis_server import RedisServerError
+from macpool.dev.stack import Proc, ProcessError, Stack, free_port
 from macpool.loops import wait_event
-from macpool.redis_server import RedisServerError
-from macpool.stack import Proc, ProcessError, Stack, free_port
 
 # A heterogeneous pool: the seed's big Mac, a mid-size one with a larger model, a small one.
 PRESETS = ("m5max-128g-14b-q4", "m4max-64g-32b-q4", "m2pro-32g-8b-q4")
@@ -39,7 +39,7 @@ READY_TIMEOUT_S = 90.0  # generous: seven Python processes start at once on a sm
 
 def demo_presets() -> list[str]:
     """The mix above, less any preset this simulator build does not ship."""
-    from simulator.machine import preset_names
+    from macpool.sim.machine import preset_names
 
     known = set(preset_names())
     return [p for p in PRESETS if p in known] or sorted(known)

@@ -1,6 +1,6 @@
 """How many Macs the pool's demand needs: the knobs of the scaling policy, declared once.
 
-The router's scale hint (router/scale.py) and `macpool autoscale` (autoscaler/policy.py) apply the same
+The router's scale hint (router/scale.py) and `macpool autoscale` (macpool/autoscale/policy.py) apply the same
 policy: up when demand passes the target share of the capacity for ``up_delay`` seconds, down when it would
 fit under the low share of less capacity for ``down_delay``, between ``min_nodes`` and ``max_nodes``. Their
 settings models inherit these fields, each under its own names: the autoscaler's are these
@@ -9,7 +9,7 @@ settings models inherit these fields, each under its own names: the autoscaler's
 
 from __future__ import annotations
 
-from typing import Annotated, Self
+from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -59,3 +59,28 @@ class ScalePolicy(BaseModel):
     def policy(self) -> ScalePolicy:
         """The knobs alone, out of a settings model that holds them."""
         return ScalePolicy(**{knob: getattr(self, knob) for knob in ScalePolicy.model_fields})
+
+
+def number(mapping: dict[str, Any], key: str) -> float:
+    """``mapping[key]`` as a float; 0 when it is missing or not a number."""
+    value = mapping.get(key)
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def demand_of(pool: dict[str, Any]) -> tuple[float, float]:
+    """(demand in concurrent requests, the part of it that was turned away)."""
+    busy = number(pool, "busy")
+    # in slots: a queued request for several generations holds several
+    queued = max(number(pool, "queued_slots"), number(pool, "queued"))
+    rejections = number(pool, "rejections_per_s")
+    requests = number(pool, "requests_per_s")
+    # Little's law: a turned-away request would have held a slot for busy / admitted-rate seconds
+    # (the router's requests_per_s counts every arrival, the rejected ones too).
+    admitted = requests - rejections
+    hold_s = busy / admitted if admitted > 0 and busy > 0 else 1.0
+    # A client retrying sooner than that is counted once per retry (the router cannot tell a retry from a
+    # new request), so a few impatient clients could ask for dozens of Macs: the turned-away part counts at
+    # most the pool's current capacity - desired nodes at most double per step, and keep growing while the
+    # pool stays full.
+    rejected = min(rejections * hold_s, max(number(pool, "capacity"), 1.0))
+    return busy + queued + rejected, rejected

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential_jitter
 
-from macpool.redis_server import free_port
+from macpool.dev.redis_server import free_port
 
 log = logging.getLogger("macpool.agent")
 

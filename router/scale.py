@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from macpool.loops import wait_event
-from macpool.scaling import ScalePolicy
+from macpool.scaling import ScalePolicy, demand_of, number
 from router.settings import Settings
 
 log = logging.getLogger("macpool.router.scale")
@@ -76,29 +76,6 @@ class ScaleHint:
         }
 
 
-def _num(mapping: dict[str, Any], key: str) -> float:
-    value = mapping.get(key)
-    return float(value) if isinstance(value, int | float) else 0.0
-
-
-def demand_of(pool: dict[str, Any]) -> tuple[float, float]:
-    """(demand in concurrent requests, the part of it that was turned away)."""
-    busy = _num(pool, "busy")
-    queued = max(_num(pool, "queued_slots"), _num(pool, "queued"))  # slots: several generations hold several
-    rejections = _num(pool, "rejections_per_s")
-    requests = _num(pool, "requests_per_s")
-    # Little's law: a turned-away request would have held a slot for busy / admitted-rate seconds
-    # (the router's requests_per_s counts every arrival, the rejected ones too).
-    admitted = requests - rejections
-    hold_s = busy / admitted if admitted > 0 and busy > 0 else 1.0
-    # A client retrying sooner than that is counted once per retry (the router cannot tell a retry from a
-    # new request), so a few impatient clients could ask for dozens of Macs: the turned-away part counts at
-    # most the pool's current capacity - desired nodes at most double per step, and keep growing while the
-    # pool stays full.
-    rejected = min(rejections * hold_s, max(_num(pool, "capacity"), 1.0))
-    return busy + queued + rejected, rejected
-
-
 def typical_capacity(nodes: list[dict[str, Any]]) -> float | None:
     """Median capacity of the ready nodes (one Mac under pressure would skew a mean)."""
     caps = [
@@ -127,7 +104,7 @@ class ScaleAdvisor:
         cfg = self.config.policy
         pool = view.get("pool") or {}
         nodes = [n for n in view.get("nodes") or [] if isinstance(n, dict)]
-        current = int(_num(pool, "nodes_ready"))
+        current = int(number(pool, "nodes_ready"))
         # with no ready node, keep the last figure seen rather than guessing afresh
         self._per_node = typical_capacity(nodes) or self._per_node
         per_node = self._per_node
@@ -136,8 +113,9 @@ class ScaleAdvisor:
         down = self._clamp(math.ceil(demand / (per_node * cfg.low_utilisation)))
         if self.desired is None:
             self.desired = self._clamp(max(current, up))
+        busy, queued = number(pool, "busy"), number(pool, "queued")
         why = (
-            f"demand {demand:.1f} slots (busy {_num(pool, 'busy'):.0f} + queued {_num(pool, 'queued'):.0f}"
+            f"demand {demand:.1f} slots (busy {busy:.0f} + queued {queued:.0f}"
             f" + turned away {rejected:.1f}) over {per_node:.0f} slots/node"
         )
         reason = f"{why}: {self.desired} node(s) hold it"
@@ -163,7 +141,7 @@ class ScaleAdvisor:
                 )
         else:
             self._up_since = self._down_since = None
-        return ScaleHint(current, self.desired, _num(pool, "saturation"), reason, demand, per_node)
+        return ScaleHint(current, self.desired, number(pool, "saturation"), reason, demand, per_node)
 
 
 class ScaleWebhook:
@@ -277,12 +255,12 @@ class ScaleWatch:
             return None
         point = {
             "ts_ms": ts,
-            "saturation": round(_num(pool, "saturation"), 4),
-            "rejections_per_s": round(_num(pool, "rejections_per_s"), 3),
-            "requests_per_s": round(_num(pool, "requests_per_s"), 3),
-            "busy": int(_num(pool, "busy")),
-            "queued": int(_num(pool, "queued")),
-            "capacity": int(_num(pool, "capacity")),
+            "saturation": round(number(pool, "saturation"), 4),
+            "rejections_per_s": round(number(pool, "rejections_per_s"), 3),
+            "requests_per_s": round(number(pool, "requests_per_s"), 3),
+            "busy": int(number(pool, "busy")),
+            "queued": int(number(pool, "queued")),
+            "capacity": int(number(pool, "capacity")),
             "desired_nodes": hint.desired_nodes,
         }
         self.history.append(point)

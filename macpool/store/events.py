@@ -58,7 +58,7 @@ class Drained:
 
 @dataclass(frozen=True)
 class Autoscaled:
-    """``autoscale <decision json>``: a decision of ``macpool autoscale`` (autoscaler/controller.py)."""
+    """``autoscale <decision json>``: a decision of ``macpool autoscale`` (autoscale/controller.py)."""
 
     decision: dict[str, Any]
 

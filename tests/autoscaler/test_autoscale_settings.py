@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autoscaler.settings import AutoscaleSettings
+from macpool.autoscale.settings import AutoscaleSettings
 from macpool.scaling import ScalePolicy
 from macpool.settings import ConfigError
 from router.settings import Settings as RouterSettings

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
-from autoscaler.controller import Controller, ControllerConfig
+from macpool.autoscale.controller import Controller, ControllerConfig
 from macpool.contract import NodeDoc, NodeState, now_ms
 from macpool.scaling import ScalePolicy
 from macpool.store import Candidate, Keys, Release, ReserveRequest, Store

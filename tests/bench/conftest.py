@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from macpool.procs import macpool_argv
+from macpool.dev.procs import macpool_argv
 
 
 def run_bench(out_dir: Path, name: str, *args: str, timeout: float = 400) -> dict[str, Any]:

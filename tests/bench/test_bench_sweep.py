@@ -7,10 +7,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import seed_table
-from bench.load import ClosedLoop, RequestRecord, chat_body, retimed
-from bench.sweep import ROW_KEYS, Row
-from bench.sweep import main as sweep_main
+from macpool.bench import seed_table
+from macpool.bench.load import ClosedLoop, RequestRecord, chat_body, retimed
+from macpool.bench.sweep import ROW_KEYS, Row
+from macpool.bench.sweep import main as sweep_main
 from tests.conftest import Server
 
 SimFactory = Callable[..., Server]

@@ -1,4 +1,4 @@
-"""``macpool bench chaos`` for real, at its smallest: five faults, each one clean (bench/chaos.py)."""
+"""``macpool bench chaos`` for real, at its smallest: five faults, each one clean (macpool/bench/chaos.py)."""
 
 from __future__ import annotations
 

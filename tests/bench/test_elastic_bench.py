@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.elastic import ElasticOptions, Outcome, PoolRun, summarize
+from macpool.bench.elastic import ElasticOptions, Outcome, PoolRun, summarize
 
 
 def point(t: float, capacity: float, nodes_on: float) -> dict[str, float]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers, placement
+from macpool.bench import peers, placement
 from tests.bench.conftest import run_bench
 from tests.bench.test_perf_benches import positive
 

@@ -18,9 +18,9 @@ from typing import Any
 import psutil
 import pytest
 
-from bench.loadclient import Rec, closed_loop
-from bench.stats import take_turns
-from bench.wire import Post
+from macpool.bench.loadclient import Rec, closed_loop
+from macpool.bench.stats import take_turns
+from macpool.bench.wire import Post
 from tests.bench.conftest import run_bench
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,4 +1,4 @@
-"""The benches' one reading of server-sent events (bench/sse.py)."""
+"""The benches' one reading of server-sent events (macpool/bench/sse.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 import pytest
 from httpx_sse import SSEError
 
-from bench.sse import EventCounter, Events, delta_text
+from macpool.bench.sse import EventCounter, Events, delta_text
 
 STREAM = (
     b": a comment, not an event\n\n"

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool import tiny_model
-from macpool.redis_server import free_port
-from macpool.stack import Stack
+from macpool.dev import tiny_model
+from macpool.dev.redis_server import free_port
+from macpool.dev.stack import Stack
 from tests.conftest import Server, SpawnFactory, spawner
 from tests.inprocess import LocalStack
 
@@ -44,7 +44,7 @@ def _llama_server_binary() -> str | None:
     path = os.environ.get("MACPOOL_LLAMA_SERVER_BIN")
     if path and os.path.isfile(path):
         return path
-    from macpool.llama_build import find_llama_server
+    from macpool.dev.llama_build import find_llama_server
 
     found = find_llama_server()
     return str(found) if found else None

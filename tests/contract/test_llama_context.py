@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool import tiny_model
-from macpool.redis_server import free_port
+from macpool.dev import tiny_model
+from macpool.dev.redis_server import free_port
 from tests.conftest import SpawnFactory
 from tests.contract.conftest import Target, _required_binary
 

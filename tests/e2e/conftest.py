@@ -18,10 +18,10 @@ import psutil
 import pytest
 import redis
 
-from macpool import tiny_model
-from macpool.llama_build import find_llama_server
-from macpool.procs import Child, macpool_argv
-from macpool.stack import Proc, Stack, free_port
+from macpool.dev import tiny_model
+from macpool.dev.llama_build import find_llama_server
+from macpool.dev.procs import Child, macpool_argv
+from macpool.dev.stack import Proc, Stack, free_port
 from tests.conftest import wait_until as shared_wait_until
 
 PARALLEL = 2

@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from macpool.contract import now_ms
-from macpool.stack import Stack
+from macpool.dev.stack import Stack
 from macpool.store import Keys
 from tests.e2e.conftest import real_setup, wait_until
 

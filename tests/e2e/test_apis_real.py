@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool import tiny_model
-from macpool.procs import macpool_argv
-from macpool.stack import Stack, free_port
+from macpool.dev import tiny_model
+from macpool.dev.procs import macpool_argv
+from macpool.dev.stack import Stack, free_port
 from tests.conftest import metric
 from tests.e2e.conftest import require_llama_server, wait_until
 

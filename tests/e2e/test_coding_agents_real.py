@@ -1,5 +1,5 @@
 """The clients people point at their Macs, through the router, over real llama-servers: the anthropic and
-openai SDKs, Claude Code and Codex themselves (headless, from the npm registry: macpool/coding_clis.py).
+openai SDKs, Claude Code and Codex themselves (headless, from the npm registry: macpool/dev/coding_clis.py).
 
 Two agents each supervise a llama-server serving the tiny model with one 64K-token slot, so that a coding
 agent's first turn fits (Claude Code's, sent for a Claude model name, is about 51K of this model's byte-sized
@@ -27,8 +27,8 @@ import httpx
 import openai
 import pytest
 
-from macpool import coding_clis
-from macpool.stack import Stack
+from macpool.dev import coding_clis
+from macpool.dev.stack import Stack
 from tests.capture_server import Sink, through
 from tests.conftest import metric, require_coding_cli
 

@@ -23,9 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool import tiny_model
-from macpool.procs import macpool_argv
-from macpool.stack import Stack, free_port
+from macpool.dev import tiny_model
+from macpool.dev.procs import macpool_argv
+from macpool.dev.stack import Stack, free_port
 from node_agent.loadgen import Clock, Level, LevelResult, chars_per_token
 from tests.e2e.conftest import require_llama_server
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from macpool import tiny_model
 from macpool.contract import NodeDoc
-from macpool.procs import macpool_argv
-from macpool.stack import Proc, Stack, free_port
+from macpool.dev import tiny_model
+from macpool.dev.procs import macpool_argv
+from macpool.dev.stack import Proc, Stack, free_port
 from tests.node_agent.helpers import read_node
 
 from .conftest import RealSetup, real_setup, wait_until

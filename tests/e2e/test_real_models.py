@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool import tiny_model
+from macpool.dev import tiny_model
+from macpool.dev.procs import macpool_argv
+from macpool.dev.stack import Stack, free_port
 from macpool.gguf_info import read_shape
-from macpool.procs import macpool_argv
-from macpool.stack import Stack, free_port
 from tests.e2e.conftest import require_llama_server, wait_until
 from tests.node_agent.helpers import read_node
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from macpool import tiny_model
+from macpool.dev import tiny_model
 
 from .conftest import CTX_PER_SLOT, PARALLEL, Node, Pool, wait_until
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from macpool.stack import Stack
+from macpool.dev.stack import Stack
 
 from .conftest import Pool, real_setup, wait_until
 

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool import tiny_model
-from macpool.procs import macpool_argv
-from macpool.redis_server import free_port
+from macpool.dev import tiny_model
+from macpool.dev.procs import macpool_argv
+from macpool.dev.redis_server import free_port
 from tests.conftest import SpawnFactory
 from tests.e2e.conftest import require_llama_server, wait_until
 

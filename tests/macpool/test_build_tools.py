@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from macpool import dev, llama_build
+from macpool.dev import cli as dev
+from macpool.dev import llama_build
 
 Tools = Callable[..., Path]
 

@@ -1,4 +1,4 @@
-"""Claude Code and Codex headless (macpool/coding_clis.py): the install into the cache, one turn against a
+"""Claude Code and Codex headless (macpool/dev/coding_clis.py): the install into the cache, one turn against a
 stand-in that records what they send (tests/capture_server.py), how they retry a full pool, and one turn
 against the real llama-server serving the tiny model."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from macpool import coding_clis, tiny_model
-from macpool.stack import free_port
+from macpool.dev import coding_clis, tiny_model
+from macpool.dev.stack import free_port
 from tests.capture_server import (
     ANSWER,
     API_KEY,
@@ -93,7 +93,7 @@ def local_package(tmp_path: Path, says: str) -> coding_clis.Package:
 @pytest.mark.slow
 def test_two_processes_install_once(tmp_path: Path) -> None:
     pinned = local_package(tmp_path, "1.0.0")
-    script = ("import sys; from macpool import coding_clis as c; from pathlib import Path; "
+    script = ("import sys; from macpool.dev import coding_clis as c; from pathlib import Path; "
               f"c.PACKAGES['fake'] = c.Package('fake-cli', '1.0.0', 'fake-cli', source={pinned.source!r}); "
               "print(c.ensure('fake'))")
     env = {**os.environ, "MACPOOL_CACHE": str(tmp_path / "cache")}

@@ -9,7 +9,7 @@ from urllib.parse import quote
 
 import pytest
 
-from macpool.redis_server import ClusterDeployment
+from macpool.dev.redis_server import ClusterDeployment
 from macpool.store import Keys
 from macpool.store.connect import Tls, connect, parse
 

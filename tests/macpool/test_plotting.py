@@ -66,8 +66,8 @@ def test_plot_without_matplotlib_is_one_line_and_exit_2_before_the_run(
 def test_router_agent_and_simulator_import_without_matplotlib() -> None:
     done = _without_matplotlib(
         # an import of matplotlib anywhere in these would raise ImportError
-        "import router.app, router.cli, node_agent.agent, node_agent.cli, simulator.app, macpool.cli\n"
-        "import bench.cli"
+        "import router.app, router.cli, node_agent.agent, node_agent.cli, macpool.sim.app, macpool.cli\n"
+        "import macpool.bench.cli"
     )
     assert done.returncode == 0, done.stderr
 
@@ -75,7 +75,7 @@ def test_router_agent_and_simulator_import_without_matplotlib() -> None:
 def test_the_bench_figure_without_matplotlib_says_how_to_get_it(tmp_path: Path) -> None:
     png = tmp_path / "perf.png"
     done = _without_matplotlib(
-        f"from bench.plot import main; raise SystemExit(main([{str(tmp_path)!r}, {str(png)!r}]))"
+        f"from macpool.bench.plot import main; raise SystemExit(main([{str(tmp_path)!r}, {str(png)!r}]))"
     )
     assert (done.returncode, done.stderr, done.stdout) == (2, MESSAGE + "\n", "")
     assert not png.exists()

@@ -11,7 +11,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from macpool.redis_server import free_port
+from macpool.dev.redis_server import free_port
 from macpool.serving import server_config
 from tests.raw_http import at_eof, connect, exchange, head, read_reply
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from macpool.stack import ProcessError, Stack, free_port
+from macpool.dev.stack import ProcessError, Stack, free_port
 
 PYTHON = sys.executable
 
@@ -75,7 +75,7 @@ def test_sigterm_to_a_program_inside_a_stack_stops_its_processes(tmp_path: Path)
     program = python(f"""
         import sys, time
         from pathlib import Path
-        from macpool.stack import Stack, free_port
+        from macpool.dev.stack import Stack, free_port
         with Stack(logs=Path({str(tmp_path)!r}), keep_logs=True) as stack:
             proc = stack.spawn("child", [sys.executable, "-c", "import time; time.sleep(60)"], free_port(),
                                ready=None)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from macpool import coding_clis, dev, llama_build, tiny_model
+from macpool.dev import cli as dev
+from macpool.dev import coding_clis, llama_build, tiny_model
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from macpool.procs import macpool_argv
+from macpool.dev.procs import macpool_argv
 from node_agent import cli as agent_cli
 from tests.conftest import Server
 

@@ -20,12 +20,12 @@ import pytest
 from starlette.testclient import TestClient
 
 from macpool.contract import heartbeat_ttl_ms
-from macpool.redis_server import RedisServer, free_port
+from macpool.dev.redis_server import RedisServer, free_port
+from macpool.sim import tokens
 from macpool.upstream import Upstream
 from node_agent.gateway import create_app
 from node_agent.runtime import AnswerClock, Runtime
 from node_agent.settings import AgentSettings
-from simulator import tokens
 from tests import stand_in
 from tests.conftest import Server, metric
 from tests.conftest import chat as shared_chat

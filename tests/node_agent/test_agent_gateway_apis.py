@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from macpool.apis import APIS, GENERATION_PATHS, LIGHT_PATHS
-from macpool.stack import free_port
+from macpool.dev.stack import free_port
 from macpool.upstream import Upstream
 from node_agent.gateway import create_app, create_models_app
 from node_agent.runtime import Runtime

@@ -25,7 +25,7 @@ def test_explicit_key_length_wins(tmp_path: Path) -> None:
 
 
 def test_matches_the_tiny_model_generator() -> None:
-    tiny_model = pytest.importorskip("macpool.tiny_model")
+    tiny_model = pytest.importorskip("macpool.dev.tiny_model")
     path = tiny_model.ensure("tiny")
     assert read_shape(path).kv_bytes_per_token() == tiny_model.kv_bytes_per_token(path)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from macpool.redis_server import free_port
+from macpool.dev.redis_server import free_port
 from node_agent.heartbeat import decoded_so_far
 from tests.conftest import Server
 from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until

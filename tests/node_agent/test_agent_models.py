@@ -21,13 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool.stack import Proc, Stack
+from macpool.dev.stack import Proc, Stack
+from macpool.sim.model_files import write_model_gguf
 from macpool.store import Keys
 from node_agent.models import PRESET_DIR_PREFIX, Budget, ModelSpec, Unit, preset_dir
 from node_agent.runtime import Runtime
 from node_agent.settings import AgentSettings
 from node_agent.sizing import Sizing
-from simulator.model_files import write_model_gguf
 from tests.blocking_store import sync_redis
 from tests.node_agent.helpers import read_node, wait_until
 

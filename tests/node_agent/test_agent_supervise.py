@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from macpool.contract import heartbeat_ttl_ms
-from macpool.procs import macpool_argv
-from macpool.redis_server import free_port
+from macpool.dev.procs import macpool_argv
+from macpool.dev.redis_server import free_port
 from node_agent import cli as agent_cli
 from node_agent.agent import bind_socket
 from node_agent.supervisor import Supervisor, redacted

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from macpool.stack import Stack
-from simulator.machine import preset_names
+from macpool.dev.stack import Stack
+from macpool.sim.machine import preset_names
 from tests.conftest import in_process
 from tests.operator.helpers import ADMIN_KEY, AGENT_TOKEN, HEARTBEAT_S, Pool
 

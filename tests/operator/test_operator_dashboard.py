@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool import dev
-from macpool.stack import Stack
+from macpool.dev import cli as dev
+from macpool.dev.stack import Stack
 from tests.inprocess import LocalStack
 from tests.node_agent.test_agent_models import ask, model_files, start_mac, start_router
 from tests.operator.helpers import ADMIN_KEY, HEARTBEAT_S, Pool, wait_until

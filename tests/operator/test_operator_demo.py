@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from macpool.demo import DemoSettings, Pool
-from macpool.procs import macpool_argv
-from macpool.redis_server import free_port
+from macpool.dev.procs import macpool_argv
+from macpool.dev.redis_server import free_port
 from tests.conftest import SpawnFactory
 
 

@@ -24,14 +24,14 @@ from prometheus_client.metrics import MetricWrapperBase
 from pydantic.fields import FieldInfo
 from pydantic_settings import CliSettingsSource
 
-from autoscaler.settings import AutoscaleSettings
-from macpool.procs import macpool_argv
+from macpool.autoscale.settings import AutoscaleSettings
+from macpool.dev.procs import macpool_argv
 from macpool.settings import load_layered
+from macpool.sim.machine import preset_names
 from node_agent.runtime import AgentMetrics
 from node_agent.settings import AgentSettings
 from router.metrics import RouterMetrics
 from router.settings import Settings as RouterSettings
-from simulator.machine import preset_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from macpool.redis_server import free_port
+from macpool.dev.redis_server import free_port
 from tests.conftest import Server, SpawnFactory
 from tests.raw_http import connect, exchange, filler, head, read_reply
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from macpool.redis_server import RedisServer, free_port
+from macpool.dev.redis_server import RedisServer, free_port
 from tests.conftest import metric
 from tests.operator.helpers import wait_until
 

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from macpool.redis_server import free_port
+from macpool.dev.redis_server import free_port
 from macpool.scaling import ScalePolicy
 from router.scale import ScaleAdvisor, ScaleConfig, ScaleWatch
 from router.settings import ConfigError

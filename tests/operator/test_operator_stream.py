@@ -13,7 +13,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 
-from macpool.redis_server import free_port
+from macpool.dev.redis_server import free_port
 from router.dashboard import Dashboard, routes
 from router.settings import Settings
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from macpool.procs import macpool_argv
+from macpool.dev.procs import macpool_argv
 from tests.operator.helpers import Pool
 
 

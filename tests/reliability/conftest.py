@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from macpool.contract import now_ms
-from macpool.redis_server import RedisServer
-from macpool.stack import Stack
+from macpool.dev.redis_server import RedisServer
+from macpool.dev.stack import Stack
 from macpool.store import Keys
 from tests.conftest import Node as Node
 from tests.conftest import Server, in_process, spawner

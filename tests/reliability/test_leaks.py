@@ -23,9 +23,9 @@ import httpx
 import psutil
 import pytest
 
-from macpool.procs import Child
-from macpool.redis_server import RedisServer, free_port
-from macpool.stack import Stack
+from macpool.dev.procs import Child
+from macpool.dev.redis_server import RedisServer, free_port
+from macpool.dev.stack import Stack
 from tests.conftest import Server, SpawnFactory, metric
 from tests.reliability.conftest import ADMIN_KEY, AGENT_TOKEN, HEARTBEAT, Node, Rig, assert_clean, wait_until
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from simulator import tokens
+from macpool.sim import tokens
 from tests.reliability.conftest import Rig, assert_clean, chat, wait_until
 
 pytestmark = pytest.mark.slow

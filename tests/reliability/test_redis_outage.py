@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from macpool.redis_server import RedisServer
-from macpool.stack import Stack
+from macpool.dev.redis_server import RedisServer
+from macpool.dev.stack import Stack
 from tests.reliability.conftest import Rig, assert_clean, chat, wait_until
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,10 @@ import pytest
 import redis
 
 import router.auth as auth
-from macpool import tiny_model
-from macpool.llama_build import find_llama_server
-from macpool.redis_server import RedisServer, free_port
-from macpool.stack import Stack
+from macpool.dev import tiny_model
+from macpool.dev.llama_build import find_llama_server
+from macpool.dev.redis_server import RedisServer, free_port
+from macpool.dev.stack import Stack
 from tests.conftest import Server, SpawnFactory
 from tests.reliability.conftest import (
     ADMIN_KEY,

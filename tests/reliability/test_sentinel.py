@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from macpool.contract import now_ms
-from macpool.redis_server import SentinelDeployment
-from macpool.stack import Stack
+from macpool.dev.redis_server import SentinelDeployment
+from macpool.dev.stack import Stack
 from tests.blocking_store import sync_redis
 from tests.reliability.conftest import Rig, assert_clean, chat, wait_until
 

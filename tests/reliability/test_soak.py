@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import SoakOptions, run
+from macpool.bench.soak import SoakOptions, run
 
 pytestmark = pytest.mark.slow
 

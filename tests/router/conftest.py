@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from macpool.stack import Stack
+from macpool.dev.stack import Stack
 from tests.conftest import Node as Node
 from tests.conftest import Server as Server
 from tests.conftest import in_process

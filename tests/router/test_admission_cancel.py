@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from macpool.contract import now_ms
-from macpool.redis_server import RedisServer
+from macpool.dev.redis_server import RedisServer
 from macpool.store import Candidate, Keys, ReserveRequest, Store
 from router.admission import Admission, Rejected, Ticket
 from router.settings import Settings

@@ -49,7 +49,7 @@ import pytest
 import redis
 
 from macpool.contract import Priority, slots_needed
-from macpool.redis_server import ClusterDeployment
+from macpool.dev.redis_server import ClusterDeployment
 from macpool.store import Candidate, Keys, Lease, Release, Reservation, ReserveRequest
 from tests.blocking_store import BlockingStore, sync_redis
 from tests.strict_keys import strict_keys  # noqa: F401  (the fixture)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from macpool.stack import Stack
+from macpool.dev.stack import Stack
 from macpool.store import Keys
 from tests.blocking_store import sync_redis
 from tests.node_agent.helpers import SIM_COMMAND, read_node

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from macpool.procs import macpool_argv
+from macpool.dev.procs import macpool_argv
 from tests.conftest import chat
 from tests.router.conftest import Pool
 

@@ -17,7 +17,7 @@ import uvicorn
 from redis.asyncio import Redis
 
 from macpool.contract import NodeDoc, now_ms
-from macpool.redis_server import free_port
+from macpool.dev.redis_server import free_port
 from macpool.serving import server_config
 from macpool.store import Candidate, ReserveRequest, Store
 from router import full_memo

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from macpool.stack import Stack
+from macpool.dev.stack import Stack
 from tests.conftest import Node, chat
 from tests.router.conftest import AGENT_TOKEN, START_TIMEOUT_S, Pool, wait_until
 

@@ -7,7 +7,7 @@ import asyncio
 import redis
 
 from macpool.contract import NodeDoc, now_ms
-from macpool.redis_server import RedisServer
+from macpool.dev.redis_server import RedisServer
 from macpool.store import Keys, Store
 from router.admission import Admission, Ticket
 from router.app import redis_client

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from macpool.procs import macpool_argv
+from macpool.dev.procs import macpool_argv
 from router.auth import KeyRing, load_api_keys
 from router.cli import build_settings
 from router.settings import ConfigError

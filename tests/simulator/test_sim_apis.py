@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from macpool.apis import APIS
-from simulator import tokens
+from macpool.sim import tokens
 from tests.conftest import Server
 from tests.inprocess import LocalStack
 

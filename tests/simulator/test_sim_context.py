@@ -10,11 +10,11 @@ from typing import Any
 import httpx
 import pytest
 
-from simulator import tokens
-from simulator.cli import parse_settings
-from simulator.engine import CONTEXT_EXCEEDED, Engine, Task
-from simulator.machine import load_preset
-from simulator.settings import Resolved, SimSettings
+from macpool.sim import tokens
+from macpool.sim.cli import parse_settings
+from macpool.sim.engine import CONTEXT_EXCEEDED, Engine, Task
+from macpool.sim.machine import load_preset
+from macpool.sim.settings import Resolved, SimSettings
 from tests.conftest import Server
 
 M2PRO = "m2pro-32g-coder30b-q4"  # 4 slots over 32K unified cells

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from simulator import tokens
-from simulator.engine import Engine, Task
-from simulator.machine import load_preset
+from macpool.sim import tokens
+from macpool.sim.engine import Engine, Task
+from macpool.sim.machine import load_preset
 
 
 def engine(slots: int = 2, n_ctx: int = 4096) -> Engine:

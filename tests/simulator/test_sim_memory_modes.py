@@ -6,9 +6,9 @@ import subprocess
 
 import httpx
 
-from macpool.procs import macpool_argv
-from simulator.engine import Engine, Task, closed_loop
-from simulator.machine import MemoryState, load_preset
+from macpool.dev.procs import macpool_argv
+from macpool.sim.engine import Engine, Task, closed_loop
+from macpool.sim.machine import MemoryState, load_preset
 from tests.conftest import Server, SpawnFactory
 
 

@@ -1,4 +1,4 @@
-"""Sparse GGUF model files (simulator/model_files.py), read back as the agent and the simulator read them."""
+"""Sparse GGUF model files (macpool/sim/model_files.py), read back as the agent and the simulator do."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from macpool.gguf_info import read_shape
-from simulator.model_files import write_model_gguf
+from macpool.sim.model_files import write_model_gguf
 
 
 def test_a_model_file_has_its_size_and_shape_and_takes_no_disk(tmp_path: Path) -> None:

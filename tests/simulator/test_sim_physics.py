@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.engine import closed_loop
-from simulator.machine import Machine, MachineError, MemoryState, load_machine, load_preset, preset_names
+from macpool.sim.engine import closed_loop
+from macpool.sim.machine import Machine, MachineError, MemoryState, load_machine, load_preset, preset_names
 
 LEVELS = range(2, 21, 2)
 

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from simulator.machine import MachineError
-from simulator.router_models import parse_models
+from macpool.sim.machine import MachineError
+from macpool.sim.router_models import parse_models
 from tests.conftest import wait_until
 from tests.inprocess import LocalStack
 

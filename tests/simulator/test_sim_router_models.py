@@ -1,4 +1,4 @@
-"""The router-mode simulator's models (simulator/router_models.py): ``--models`` and llama-server's
+"""The router-mode simulator's models (macpool/sim/router_models.py): ``--models`` and llama-server's
 model-preset INI file (``--models-preset``), the figures each model takes, and what a load of them holds."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from simulator.cli import UsageError, parse_settings
-from simulator.machine import MachineError, load_preset
-from simulator.model_files import write_model_gguf
-from simulator.router_models import gguf_machine, parse_models, read_models_preset, router_models
-from simulator.settings import SimSettings
+from macpool.sim.cli import UsageError, parse_settings
+from macpool.sim.machine import MachineError, load_preset
+from macpool.sim.model_files import write_model_gguf
+from macpool.sim.router_models import gguf_machine, parse_models, read_models_preset, router_models
+from macpool.sim.settings import SimSettings
 from tests.conftest import wait_until
 from tests.inprocess import LocalStack
 

@@ -12,10 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-import simulator
-from macpool.procs import macpool_argv
-from simulator.cli import UsageError, parse_settings
-from simulator.machine import load_preset
+import macpool.sim
+from macpool.dev.procs import macpool_argv
+from macpool.sim.cli import UsageError, parse_settings
+from macpool.sim.machine import load_preset
 from tests.conftest import Server
 from tests.inprocess import LocalStack
 
@@ -214,7 +214,7 @@ def test_environment_fills_the_flags_not_given(sim: SimFactory) -> None:
 
 def test_every_flag_has_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """`MACPOOL_SIM_<FLAG>`, as the docs say: `--machine` is `MACPOOL_SIM_MACHINE`."""
-    preset = Path(simulator.__file__).parent / "presets" / "m2pro-32g-8b-q4.json"
+    preset = Path(macpool.sim.__file__).parent / "presets" / "m2pro-32g-8b-q4.json"
     monkeypatch.setenv("MACPOOL_SIM_MACHINE", str(preset))
     monkeypatch.setenv("MACPOOL_SIM_CTX_SIZE", "4096")
     monkeypatch.setenv("MACPOOL_SIM_LOAD_SECONDS", "0.5")
@@ -225,7 +225,7 @@ def test_every_flag_has_its_environment_variable(monkeypatch: pytest.MonkeyPatch
 
 def test_a_machine_flag_wins_over_the_other_ones_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """--preset and --machine are one choice: a flag naming one beats the other's variable."""
-    machine = Path(simulator.__file__).parent / "presets" / "m2pro-32g-8b-q4.json"
+    machine = Path(macpool.sim.__file__).parent / "presets" / "m2pro-32g-8b-q4.json"
     monkeypatch.setenv("MACPOOL_SIM_PRESET", "m4max-64g-32b-q4")
     settings, _ = parse_settings(["--machine", str(machine)])
     assert settings.load_machine().name == load_preset(machine.stem).name

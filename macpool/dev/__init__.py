@@ -1,0 +1,1 @@
+"""Developer tooling: the llama-server build, the tiny model, the embedded Redis, process stacks."""
