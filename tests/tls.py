@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from macpool.redis_server import RedisServer, RedisServerError, TlsFiles, find_server_binary
+from macpool.dev.redis_server import RedisServer, RedisServerError, TlsFiles, find_server_binary
 
 LOOPBACK = ("localhost", "127.0.0.1")
 

@@ -14,7 +14,13 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterUnreachableError
 
-from macpool.redis_server import ClusterDeployment, RedisServer, SentinelDeployment, SentinelServer, TlsFiles
+from macpool.dev.redis_server import (
+    ClusterDeployment,
+    RedisServer,
+    SentinelDeployment,
+    SentinelServer,
+    TlsFiles,
+)
 from macpool.store import Keys
 from macpool.store.connect import connect
 from tests.tls import Ca, make_ca, require_tls_server
