@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "autoscale": ("macpool.autoscale.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
     "top": ("router.top", "live terminal view of the pool"),
+    "pool": ("macpool.pool_cli", "the pool's own files: `pool certs` makes its TLS CA and certificates"),
     "dev": ("macpool.dev.cli", "developer tasks: build llama-server, generate a tiny model, run the tests"),
 }
 
