@@ -85,6 +85,16 @@ def _run_parser() -> argparse.ArgumentParser:
     gw.add_argument(
         "--read-timeout", dest="read_timeout", type=float, help="upstream silence, s (default 600)"
     )
+    tls = p.add_argument_group("TLS (docs/security.md): HTTPS to the routers")
+    tls.add_argument(
+        "--tls-cert", dest="tls_cert", type=Path,
+        help="serve HTTPS with this certificate chain (PEM; with --tls-key): the node URL becomes https://",
+    )
+    tls.add_argument("--tls-key", dest="tls_key", type=Path, help="the private key of --tls-cert (PEM)")
+    tls.add_argument(
+        "--tls-client-ca", dest="tls_client_ca", type=Path,
+        help="require every client (the routers) to show a certificate of this CA: mutual TLS",
+    )
     cap = p.add_argument_group("capacity")
     cap.add_argument(
         "--cap", type=int, help="configured cap, never above llama-server's total_slots (default: that)"

@@ -20,6 +20,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from macpool.serving import check_tls_files
 from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_layered
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import BadMac, normalize_mac
@@ -78,6 +79,10 @@ class AgentSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8090, ge=0, le=65535)
     token: str | None = Field(default=None, validation_alias=AliasChoices("MACPOOL_AGENT_TOKEN"))
+    # HTTPS (docs/security.md, "TLS"); with tls_client_ca, mutual TLS: routers show a certificate of that CA
+    tls_cert: UserPath | None = None
+    tls_key: UserPath | None = None
+    tls_client_ca: UserPath | None = None
     connect_timeout: float = Field(default=5.0, gt=0)
     read_timeout: float = Field(default=600.0, gt=0)  # longest silence between two upstream chunks
     drain_timeout: float = Field(default=30.0, ge=0)
@@ -129,7 +134,11 @@ class AgentSettings(BaseSettings):
         if self.advertise_url:
             return self.advertise_url.rstrip("/")
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert is not None else "http"
 
     def check(self) -> None:
         """Fail before start, with one line naming the bad key, for anything that cannot work."""
@@ -139,6 +148,7 @@ class AgentSettings(BaseSettings):
             _check_http_url("--upstream", self.upstream)
         if self.advertise_url is not None:
             _check_http_url("--advertise-url", self.advertise_url)
+        self._check_tls()
         if self.supervise:
             argv = self.llama_command
             if not argv:
@@ -174,6 +184,23 @@ class AgentSettings(BaseSettings):
             raise ConfigError(f"--model {str(self.model)!r}: no such file")
         if self.calibration is not None and not self.calibration.is_file():
             raise ConfigError(f"--calibration {str(self.calibration)!r}: no such file")
+
+
+    def _check_tls(self) -> None:
+        if self.tls_cert is not None and self.tls_key is None:
+            raise ConfigError("--tls-cert needs --tls-key (the certificate's private key)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are asked "
+                              "for over HTTPS")
+        try:
+            check_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca,
+                            ("--tls-cert", "--tls-key", "--tls-client-ca"))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.tls_cert is not None and self.advertise_url is not None \
+                and urlsplit(self.advertise_url).scheme != "https":
+            raise ConfigError(f"--advertise-url {self.advertise_url!r}: the agent serves HTTPS (--tls-cert), "
+                              "so routers reach it at https://")
 
 
 def _check_http_url(flag: str, url: str) -> None:

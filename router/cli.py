@@ -10,7 +10,7 @@ from types import FrameType
 import uvicorn
 
 from macpool import logs
-from macpool.serving import server_config
+from macpool.serving import server_config, tls_options
 from router.settings import ConfigError, Settings
 
 
@@ -37,6 +37,7 @@ def serve(settings: Settings) -> None:
         proxy_headers=settings.access_log,  # a client's address (X-Forwarded-For) is for the access log
         log_level=settings.log_level,
         backlog=4096,
+        **tls_options(settings.tls_cert, settings.tls_key),
     )
     _Server(config, on_exit=app.state.begin_shutdown).run()
 
