@@ -14,9 +14,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("macpool.sim.cli", "run a simulated Mac running llama-server"),
     "bench": ("macpool.bench.cli", "load sweeps, seed table, overload and router-cost benchmarks"),
     "autoscale": ("macpool.autoscale.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
+    "pool": ("macpool.pool", "the operator's tasks: invite a Mac to join"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
     "top": ("router.top", "live terminal view of the pool"),
-    "pool": ("macpool.pool_cli", "the pool's own files: `pool certs` makes its TLS CA and certificates"),
     "dev": ("macpool.dev.cli", "developer tasks: build llama-server, generate a tiny model, run the tests"),
 }
 

@@ -14,10 +14,12 @@ server certificate.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import ipaddress
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,3 +192,42 @@ class PoolCerts:
             ca.issue(name, hosts).write(cert, key)
             written += [cert, key]
         return new_ca, written
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="macpool pool certs",
+        description="Make a pool CA (or use the one in --out) and certificates for the routers, the nodes "
+        "and Redis, each naming the hosts and IP addresses it is reached at (docs/security.md, TLS).",
+    )
+    p.add_argument("--out", type=Path, required=True, help="folder of the files (made 0700 if missing)")
+    p.add_argument("--router", nargs="+", default=[], metavar="HOST",
+                   help="the routers' host names and IP addresses: one certificate, router.pem")
+    p.add_argument("--node", action="append", default=[], metavar="ID=HOST[,HOST...]",
+                   help="a node (agent) id and its host names and IP addresses: node-ID.pem (repeat per Mac)")
+    p.add_argument("--redis", nargs="+", default=[], metavar="HOST",
+                   help="Redis's host names and IP addresses (its servers and sentinels): redis.pem")
+    p.add_argument("--force", action="store_true", help="replace certificates and keys that exist")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``macpool pool certs``."""
+    args = _parser().parse_args(argv)
+    try:
+        nodes = dict(node_spec(text) for text in args.node)
+        if len(nodes) != len(args.node):
+            raise PkiError("--node: a node id given twice")
+        new_ca, written = PoolCerts(args.out, args.router, nodes, args.redis).make(args.force)
+    except PkiError as exc:
+        print(f"macpool pool certs: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"macpool pool certs: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(("a new CA" if new_ca else "the CA") + f" in {args.out}: ca.pem (give it to every router, agent "
+          "and Redis), ca-key.pem (keep it off the Macs)")
+    for path in written:
+        if path.name not in ("ca.pem", "ca-key.pem"):
+            print(f"  {path}")
+    return 0

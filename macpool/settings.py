@@ -110,12 +110,18 @@ class CommandSettings(BaseSettings):
         """The settings of ``<command> argv``: its flags (parsed into ``flags``, when given, which then tells
         what they set), then ``init``, the environment and the config file. ``--help`` prints and exits 0, an
         unknown flag exits 2; a bad value raises ConfigError."""
-        try:
-            return CliApp.run(cls, cli_args=argv, cli_settings_source=flags, **init)
-        except ValidationError as exc:
-            raise ConfigError(first_error(exc)) from None
-        except SettingsError as exc:  # a value pydantic-settings cannot split or decode
-            raise ConfigError(f"{exc} (in the environment, a list setting is JSON: {JSON_LIST})") from None
+        return from_argv(cls, argv, flags, **init)
+
+
+def from_argv(cls: type[S], argv: list[str], flags: CliSettingsSource[Any] | None = None, **init: Any) -> S:
+    """``cls`` from the command line ``argv`` and whatever other sources ``cls`` names (see
+    :meth:`CommandSettings.from_argv`); a bad value raises ConfigError, one line naming it."""
+    try:
+        return CliApp.run(cls, cli_args=argv, cli_settings_source=flags, **init)
+    except ValidationError as exc:
+        raise ConfigError(first_error(exc)) from None
+    except SettingsError as exc:  # a value pydantic-settings cannot split or decode
+        raise ConfigError(f"{exc} (in the environment, a list setting is JSON: {JSON_LIST})") from None
 
 
 class ConfigFile(PydanticBaseSettingsSource):
@@ -193,41 +199,10 @@ def first_error(exc: ValidationError) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if not key:  # a rule between settings: its message names them, and the input is every setting
         return message
+    if error["type"] == "missing":
+        return f"--{key.replace('_', '-')} is required"
     if error["type"] == "extra_forbidden":
         return (f"unknown setting {key!r}: a misspelled key in the config file, or a "
                 f"MACPOOL_{key.upper()} environment variable this command does not read")
     value = "***" if any(word in key.lower() for word in _SECRET_WORDS) else redact(repr(error.get("input")))
     return f"invalid {key}={value}: {message}"
-
-
-# --- flags given as a dict, for the commands whose parser is still written by hand ---
-
-
-def load_layered(cls: type[S], flags: dict[str, Any], config_file: Path | None, section: str) -> S:
-    """Build ``cls`` from the flags, the environment and the ``[section]`` of ``config_file``."""
-    file_values = _anchored(cls, read_toml_table(config_file, section), config_file) if config_file else {}
-    try:
-        return layered(cls, flags, file_values)
-    except ValidationError as exc:
-        raise ConfigError(first_error(exc)) from None
-    except SettingsError as exc:  # an environment variable pydantic-settings cannot decode
-        raise ConfigError(f"{exc} (in the environment, a list setting is JSON: {JSON_LIST})") from None
-
-
-def layered(cls: type[S], flags: dict[str, Any], file_values: dict[str, Any]) -> S:
-    """Build ``cls`` from the three sources; raises pydantic's ValidationError."""
-
-    class _Layered(cls):  # type: ignore[valid-type, misc]
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return init_settings, env_settings, InitSettingsSource(settings_cls, file_values)
-
-    merged = _Layered(**{key: value for key, value in flags.items() if value is not None})
-    return cls.model_validate(merged.model_dump())

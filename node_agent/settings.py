@@ -1,4 +1,5 @@
-"""The agent's one settings object: flags > environment (``MACPOOL_*``) > TOML file (``--config``)."""
+"""The agent's one settings object, and its command line (``macpool agent run``): flags > ``MACPOOL_*``
+environment > ``--config`` TOML file (top-level keys or an ``[agent]`` table) > defaults."""
 
 from __future__ import annotations
 
@@ -10,24 +11,57 @@ import shutil
 import socket
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, AliasChoices, BeforeValidator, Field, ValidationError
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
+    CliSuppress,
     NoDecode,
+    PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
 from macpool.serving import check_tls_files
-from macpool.settings import ConfigError, RedisUrl, UserPath, first_error, load_layered
+from macpool.settings import CommandSettings, ConfigError, RedisUrl, UserPath, first_error
 from macpool.store import DEFAULT_PREFIX
-from macpool.wol import BadMac, normalize_mac
+from macpool.wol import normalize_mac
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
 # a model's name on a Mac of several (--models): its llama-server model id, and part of its node id and URL
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][\w.:-]*$")
+
+
+def _http_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("expected http://host:port")
+    _ = parts.port  # ValueError for a port that is not a number in range
+    return url
+
+
+def _executable(command: str) -> str:
+    """A path or a command line whose program is there to run."""
+    argv = shlex.split(command)
+    if not argv:
+        raise ValueError("empty: the path or command line of llama-server")
+    if shutil.which(argv[0]) is None:
+        raise ValueError(f"{argv[0]!r}: no such executable")
+    return command
+
+
+def _a_file(path: Path) -> Path:
+    if not path.is_file():
+        raise ValueError("no such file")
+    return path
+
+
+def _model_name(name: str) -> str:
+    if not MODEL_NAME.match(name):
+        raise ValueError(f"{name!r} is not a model name (letters, digits, '.', '_', ':', '-'; a letter or "
+                         "digit first)")
+    return name
 
 
 def _model_files(value: object) -> object:
@@ -45,75 +79,216 @@ def _model_files(value: object) -> object:
     return out
 
 
-ModelFiles = Annotated[dict[str, UserPath], NoDecode, BeforeValidator(_model_files)]
+def _mac(mac: str) -> str:
+    normalize_mac(mac)  # BadMac (a ValueError) names what is wrong
+    return mac
 
 
-class AgentSettings(BaseSettings):
-    """Everything `macpool agent run` needs, built once at the CLI edge and passed down."""
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+# a path, or a whole command line: ``~`` is the home directory
+LlamaServer = Annotated[str, AfterValidator(os.path.expanduser), AfterValidator(_executable)]
+# a file that must be there: ``~`` is the home directory, and a config file's relative path is the file's
+ExistingFile = Annotated[UserPath, AfterValidator(_a_file)]
+ModelFiles = Annotated[
+    dict[Annotated[str, AfterValidator(_model_name)], ExistingFile], NoDecode, BeforeValidator(_model_files)
+]
 
-    model_config = SettingsConfigDict(env_prefix="MACPOOL_", extra="forbid", populate_by_name=True)
 
-    # where llama-server is: attach to a running one, or supervise our own
-    upstream: str | None = None
-    llama_server: Annotated[str, AfterValidator(os.path.expanduser)] | None = None  # a path, or on PATH
-    model: UserPath | None = None
-    # several models on one Mac (node_agent/models.py): name -> GGUF file, served by llama-server's router
-    # mode; given as NAME=FILE[,NAME=FILE...] on the command line or in the environment, a table in TOML
-    models: ModelFiles = Field(default_factory=dict)
-    parallel: int | None = Field(default=None, ge=1)  # None: the slots that fit (node_agent/sizing.py)
-    # the most tokens (prompt and output) one request may hold: a slot's context. 32K holds a coding agent's
-    # turn (its system prompt, tools and the history it re-sends)
-    ctx_per_slot: int = Field(default=32768, ge=16)
-    llama_args: list[str] = Field(default_factory=list)
-    llama_log: UserPath | None = None
+class AgentSettings(CommandSettings):
+    """
+    Run the node agent: a capped local gateway in front of llama-server, heartbeats into Redis. Arguments
+    after `--` go to llama-server unchanged.
+    """
+
+    model_config = SettingsConfigDict(
+        cli_prog_name="macpool agent run", cli_shortcuts={"model": "m"}, populate_by_name=True
+    )
+    config_table = "agent"
+
+    # where llama-server is: attach to a running one, or supervise our own (exactly one)
+    upstream: HttpUrl | None = Field(
+        default=None, description="attach: URL of a running llama-server (or `macpool sim`)"
+    )
+    llama_server: LlamaServer | None = Field(
+        default=None, description="supervise: llama-server's path or command line (split as a shell would)"
+    )
+    model: ExistingFile | None = Field(
+        default=None, description="the GGUF file (required to supervise; sizes the KV cache)"
+    )
+    models: ModelFiles = Field(
+        default={},
+        description="several models on this Mac instead of --model: NAME=FILE.gguf[,NAME=FILE.gguf...] (a "
+        "table in TOML), served by llama-server's router mode, loaded on demand under one memory budget "
+        "(each is a pool node <node-id>/<NAME>)",
+    )
+    parallel: int | None = Field(
+        default=None, ge=1,
+        description="llama-server slots (supervise; unset: the slots whose KV cache fits the memory budget "
+        "at --ctx-per-slot, bounded by the calibrated cap; fewer after persistent memory pressure)",
+    )
+    ctx_per_slot: int = Field(
+        default=32768, ge=16,
+        description="the most tokens (prompt and output) one request may hold: each slot's context (32K "
+        "holds a coding agent's turn); the slots that fit are sized at it",
+    )
+    # the arguments after `--` (a list in TOML, JSON in the environment): no flag of its own
+    llama_args: CliSuppress[list[str]] = Field(
+        default=[], description="supervise: llama-server's arguments after the agent's; attach: the ones the "
+        "attached llama-server was started with, for its KV cache"
+    )
+    llama_log: UserPath | None = Field(default=None, description="append llama-server's output to this file")
 
     # the pool
-    redis_url: RedisUrl = "redis://127.0.0.1:6379/0"
+    redis_url: RedisUrl = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="the pool's Redis: redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://",
+    )
     # (no whitespace: the pool's events and scripts list node ids separated by spaces and newlines)
-    node_id: str = Field(default_factory=socket.gethostname, pattern=r"^\S+$")
-    advertise_url: str | None = None
-    key_prefix: str = DEFAULT_PREFIX
-    heartbeat_interval: float = Field(default=1.0, gt=0)
+    node_id: str = Field(
+        default_factory=socket.gethostname, pattern=r"^\S+$", description="the node's id in the pool"
+    )
+    advertise_url: HttpUrl | None = Field(
+        default=None,
+        description="how routers reach this agent (unset: http://<host>:<port>; https:// with --tls-cert)",
+    )
+    key_prefix: str = Field(default=DEFAULT_PREFIX, description="Redis key prefix (as the routers')")
+    heartbeat_interval: float = Field(default=1.0, gt=0, description="seconds between heartbeats")
 
     # the gateway
-    host: str = "127.0.0.1"
-    port: int = Field(default=8090, ge=0, le=65535)
-    token: str | None = Field(default=None, validation_alias=AliasChoices("MACPOOL_AGENT_TOKEN"))
+    host: str = Field(default="127.0.0.1", description="listen address (0.0.0.0 to serve the LAN)")
+    port: int = Field(default=8090, ge=0, le=65535, description="listen port")
+    token: str | None = Field(
+        default=None, validation_alias="agent_token",  # the router's setting of the same token
+        description="require this token in X-Macpool-Token",
+    )
     # HTTPS (docs/security.md, "TLS"); with tls_client_ca, mutual TLS: routers show a certificate of that CA
-    tls_cert: UserPath | None = None
-    tls_key: UserPath | None = None
-    tls_client_ca: UserPath | None = None
-    connect_timeout: float = Field(default=5.0, gt=0)
-    read_timeout: float = Field(default=600.0, gt=0)  # longest silence between two upstream chunks
-    drain_timeout: float = Field(default=30.0, ge=0)
-    request_read_timeout: float = Field(default=30.0, gt=0)  # to receive a request's body (408 past it)
-    # light requests (token counts, templates, tokenize) in flight at once: they hold no generation slot, but
-    # each holds a CPU core of the Mac and a thread of llama-server's while it is answered (docs/agent.md)
-    light_cap: int = Field(default=8, ge=1)
+    tls_cert: UserPath | None = Field(
+        default=None,
+        description="serve HTTPS with this certificate chain (PEM; with --tls-key): the node URL becomes "
+        "https://",
+    )
+    tls_key: UserPath | None = Field(default=None, description="the private key of --tls-cert (PEM)")
+    tls_client_ca: UserPath | None = Field(
+        default=None,
+        description="require every client (the routers) to show a certificate of this CA: mutual TLS",
+    )
+    connect_timeout: float = Field(default=5.0, gt=0, description="seconds to connect to llama-server")
+    read_timeout: float = Field(
+        default=600.0, gt=0,
+        description="longest silence of llama-server, seconds (between chunks, or before a non-streamed "
+        "answer)",
+    )
+    drain_timeout: float = Field(
+        default=30.0, ge=0, description="longest wait for in-flight requests on SIGTERM, seconds"
+    )
+    request_read_timeout: float = Field(
+        default=30.0, gt=0, description="seconds a client may take to send a request's body, then 408"
+    )
+    # light requests hold no generation slot, but each holds a CPU core of the Mac and a thread of
+    # llama-server's while it is answered (docs/agent.md)
+    light_cap: int = Field(
+        default=8, ge=1,
+        description="token counts, templates and tokenizations in flight at once, 503 node_full above",
+    )
 
     # honest capacity
-    cap: int | None = Field(default=None, ge=0)
-    calibration: UserPath | None = None
-    calibrated_cap: int | None = Field(default=None, ge=0)
-    calibrated_per_request_gb: float | None = Field(default=None, gt=0)
-    headroom_gb: float = Field(default=2.0, ge=0)
-    request_overhead_gb: float = Field(default=0.25, ge=0)
-    memory_probe: ProbeKind = "auto"
-    pressure_recover_beats: int = Field(default=3, ge=1)
-    wired_limit_gb: float | None = Field(default=None, gt=0)  # to size llama-server by; None: the probe's
-    shrink_after_beats: int = Field(default=10, ge=1)  # heartbeats of pressure before fewer slots
-    restart_backoff_max: float = Field(default=30.0, gt=0)
+    cap: int | None = Field(
+        default=None, ge=0,
+        description="configured cap, never above llama-server's total_slots (unset: total_slots)",
+    )
+    calibration: ExistingFile | None = Field(
+        default=None, description="a `calibrate --json` result or a --write-config file"
+    )
+    calibrated_cap: int | None = Field(default=None, ge=0, description="the calibrated cap, directly")
+    calibrated_per_request_gb: float | None = Field(
+        default=None, gt=0, description="the measured per-request working set, GB, directly"
+    )
+    headroom_gb: float = Field(default=2.0, ge=0, description="GB kept free under the wired limit")
+    request_overhead_gb: float = Field(
+        default=0.25, ge=0,
+        description="per-request working set beyond the KV cache, GB, for the GGUF estimate",
+    )
+    memory_probe: ProbeKind = Field(
+        default="auto", description="where memory figures come from (auto: the upstream's /sim/memory if it "
+        "has one, else this OS)"
+    )
+    pressure_recover_beats: int = Field(
+        default=3, ge=1, description="calm heartbeats before memory pressure lets go"
+    )
+    wired_limit_gb: float | None = Field(
+        default=None, gt=0,
+        description="the GPU wired-memory limit llama-server's slots are sized for (unset: the memory "
+        "probe's)",
+    )
+    shrink_after_beats: int = Field(
+        default=10, ge=1,
+        description="heartbeats of memory pressure before a supervised llama-server restarts with a quarter "
+        "fewer slots (only when the agent chose the slots)",
+    )
+    restart_backoff_max: float = Field(
+        default=30.0, gt=0, description="longest wait between llama-server restarts, seconds"
+    )
 
-    # the elastic pool (node_agent/standby.py): follow the autoscaler's active/standby word; start in standby
-    elastic: bool = False
-    standby: bool = False
-    # ... and go back to standby after this long without a request (0: only when the autoscaler says so)
-    idle_unload: float = Field(default=0.0, ge=0)
-    wol_mac: str | None = None  # this Mac's MAC address, so the autoscaler can wake it from sleep
-    wol_broadcast: str = "255.255.255.255"
+    # the elastic pool (node_agent/standby.py)
+    elastic: bool = Field(
+        default=False, description="follow the autoscaler: load the model or go to standby when it says so"
+    )
+    standby: bool = Field(
+        default=False,
+        description="start in standby (implies --elastic): registered, model not loaded, admitting nothing",
+    )
+    idle_unload: float = Field(
+        default=0.0, ge=0,
+        description="seconds without a request after which the node unloads its model and goes back to "
+        "standby by itself (0: only when the autoscaler says so)",
+    )
+    wol_mac: Annotated[str, AfterValidator(_mac)] | None = Field(
+        default=None, description="this Mac's MAC address, so that the autoscaler can wake it from sleep"
+    )
+    wol_broadcast: str = Field(
+        default="255.255.255.255", description="broadcast address of its LAN, for the magic packet"
+    )
 
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_format: Literal["text", "json"] = "text"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text, or json: one JSON object per line (uvicorn's lines too)"
+    )
+
+    @model_validator(mode="after")
+    def _one_llama_server(self) -> Self:
+        """A llama-server to attach to or one to supervise, with what supervising it needs."""
+        if (self.upstream is None) == (self.llama_server is None):
+            raise ValueError("give exactly one of --upstream URL (attach) or --llama-server CMD (supervise)")
+        if self.models and not self.supervise:
+            raise ValueError("--models needs --llama-server: the agent runs llama-server's router mode")
+        if not self.supervise:
+            return self
+        if self.model is None and not self.models:
+            raise ValueError("--model FILE.gguf (or --models NAME=FILE,...) is required with --llama-server")
+        if self.model is not None and self.models:
+            raise ValueError("give --model FILE.gguf or --models NAME=FILE,..., not both")
+        for arg in self.llama_args:
+            # llama-server takes the last --host/--port it is given, and these come after the agent's: one
+            # would open it to the network past the cap and token, the other hide it from the agent
+            if arg.partition("=")[0] in ("--host", "--port"):
+                raise ValueError(f"-- {arg}: the agent runs llama-server on 127.0.0.1 and a free port of its "
+                                 "choosing")
+        return self
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> Self:
+        if self.tls_cert is not None and self.tls_key is None:
+            raise ValueError("--tls-cert needs --tls-key (the certificate's private key)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are asked "
+                             "for over HTTPS")
+        check_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca,
+                        ("--tls-cert", "--tls-key", "--tls-client-ca"))
+        if self.tls_cert is not None and self.advertise_url is not None \
+                and urlsplit(self.advertise_url).scheme != "https":
+            raise ValueError(f"--advertise-url {self.advertise_url!r}: the agent serves HTTPS (--tls-cert), "
+                             "so routers reach it at https://")
+        return self
 
     @property
     def supervise(self) -> bool:
@@ -140,77 +315,85 @@ class AgentSettings(BaseSettings):
     def scheme(self) -> str:
         return "https" if self.tls_cert is not None else "http"
 
-    def check(self) -> None:
-        """Fail before start, with one line naming the bad key, for anything that cannot work."""
-        if (self.upstream is None) == (self.llama_server is None):
-            raise ConfigError("give exactly one of --upstream URL (attach) or --llama-server CMD (supervise)")
-        if self.upstream is not None:
-            _check_http_url("--upstream", self.upstream)
-        if self.advertise_url is not None:
-            _check_http_url("--advertise-url", self.advertise_url)
-        self._check_tls()
-        if self.supervise:
-            argv = self.llama_command
-            if not argv:
-                raise ConfigError("--llama-server is empty")
-            if shutil.which(argv[0]) is None:
-                raise ConfigError(f"--llama-server {argv[0]!r}: no such executable")
-            if self.model is None and not self.models:
-                raise ConfigError("--model FILE.gguf (or --models NAME=FILE,...) is required with "
-                                  "--llama-server")
-            if self.model is not None and self.models:
-                raise ConfigError("give --model FILE.gguf or --models NAME=FILE,..., not both")
-            for arg in self.llama_args:
-                # llama-server takes the last --host/--port it is given, and these come after the agent's:
-                # one would open it to the network past the cap and token, the other hide it from the agent
-                if arg.partition("=")[0] in ("--host", "--port"):
-                    raise ConfigError(
-                        f"-- {arg}: the agent runs llama-server on 127.0.0.1 and a free port of its choosing"
-                    )
-        if self.wol_mac is not None:
-            try:
-                normalize_mac(self.wol_mac)
-            except BadMac as exc:
-                raise ConfigError(f"--wol-mac: {exc}") from None
-        if self.models and not self.supervise:
-            raise ConfigError("--models needs --llama-server: the agent runs llama-server's router mode")
-        for name, path in self.models.items():
-            if not MODEL_NAME.match(name):
-                raise ConfigError(f"--models: {name!r} is not a model name (letters, digits, '.', '_', ':', "
-                                  "'-'; a letter or digit first)")
-            if not path.is_file():
-                raise ConfigError(f"--models {name}={str(path)!r}: no such file")
-        if self.model is not None and not self.model.is_file():
-            raise ConfigError(f"--model {str(self.model)!r}: no such file")
-        if self.calibration is not None and not self.calibration.is_file():
-            raise ConfigError(f"--calibration {str(self.calibration)!r}: no such file")
+
+def _writable(path: Path) -> Path:
+    """A file the command can write at its end: a check now, not after minutes of measuring."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"{str(folder)!r} is not a writable directory")
+    if path.exists() and (path.is_dir() or not os.access(path, os.W_OK)):
+        raise ValueError("not a writable file")
+    return path
 
 
-    def _check_tls(self) -> None:
-        if self.tls_cert is not None and self.tls_key is None:
-            raise ConfigError("--tls-cert needs --tls-key (the certificate's private key)")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are asked "
-                              "for over HTTPS")
+def _toml_or_new(path: Path) -> Path:
+    """The calibrated keys are placed by the file's tables: a file that does not parse must say so now."""
+    if path.exists():
         try:
-            check_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca,
-                            ("--tls-cert", "--tls-key", "--tls-client-ca"))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if self.tls_cert is not None and self.advertise_url is not None \
-                and urlsplit(self.advertise_url).scheme != "https":
-            raise ConfigError(f"--advertise-url {self.advertise_url!r}: the agent serves HTTPS (--tls-cert), "
-                              "so routers reach it at https://")
+            tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"not a TOML file ({exc})") from None
+    return path
 
 
-def _check_http_url(flag: str, url: str) -> None:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{flag} {url!r}: expected http://host:port")
-    try:
-        _ = parts.port
-    except ValueError as exc:
-        raise ConfigError(f"{flag} {url!r}: bad port") from exc
+WritableFile = Annotated[UserPath, AfterValidator(_writable)]
+
+
+class CalibrateSettings(BaseSettings):
+    """
+    Drive concurrency up in steps and recommend the cap: the smaller of the memory knee and the throughput
+    knee (the smallest level reaching 95% of the best throughput). Exits 1 when no level is safe.
+    """
+
+    # flags only: a one-off measurement, and MACPOOL_MODEL (the agent's GGUF file) is no model name
+    model_config = SettingsConfigDict(
+        cli_prog_name="macpool agent calibrate", cli_kebab_case=True, cli_hide_none_type=True,
+        cli_avoid_json=True, cli_parse_none_str="unset", extra="forbid",
+    )
+
+    upstream: HttpUrl = Field(description="llama-server (or `macpool sim`) URL")
+    prompt_tokens: int | None = Field(
+        default=None, ge=1,
+        description="prompt length (unset: near the context one request may hold on the server - its "
+        "slots' context less --max-tokens - the requests the Mac is sized for)",
+    )
+    max_tokens: int = Field(default=1024, ge=1, description="generated tokens per request")
+    max_concurrency: int = Field(default=24, ge=1, description="highest level tried")
+    step: int = Field(default=1, ge=1, description="between two levels")
+    levels: list[Annotated[int, Field(ge=1)]] = Field(
+        default=[], description="explicit comma-separated concurrency levels instead of 1..max by step"
+    )
+    window: int = Field(default=0, ge=0, description="requests measured per level (0: max(16, 6 x level))")
+    max_p50_ratio: float | None = Field(
+        default=None, gt=1,
+        description="latency bound: the cap is the largest level whose p50 is at most this many times the "
+        "first level's (instead of the throughput knee; memory and errors still bound it)",
+    )
+    max_ttft: float | None = Field(
+        default=None, gt=0, description="latency bound: the largest level whose TTFT p50 is at most this (s)"
+    )
+    model: str | None = Field(default=None, description="model name to send (unset: the server's)")
+    json_file: WritableFile | None = Field(
+        default=None, validation_alias="json",
+        description="write the result (recommended_cap, per_request_gb, rows)",
+    )
+    plot: WritableFile | None = Field(
+        default=None, description="draw throughput, p50 and pinned memory curves (PNG)"
+    )
+    write_config: Annotated[WritableFile, AfterValidator(_toml_or_new)] | None = Field(
+        default=None, description="store calibrated_cap in this agent TOML config"
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # pydantic-settings puts the command line before it
 
 
 def read_calibration(path: Path) -> dict[str, Any]:
@@ -240,22 +423,12 @@ def read_calibration(path: Path) -> dict[str, Any]:
     return out
 
 
-def load_settings(flags: dict[str, Any], config_file: Path | None = None) -> AgentSettings:
-    """Merge the three sources (flags win, then ``MACPOOL_*``, then the file) and check the result."""
-    settings = load_layered(AgentSettings, flags, config_file, "agent")
-    for mode, other in (("upstream", "llama_server"), ("llama_server", "upstream")):
-        if flags.get(mode) is not None and flags.get(other) is None:
-            # one choice: --upstream or --llama-server on the command line wins over the other's setting in
-            # the environment or the file (attaching to a test server with the Mac's usual config file)
-            settings = settings.model_copy(update={other: None})
-    if settings.calibration is not None:
-        settings.check()
-        calibrated = read_calibration(settings.calibration)
-        explicit = {k for k in ("calibrated_cap", "calibrated_per_request_gb") if flags.get(k) is not None}
-        update = {k: v for k, v in calibrated.items() if k not in explicit}
-        try:  # validated like any other source (a copy with an update would take "x" or -5 as they are)
-            settings = AgentSettings.model_validate({**settings.model_dump(), **update})
-        except ValidationError as exc:
-            raise ConfigError(f"--calibration {str(settings.calibration)!r}: {first_error(exc)}") from None
-    settings.check()
-    return settings
+def calibrated(settings: AgentSettings, flags: set[str]) -> AgentSettings:
+    """``settings`` with the figures of its calibration file, but for those the ``flags`` gave."""
+    if settings.calibration is None:
+        return settings
+    update = {k: v for k, v in read_calibration(settings.calibration).items() if k not in flags}
+    try:  # validated like any other source (a copy with an update would take "x" or -5 as they are)
+        return AgentSettings.model_validate({**settings.model_dump(), **update})
+    except ValidationError as exc:
+        raise ConfigError(f"--calibration {str(settings.calibration)!r}: {first_error(exc)}") from None

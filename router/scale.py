@@ -26,6 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
 
 from macpool.loops import wait_event
 from macpool.scaling import ScalePolicy, demand_of, number
@@ -46,6 +54,7 @@ class ScaleConfig:
     webhook_debounce_s: float = 5.0
     webhook_timeout_s: float = 5.0
     webhook_attempts: int = 4
+    webhook_backoff_s: float = 0.5  # the first wait between attempts; each next one doubles, up to 10 s
     sample_interval_s: float = 0.5
     history_s: float = 600.0
 
@@ -144,11 +153,16 @@ class ScaleAdvisor:
         return ScaleHint(current, self.desired, number(pool, "saturation"), reason, demand, per_node)
 
 
+class _Refused(Exception):
+    """The webhook answered, but not with a 2xx."""
+
+
 class ScaleWebhook:
     """POST the scale document when desired_nodes changes: debounced, retried, bounded.
 
     Only the latest document is kept; one delivery runs at a time; each is tried ``attempts`` times
-    with exponential backoff and a per-attempt timeout, then dropped with a log line.
+    with exponential backoff (with jitter, so that routers sharing a webhook do not retry in step) and a
+    per-attempt timeout, then dropped with a log line.
     """
 
     def __init__(self, config: ScaleConfig, client: httpx.AsyncClient | None = None) -> None:
@@ -174,25 +188,33 @@ class ScaleWebhook:
     async def _deliver(self, doc: dict[str, Any]) -> None:
         cfg = self.config
         client = self._client or httpx.AsyncClient(timeout=cfg.webhook_timeout_s)
+        backoff = cfg.webhook_backoff_s
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(cfg.webhook_attempts),
+            wait=wait_exponential_jitter(multiplier=backoff, max=10.0, jitter=backoff),
+            retry=retry_if_exception_type((httpx.HTTPError, _Refused)),
+            after=self._attempt_failed,
+        )
         try:
-            for attempt in range(cfg.webhook_attempts):
-                try:
+            async for attempt in retrying:
+                with attempt:
                     response = await client.post(cfg.webhook_url, json=doc, timeout=cfg.webhook_timeout_s)
-                    if response.status_code < 300:
-                        self._sent_desired = int(doc["desired_nodes"])
-                        self.delivered = [*self.delivered[-9:], doc]
-                        return
-                    failure = f"HTTP {response.status_code}"
-                except httpx.HTTPError as exc:
-                    failure = f"{type(exc).__name__}: {exc}"
-                log.warning(
-                    "scale webhook attempt %d/%d failed: %s", attempt + 1, cfg.webhook_attempts, failure
-                )
-                await asyncio.sleep(min(0.5 * 2**attempt, 10.0))
+                    if response.status_code >= 300:
+                        raise _Refused(f"HTTP {response.status_code}")
+            self._sent_desired = int(doc["desired_nodes"])
+            self.delivered = [*self.delivered[-9:], doc]
+        except RetryError:
             log.error("scale webhook gave up on desired_nodes=%s", doc["desired_nodes"])
         finally:
             if self._client is None:
                 await client.aclose()
+
+    def _attempt_failed(self, state: RetryCallState) -> None:
+        assert state.outcome is not None  # called after an attempt, which failed
+        exc = state.outcome.exception()
+        failure = str(exc) if isinstance(exc, _Refused) else f"{type(exc).__name__}: {exc}"
+        attempts = self.config.webhook_attempts
+        log.warning("scale webhook attempt %d/%d failed: %s", state.attempt_number, attempts, failure)
 
     async def aclose(self) -> None:
         if self._task is not None and not self._task.done():

@@ -151,15 +151,18 @@ def test_bad_figures_and_unwritable_outputs_fail_before_measuring(
     refused = "--upstream", "http://127.0.0.1:9"
     done = subprocess.run(macpool_argv("agent", "calibrate", *refused, "--levels", "0"),
                           capture_output=True, text=True, timeout=30)  # as a process: exit 2, one line
-    assert done.returncode == 2 and "--levels" in done.stderr, done.stderr
+    assert done.returncode == 2 and "invalid levels.0=0" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "conc" not in done.stdout, done.stderr
-    for args, said in ((["--step", "0"], "--step"),  # the others in this process
+    for args, said in ((["--step", "0"], "step='0'"),  # the others in this process
                        (["--write-config", str(broken)], "not a TOML file"),
-                       (["--max-concurrency", "0"], "--max-concurrency"),
-                       (["--max-p50-ratio", "1"], "--max-p50-ratio"), (["--max-ttft", "0"], "--max-ttft"),
-                       (["--json", str(tmp_path / "missing" / "cal.json")], "--json"),
-                       (["--write-config", str(tmp_path)], "--write-config")):
+                       (["--max-concurrency", "0"], "max_concurrency='0'"),
+                       (["--max-p50-ratio", "1"], "max_p50_ratio='1'"), (["--max-ttft", "0"], "max_ttft='0'"),
+                       (["--levels", "2,x"], "levels.1='x'"), (["--upstream", "127.0.0.1:9"], "http://"),
+                       (["--json", str(tmp_path / "missing" / "cal.json")], "is not a writable directory"),
+                       (["--write-config", str(tmp_path)], "write_config=")):
         assert agent_cli.main(["calibrate", *refused, *args]) == 2, args
         out, err = capsys.readouterr()
         assert said in err and len(err.strip().splitlines()) == 1, err
         assert "conc" not in out  # the sweep's table never started
+    assert agent_cli.main(["calibrate", "--max-tokens", "8"]) == 2
+    assert capsys.readouterr().err.strip() == "macpool agent: error: --upstream is required"

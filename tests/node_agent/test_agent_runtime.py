@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -23,8 +24,10 @@ def attached() -> Runtime:
     return Runtime(AgentSettings(upstream="http://upstream"), upstream_url="http://upstream")
 
 
-def supervised() -> Runtime:
-    return Runtime(AgentSettings(llama_server="llama-server", model="m.gguf"))
+def supervised(folder: Path) -> Runtime:
+    model = folder / "m.gguf"  # the settings check it is there; the runtime does not read it
+    model.write_bytes(b"GGUF")
+    return Runtime(AgentSettings(llama_server="true", model=model))
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -36,12 +39,12 @@ def shown_states(runtime: Runtime) -> list[str]:
     return [s for s in NODE_STATES if sample(registry, "macpool_agent_state_info", state=s) == 1]
 
 
-def test_a_new_agent_is_starting_and_admits_nothing() -> None:
+def test_a_new_agent_is_starting_and_admits_nothing(tmp_path: Path) -> None:
     runtime = attached()
     assert (runtime.state, runtime.capacity, runtime.admitting) == ("starting", 0, False)
     assert shown_states(runtime) == ["starting"]
     assert runtime.llama_state is None  # attached: the heartbeat judges llama-server from its answers
-    assert supervised().llama_state == "starting"
+    assert supervised(tmp_path).llama_state == "starting"
 
 
 def test_the_heartbeat_decision_sets_state_capacity_and_admission() -> None:
@@ -66,8 +69,8 @@ def test_a_lost_upstream_stops_admission_and_asks_for_a_beat_now() -> None:
     assert (runtime.state, runtime.admitting) == ("unhealthy", False)
 
 
-def test_a_supervised_llama_server_going_down_and_up() -> None:
-    runtime = supervised()
+def test_a_supervised_llama_server_going_down_and_up(tmp_path: Path) -> None:
+    runtime = supervised(tmp_path)
     runtime.llama_up()
     assert runtime.llama_state is None
     runtime.capacity_decided("ready", capacity=2, total_slots=2)
@@ -81,8 +84,8 @@ def test_a_supervised_llama_server_going_down_and_up() -> None:
     assert runtime.admitting
 
 
-def test_draining_is_the_last_state() -> None:
-    runtime = supervised()
+def test_draining_is_the_last_state(tmp_path: Path) -> None:
+    runtime = supervised(tmp_path)
     runtime.capacity_decided("ready", capacity=2, total_slots=2)
     runtime.begin_drain()
     assert (runtime.state, runtime.admitting, runtime.draining) == ("draining", False, True)

@@ -10,7 +10,9 @@ import pytest
 from macpool.settings import ConfigError
 from node_agent.calibrate import Knee, write_config
 from node_agent.cli import build_settings
-from node_agent.settings import load_settings
+from node_agent.settings import AgentSettings
+
+ATTACH = ["--upstream", "http://127.0.0.1:1"]
 
 
 def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,12 +24,25 @@ def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("MACPOOL_NODE_ID", "from-env")
     monkeypatch.setenv("MACPOOL_CAP", "5")
     monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "env-token")
-    settings = load_settings({"cap": 7}, config)
+    settings = build_settings(["--config", str(config), "--cap", "7"])
     assert settings.cap == 7  # flag
     assert settings.node_id == "from-env"  # env over file
     assert settings.headroom_gb == 4.0 and settings.upstream == "http://file:1"  # file
     assert settings.token == "env-token"
-    assert load_settings({"token": "flag"}, config).token == "flag"
+    assert build_settings(["--config", str(config), "--token", "flag"]).token == "flag"
+
+
+def test_the_token_goes_by_its_names_and_the_routers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "agent.toml"
+    for key in ("token", "agent_token"):
+        config.write_text(f'upstream = "http://file:1"\n{key} = "from-file"\n')
+        assert build_settings(["--config", str(config)]).token == "from-file"
+    for flag in ("--token", "--agent-token"):
+        assert build_settings([*ATTACH, flag, "from-flag"]).token == "from-flag"
+    monkeypatch.setenv("MACPOOL_TOKEN", "agent's own")
+    assert build_settings(ATTACH).token == "agent's own"
+    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "the router's")  # named as the router names it: it wins
+    assert build_settings(ATTACH).token == "the router's"
 
 
 def test_the_mode_flag_wins_over_the_other_mode_from_the_file_or_environment(
@@ -38,13 +53,13 @@ def test_the_mode_flag_wins_over_the_other_mode_from_the_file_or_environment(
     model.write_bytes(b"")
     config = tmp_path / "agent.toml"
     config.write_text(f'llama_server = "true"\nmodel = "{model}"\n')
-    settings = load_settings({"upstream": "http://127.0.0.1:1"}, config)
+    settings = build_settings(["--config", str(config), *ATTACH])
     assert (settings.upstream, settings.supervise) == ("http://127.0.0.1:1", False)
     monkeypatch.setenv("MACPOOL_UPSTREAM", "http://127.0.0.1:1")
-    settings = load_settings({"llama_server": "true", "model": model})
+    settings = build_settings(["--llama-server", "true", "--model", str(model)])
     assert (settings.upstream, settings.llama_command) == (None, ["true"])
     with pytest.raises(ConfigError, match="exactly one"):
-        load_settings({}, config)
+        build_settings(["--config", str(config)])
 
 
 def test_a_config_files_paths_are_relative_to_it_and_tilde_is_home(
@@ -64,22 +79,27 @@ def test_a_config_files_paths_are_relative_to_it_and_tilde_is_home(
     config = etc / "agent.toml"
     config.write_text('llama_server = "~/llama.cpp/llama-server"\nmodel = "~/models/m.gguf"\n'
                       'llama_log = "logs/llama-server.log"\n')
-    settings = load_settings({}, config)
+    settings = build_settings(["--config", str(config)])
     assert settings.llama_server == str(home / "llama.cpp" / "llama-server")
     assert settings.model == home / "models" / "m.gguf"
     assert settings.llama_log == etc / "logs" / "llama-server.log"
     # given as a flag, a relative path is the working directory's, as on any command line
-    assert load_settings({"llama_log": "x.log"}, config).llama_log == Path("x.log")
+    assert build_settings(["--config", str(config), "--llama-log", "x.log"]).llama_log == Path("x.log")
 
 
-def test_calibration_file_sets_the_calibrated_terms(tmp_path: Path) -> None:
+def test_calibration_file_sets_the_calibrated_terms_but_a_flag_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     result = tmp_path / "cal.json"
     result.write_text(json.dumps({"recommended_cap": 8, "per_request_gb": 2.6, "rows": []}))
-    settings = load_settings({"upstream": "http://127.0.0.1:1", "calibration": result})
+    monkeypatch.setenv("MACPOOL_CALIBRATED_CAP", "3")  # the calibration file's figure beats it
+    settings = build_settings([*ATTACH, "--calibration", str(result)])
     assert (settings.calibrated_cap, settings.calibrated_per_request_gb) == (8, 2.6)
+    settings = build_settings([*ATTACH, "--calibration", str(result), "--calibrated-cap", "5"])
+    assert (settings.calibrated_cap, settings.calibrated_per_request_gb) == (5, 2.6)
     written = tmp_path / "agent.toml"
     written.write_text("calibrated_cap = 6\n")
-    assert load_settings({"upstream": "http://127.0.0.1:1", "calibration": written}).calibrated_cap == 6
+    assert build_settings([*ATTACH, "--calibration", str(written)]).calibrated_cap == 6
 
 
 @pytest.mark.parametrize("layout", ["top-level", "agent table", "dotted keys"])
@@ -91,9 +111,9 @@ def test_write_config_puts_the_cap_where_the_agent_reads_it(tmp_path: Path, layo
     config.write_text({"top-level": keys, "agent table": agent_table, "dotted keys": dotted}[layout])
     for cap in (7, 5):  # written twice: the second replaces the first
         write_config(config, Knee(cap, "memory", 2.5, 20.0, 96.0))
-        settings = load_settings({}, config)
+        settings = build_settings(["--config", str(config)])
         assert (settings.calibrated_cap, settings.calibrated_per_request_gb) == (cap, 2.5)
-        calibrated = load_settings({"upstream": "http://127.0.0.1:1", "calibration": config})
+        calibrated = build_settings([*ATTACH, "--calibration", str(config)])
         assert calibrated.calibrated_cap == cap
     assert config.read_text().count("calibrated_cap") == 1
 
@@ -107,13 +127,13 @@ def test_calibration_values_are_checked_like_any_setting(tmp_path: Path) -> None
         path = tmp_path / "cal.json"
         path.write_text(content)
         with pytest.raises(ConfigError, match=said):
-            load_settings({"upstream": "http://127.0.0.1:1", "calibration": path})
+            build_settings([*ATTACH, "--calibration", str(path)])
     binary = tmp_path / "cal.toml"
     binary.write_bytes(b"\xff\xfe")
     with pytest.raises(ConfigError, match="not UTF-8"):
-        load_settings({"upstream": "http://127.0.0.1:1", "calibration": binary})
+        build_settings([*ATTACH, "--calibration", str(binary)])
     with pytest.raises(ConfigError, match="not UTF-8"):
-        load_settings({"upstream": "http://127.0.0.1:1"}, binary)
+        build_settings([*ATTACH, "--config", str(binary)])
 
 
 def test_setting_errors_are_one_line_and_never_echo_a_secret(
@@ -121,25 +141,63 @@ def test_setting_errors_are_one_line_and_never_echo_a_secret(
 ) -> None:
     monkeypatch.setenv("MACPOOL_LLAMA_ARGS", "--x")  # a list setting takes JSON
     with pytest.raises(ConfigError, match="JSON"):
-        load_settings({"upstream": "http://127.0.0.1:1"})
+        build_settings(ATTACH)
     monkeypatch.delenv("MACPOOL_LLAMA_ARGS")
     config = tmp_path / "agent.toml"
-    config.write_text('upstream = "http://127.0.0.1:1"\nagent_token = "s3cret"\n')  # the key is `token`
-    with pytest.raises(ConfigError, match="unknown setting 'agent_token'") as raised:
-        load_settings({}, config)
+    config.write_text('upstream = "http://127.0.0.1:1"\nagent_tokn = "s3cret"\n')
+    with pytest.raises(ConfigError, match="unknown setting 'agent_tokn'") as raised:
+        build_settings(["--config", str(config)])
     assert "s3cret" not in str(raised.value)
+    config.write_text('upstream = "http://127.0.0.1:1"\ntoken = ["not", "a", "string"]\n')
     with pytest.raises(ConfigError, match=r"token=\*\*\*") as raised:
-        load_settings({"upstream": "http://127.0.0.1:1", "token": ["not", "a", "string"]})
-    assert "not" not in str(raised.value)
+        build_settings(["--config", str(config)])
+    assert "not" not in str(raised.value).replace("not a valid", "")
 
 
 def test_one_line_errors_name_the_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="parallel"):
-        load_settings({"upstream": "http://127.0.0.1:1", "parallel": 0})
+    with pytest.raises(ConfigError, match="parallel='0'"):
+        build_settings([*ATTACH, "--parallel", "0"])
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ConfigError, match="recommended_cap"):
-        load_settings({"upstream": "http://127.0.0.1:1", "calibration": bad})
+        build_settings([*ATTACH, "--calibration", str(bad)])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--upstream", "ftp://h:1"], "upstream='ftp://h:1': expected http://host:port"),
+    (["--upstream", "http://h:99999"], "upstream='http://h:99999': Port out of range"),
+    ([*ATTACH, "--advertise-url", "h:1"], "advertise_url='h:1': expected http://host:port"),
+    (["--llama-server", "no-such-llama", "-m", "a.gguf"], "'no-such-llama': no such executable"),
+    (["--llama-server", " ", "-m", "a.gguf"], "llama_server=' ': empty"),
+    (["--llama-server", "true"], "--model FILE.gguf (or --models NAME=FILE,...) is required"),
+    (["--llama-server", "true", "-m", "missing.gguf"], "model='missing.gguf': no such file"),
+    ([*ATTACH, "--calibration", "missing.json"], "calibration='missing.json': no such file"),
+    ([*ATTACH, "--node-id", "a b"], "node_id='a b': String should match pattern"),
+])
+def test_a_setting_that_cannot_work_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConfigError) as raised:
+        build_settings(argv)
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_the_arguments_after_the_double_dash_are_llama_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    monkeypatch.setenv("MACPOOL_LLAMA_ARGS", '["--from-env"]')
+    supervise = ["--llama-server", "true", "-m", "a.gguf"]
+    settings = build_settings([*supervise, "--", "--tensor-split", "3,1", "-ngl", "99", "--", "x"])
+    assert settings.llama_args == ["--tensor-split", "3,1", "-ngl", "99", "--", "x"]
+    assert build_settings(supervise).llama_args == ["--from-env"]
+    with pytest.raises(ConfigError, match=r"-- --port=9: the agent runs llama-server on 127\.0\.0\.1"):
+        build_settings([*supervise, "--", "--port=9"])
+    # attached, they describe how its llama-server was started: its own --port included
+    assert build_settings([*ATTACH, "--", "--port", "9"]).llama_args == ["--port", "9"]
 
 
 def test_a_misspelled_file_key_fails_but_other_programs_environment_does_not(
@@ -148,10 +206,10 @@ def test_a_misspelled_file_key_fails_but_other_programs_environment_does_not(
     config = tmp_path / "agent.toml"
     config.write_text('[agent]\nupstream = "http://127.0.0.1:1"\nheartbeat-intervall = 9\n')
     with pytest.raises(ConfigError, match="heartbeat_intervall"):
-        load_settings({}, config)
+        build_settings(["--config", str(config)])
     monkeypatch.setenv("MACPOOL_QUEUE_SIZE", "3")  # the router's, in a shared environment
     config.write_text('[agent]\nupstream = "http://127.0.0.1:1"\nheartbeat-interval = 2\n')
-    assert load_settings({}, config).heartbeat_interval == 2.0
+    assert build_settings(["--config", str(config)]).heartbeat_interval == 2.0
 
 
 def test_several_models_from_a_flag_the_environment_or_a_table_relative_to_the_file(
@@ -162,29 +220,30 @@ def test_several_models_from_a_flag_the_environment_or_a_table_relative_to_the_f
     config = tmp_path / "agent.toml"
     config.write_text('llama_server = "true"\n[models]\nchat = "a.gguf"\ncoder = "b.gguf"\n')
     monkeypatch.chdir("/")
-    assert load_settings({}, config).models == {"chat": tmp_path / "a.gguf", "coder": tmp_path / "b.gguf"}
+    settings = build_settings(["--config", str(config)])
+    assert settings.models == {"chat": tmp_path / "a.gguf", "coder": tmp_path / "b.gguf"}
     flag = f"chat={tmp_path / 'a.gguf'}, coder={tmp_path / 'b.gguf'}"
-    assert list(load_settings({"llama_server": "true", "models": flag}).models) == ["chat", "coder"]
+    assert list(build_settings(["--llama-server", "true", "--models", flag]).models) == ["chat", "coder"]
     monkeypatch.setenv("MACPOOL_MODELS", f"only={tmp_path / 'a.gguf'}")
-    assert list(load_settings({"llama_server": "true"}).models) == ["only"]
+    assert list(build_settings(["--llama-server", "true"]).models) == ["only"]
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    ({"models": "chat"}, "NAME=FILE"),
-    ({"models": "a=x.gguf,a=y.gguf"}, "twice"),
-    ({"models": "bad/name=a.gguf"}, "not a model name"),
-    ({"models": "chat=missing.gguf"}, "no such file"),
-    ({"models": "chat=a.gguf", "model": "a.gguf"}, "not both"),
-    ({"models": "chat=a.gguf", "upstream": "http://127.0.0.1:1", "llama_server": None},
-     "needs --llama-server"),
+    (["--models", "chat"], "NAME=FILE"),
+    (["--models", "a=x.gguf,a=y.gguf"], "twice"),
+    (["--models", "bad/name=a.gguf"], "not a model name"),
+    (["--models", "chat=missing.gguf"], "no such file"),
+    (["--models", "chat=a.gguf", "--model", "a.gguf"], "not both"),
+    (["--models", "chat=a.gguf", *ATTACH], "needs --llama-server"),
 ])
 def test_bad_model_lists_fail_with_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: dict[str, str], message: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], message: str
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    argv = flags if "--upstream" in flags else ["--llama-server", "true", *flags]
     with pytest.raises(ConfigError, match=message):
-        load_settings({"llama_server": "true", **flags})
+        build_settings(argv)
 
 
 def test_the_light_cap_is_a_flag_a_variable_or_a_key_and_at_least_one(
@@ -192,11 +251,19 @@ def test_the_light_cap_is_a_flag_a_variable_or_a_key_and_at_least_one(
 ) -> None:
     config = tmp_path / "agent.toml"
     config.write_text('upstream = "http://file:1"\nlight_cap = 3\n')
-    assert load_settings({}, config).light_cap == 3
+    assert build_settings(["--config", str(config)]).light_cap == 3
     monkeypatch.setenv("MACPOOL_LIGHT_CAP", "5")
-    assert load_settings({}, config).light_cap == 5
+    assert build_settings(["--config", str(config)]).light_cap == 5
     assert build_settings(["--light-cap", "7", "--config", str(config)]).light_cap == 7
     monkeypatch.delenv("MACPOOL_LIGHT_CAP")
-    assert load_settings({"upstream": "http://127.0.0.1:1"}).light_cap == 8
+    assert build_settings(ATTACH).light_cap == 8
     with pytest.raises(ConfigError, match="light_cap"):
-        load_settings({"upstream": "http://127.0.0.1:1", "light_cap": 0})
+        build_settings([*ATTACH, "--light-cap", "0"])
+
+
+def test_settings_built_in_code_are_checked_as_the_command_lines_are(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        AgentSettings()
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert AgentSettings(llama_server="true", model=model).supervise

@@ -14,8 +14,9 @@ from redis.asyncio import Redis
 
 from macpool.settings import ConfigError
 from macpool.store.elastic import ElasticStore, Mode
+from node_agent.cli import build_settings
 from node_agent.runtime import Runtime
-from node_agent.settings import AgentSettings, load_settings
+from node_agent.settings import AgentSettings
 from tests.conftest import Server
 from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until
 
@@ -107,9 +108,9 @@ def test_attached_standby_becomes_ready_once_its_upstream_answers(
     wait_until(state_is(redis_url, "standby"), what="standby again")
 
 
-def test_a_bad_wol_mac_is_one_line_naming_the_flag() -> None:
-    with pytest.raises(ConfigError, match="--wol-mac: MAC address 'a0:ce:c8'"):
-        load_settings({"upstream": "http://127.0.0.1:1", "wol_mac": "a0:ce:c8"})
+def test_a_bad_wol_mac_is_one_line_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="wol_mac='a0:ce:c8': MAC address 'a0:ce:c8': expected six hex"):
+        build_settings(["--upstream", "http://127.0.0.1:1", "--wol-mac", "a0:ce:c8"])
 
 
 def test_the_runtime_holds_standby_until_told_and_loading_until_ready() -> None:

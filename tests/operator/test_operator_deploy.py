@@ -26,7 +26,6 @@ from pydantic_settings import CliSettingsSource
 
 from macpool.autoscale.settings import AutoscaleSettings
 from macpool.dev.procs import macpool_argv
-from macpool.settings import load_layered
 from macpool.sim.machine import preset_names
 from node_agent.runtime import AgentMetrics
 from node_agent.settings import AgentSettings
@@ -404,7 +403,7 @@ def test_every_supervisor_waits_out_the_graceful_shutdown() -> None:
     assert plist["ExitTimeOut"] > drain + AGENT_EXIT_MARGIN
 
 
-def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> None:
+def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes(tmp_path: Path) -> None:
     macos = DEPLOY / "macos"
     plist = plistlib.loads((macos / "com.macpool.agent.plist").read_bytes())
     program, *argv = plist["ProgramArguments"]
@@ -417,17 +416,62 @@ def test_launchd_plist_runs_the_agent_on_the_toml_file_the_guide_writes() -> Non
     assert config.parts[:3] == ("/", "Users", "USER") and program.startswith("/Users/USER/macpool/")
     for name in plist["EnvironmentVariables"]:
         assert name == "PATH" or name in env_names(AgentSettings), f"{name} is no setting of macpool agent"
-    settings = load_layered(AgentSettings, {}, macos / "agent.toml", "agent")  # a misspelled key fails here
     keys = tomllib.loads((macos / "agent.toml").read_text())
+    assert keys["llama_server"] and keys["model"], "the plist's agent supervises llama-server"
+    # the file is read as the Mac reads it (a misspelled key or a bad value fails here), with stand-ins for
+    # the Mac's llama-server and model, which are not on this machine
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    stand_ins = ["--llama-server", "true", "--model", str(model)]
+    settings = AgentSettings.from_argv(["--config", str(macos / "agent.toml"), *stand_ins])
     assert "node_id" in keys, "each Mac needs its own node id: the default (host name) is shared by clones"
     assert urlparse(settings.advertise_url).port == settings.port
     assert settings.host == "0.0.0.0", "routers on other hosts must reach the agent"
-    assert settings.llama_server and settings.model, "the plist's agent supervises llama-server"
     looked_up = f"\"macpool:{{pool}}:node:{settings.node_id}\" doc"
     assert looked_up in guide, "the guide looks the node up under its node_id"
 
 
-SUBCOMMANDS = {"router": 1, "agent": 2, "sim": 1, "demo": 1, "top": 1}  # words naming the command
+def test_the_macos_router_daemon_runs_the_router_on_the_toml_file_the_guide_writes() -> None:
+    macos = DEPLOY / "macos"
+    plist = plistlib.loads((macos / "com.macpool.router.plist").read_bytes())
+    program, *argv = plist["ProgramArguments"]
+    assert program.endswith("/bin/macpool") and argv[0] == "router"
+    assert not unknown_flags(("router",), argv[1:])
+    assert plist["UserName"] == "USER" and plist["RunAtLoad"]
+    guide = (macos / "README.md").read_text()
+    block = re.search(r"## The router on a Mac.*?```toml\n(.*?)```", guide, re.S)
+    assert block is not None
+    keys = tomllib.loads(block.group(1))
+    assert set(keys) <= set(RouterSettings.model_fields), set(keys) - set(RouterSettings.model_fields)
+    assert Path(flag_value(argv, "--config")).name == "router.toml"
+
+
+def test_the_wired_limit_daemon_sets_the_limit_at_boot() -> None:
+    plist = plistlib.loads((DEPLOY / "macos" / "com.macpool.wiredlimit.plist").read_bytes())
+    program, setting = plist["ProgramArguments"]
+    assert program == "/usr/sbin/sysctl" and plist["RunAtLoad"]
+    assert re.fullmatch(r"iogpu\.wired_limit_mb=\d+", setting)
+
+
+# words naming a command: `macpool agent run`, `macpool bench relay`, `macpool dev tiny-model`
+SUBCOMMANDS = {"router": 1, "agent": 2, "sim": 1, "demo": 1, "top": 1, "autoscale": 1, "bench": 2, "dev": 2,
+               "pool": 2}
+PASSED_ON = {("dev", "test")}  # its arguments are pytest's
+# every table of flags in the guides, by (guide, its n-th flag table): the command whose flags it lists
+FLAG_TABLES = {
+    ("docs/router.md", 0): ("router",),
+    ("docs/agent.md", 0): ("agent", "run"),
+    ("docs/operations.md", 0): ("agent", "run"),  # the elastic pool's agent flags
+    ("docs/operations.md", 1): ("autoscale",),
+}
+# the TOML files of settings in deploy/, by the command whose settings they are (its table or top-level keys)
+SETTINGS_MODELS: dict[str, type[Any]] = {
+    "router": RouterSettings, "agent": AgentSettings, "autoscale": AutoscaleSettings
+}
+
+
+def guides() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(DEPLOY.rglob("*.md"))]
 
 
 def documented_commands(path: Path) -> list[list[str]]:
@@ -444,16 +488,111 @@ def documented_commands(path: Path) -> list[list[str]]:
     return commands
 
 
-@pytest.mark.parametrize("guide", ["docs/operations.md", "docs/router.md", "docs/agent.md",
-                                   "docs/simulator.md", "deploy/macos/README.md", "README.md"])
-def test_guides_run_real_subcommands_with_real_flags(guide: str) -> None:
-    commands = documented_commands(ROOT / guide)
-    assert commands
-    for words in commands:
-        subcommand = tuple(words[: SUBCOMMANDS[words[0]]])
-        args = words[len(subcommand):]
+def command_problems(path: Path) -> list[str]:
+    """The flags a guide's `macpool <command> ... --flag` lines give that the command does not take."""
+    problems = []
+    for words in documented_commands(path):
+        command = tuple(words[: SUBCOMMANDS[words[0]]])
+        if command in PASSED_ON or any(word.startswith("<") for word in command):  # `macpool bench <name>`
+            continue
+        args = words[len(command):]
         args = args[: args.index("--")] if "--" in args else args  # the rest goes to llama-server
-        assert not unknown_flags(subcommand, args), f"{guide}: macpool {' '.join(words)}"
+        problems += [f"macpool {' '.join(words)}: {flag}" for flag in unknown_flags(command, args)]
+    return problems
+
+
+def flag_tables(path: Path) -> list[list[str]]:
+    """A guide's tables whose first column is `flag`: each one's first cells, past the head."""
+    tables = re.findall(r"^\| flag \|.*\n\|[-| ]+\|\n((?:\|.*\n?)+)", path.read_text(), re.M)
+    return [[row.split("|")[1] for row in table.splitlines()] for table in tables]
+
+
+def table_problems(path: Path, name: str) -> list[str]:
+    """The flags a guide's tables name that their command does not take, and tables of no known command."""
+    problems = []
+    for n, cells in enumerate(flag_tables(path)):
+        command = FLAG_TABLES.get((name, n))
+        if command is None:
+            problems.append(f"{name}: flag table {n} is of no command in FLAG_TABLES")
+            continue
+        flags = [flag for cell in cells for code in re.findall(r"`([^`]*)`", cell)
+                 for flag in re.findall(r"(?<![\w-])--?[a-z][\w-]*", code)]
+        problems += [f"{name}, a table of macpool {' '.join(command)}: {flag}"
+                     for flag in unknown_flags(command, flags)]
+    return problems
+
+
+@pytest.mark.parametrize("guide", [str(path.relative_to(ROOT)) for path in guides()])
+def test_every_flag_a_guide_names_is_one_its_command_takes(guide: str) -> None:
+    path = ROOT / guide
+    assert command_problems(path) + table_problems(path, guide) == []
+
+
+def test_the_guides_show_commands_and_every_flag_table_is_checked() -> None:
+    assert sum(len(documented_commands(path)) for path in guides()) >= 100
+    tables = {(str(path.relative_to(ROOT)), n) for path in guides() for n in range(len(flag_tables(path)))}
+    assert tables == set(FLAG_TABLES)
+
+
+def test_a_guide_naming_a_flag_no_command_takes_fails(tmp_path: Path) -> None:
+    guide = tmp_path / "guide.md"
+    guide.write_text(
+        "Run `macpool router --port 8080 --no-such-flag 3`, then:\n\n```sh\n"
+        "macpool agent run --upstream http://127.0.0.1:8081 \\\n"
+        "  --heartbeat-intervall 2 -- --port 9\n```\n\n"
+        "| flag | env | default | meaning |\n|---|---|---|---|\n| `--port` | x | 1 | y |\n"
+        "| `--lease-time S` | x | 1 | y |\n"
+    )
+    assert command_problems(guide) == [  # code blocks, then inline code
+        "macpool agent run --upstream http://127.0.0.1:8081 --heartbeat-intervall 2 -- --port 9: "
+        "--heartbeat-intervall",
+        "macpool router --port 8080 --no-such-flag 3: --no-such-flag",
+    ]
+    assert table_problems(guide, "docs/router.md") == [
+        "docs/router.md, a table of macpool router: --lease-time"
+    ]
+    assert table_problems(guide, "docs/new.md") == [
+        "docs/new.md: flag table 0 is of no command in FLAG_TABLES"
+    ]
+
+
+def test_the_systemd_units_and_pods_start_commands_with_real_flags() -> None:
+    started = [line.split("/bin/macpool", 1)[1].split() for unit in sorted(DEPLOY.rglob("*.service"))
+               for line in re.findall(r"^ExecStart=(.*)$", unit.read_text(), re.M)]
+    for manifest in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(manifest.read_text()):
+            pod = (doc or {}).get("spec", {}).get("template", {}).get("spec", {})
+            containers = pod.get("containers", [])
+            started += [c["args"] for c in containers if c.get("image", "").startswith("macpool")]
+    assert len(started) >= 3
+    for words in started:
+        command = tuple(words[: SUBCOMMANDS[words[0]]])
+        assert not unknown_flags(command, words[len(command):]), f"macpool {' '.join(words)}"
+
+
+def toml_problems(path: Path) -> list[str]:
+    """The keys of a deploy TOML file (commented-out top-level ones too) that its command has no setting
+    of."""
+    text = path.read_text()
+    data = tomllib.loads(text)
+    command = next((name for name in SETTINGS_MODELS if isinstance(data.get(name), dict)), path.stem)
+    if command not in SETTINGS_MODELS:
+        return [f"{path.name}: the settings of no command (name it agent.toml, router.toml, autoscale.toml)"]
+    values = data.get(command, data)
+    head = re.split(r"^#?\s*\[", text, maxsplit=1, flags=re.M)[0]  # before the first table, even commented
+    named = {*values, *re.findall(r"^#\s*([a-z][a-z0-9_-]*)\s*=", head, re.M)}
+    known = set(keys(SETTINGS_MODELS[command])) | set(SETTINGS_MODELS[command].model_fields)
+    return [f"{path.name}: {key} is no setting of macpool {command}"
+            for key in sorted(named) if key.replace("-", "_") not in known]
+
+
+def test_every_key_of_the_deploy_toml_files_is_a_setting(tmp_path: Path) -> None:
+    files = sorted(DEPLOY.rglob("*.toml"))
+    assert files
+    assert [problem for path in files for problem in toml_problems(path)] == []
+    misspelled = tmp_path / "agent.toml"
+    misspelled.write_text('upstream = "http://127.0.0.1:1"\n# heartbeat_intervall = 2\n[models]\n')
+    assert toml_problems(misspelled) == ["agent.toml: heartbeat_intervall is no setting of macpool agent"]
 
 
 def test_systemd_unit_runs_what_the_install_steps_put_in_place() -> None:
@@ -561,10 +700,11 @@ def test_the_router_configuration_table_is_every_setting_with_its_flag_env_and_d
 
 
 def test_the_agent_configuration_table_is_every_setting_with_its_flag_key_and_default() -> None:
-    from node_agent.cli import _run_parser
-
     table = documented_settings("agent.md", "## Configuration reference")
-    dests = {option: action.dest for action in _run_parser()._actions for option in action.option_strings}
+    name = {key: field_name for field_name in AgentSettings.model_fields
+            for key in (field_name, AgentSettings.model_fields[field_name].validation_alias)}
+    dests = {option: name[action.dest] for action in parser(AgentSettings)._actions
+             for option in action.option_strings if action.dest != "help"}
     keys = set()
     for column, key_env, default in table:
         if column.startswith("`--config"):
@@ -579,6 +719,6 @@ def test_the_agent_configuration_table_is_every_setting_with_its_flag_key_and_de
             if flag != "--":
                 assert dests.get(flag) == key, f"docs/agent.md: {flag} is not `macpool agent run`'s {key}"
         assert default_matches(field, default), f"docs/agent.md, {key}: default {default} in the docs"
-    assert keys == set(AgentSettings.model_fields), "docs/agent.md's table misses an agent setting"
-    undocumented = {dest for dest in dests.values() if dest not in keys} - {"help", "config"}
+    assert keys == set(AgentSettings.model_fields) - {"config"}, "docs/agent.md's table misses a setting"
+    undocumented = {dest for dest in dests.values() if dest not in keys} - {"config"}
     assert not undocumented, f"`macpool agent run` flags missing from docs/agent.md: {undocumented}"

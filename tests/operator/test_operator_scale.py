@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from macpool.dev.redis_server import free_port
 from macpool.scaling import ScalePolicy
-from router.scale import ScaleAdvisor, ScaleConfig, ScaleWatch
+from router.scale import ScaleAdvisor, ScaleConfig, ScaleHint, ScaleWatch, ScaleWebhook
 from router.settings import ConfigError
 from tests.operator.helpers import Pool, wait_until
 
@@ -121,6 +121,58 @@ def receiver() -> Iterator[tuple[str, list[dict[str, Any]]]]:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+@pytest.fixture
+def refuser() -> Iterator[tuple[str, list[int]]]:
+    """A real HTTP server on loopback that answers every POST 503, and counts them."""
+    posts: list[int] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            posts.append(503)
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/scale", posts
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+@pytest.mark.parametrize("webhook", ["refusing", "unreachable"])
+def test_a_failing_webhook_is_tried_the_configured_times_then_given_up(
+    webhook: str, refuser: tuple[str, list[int]], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, posts = refuser if webhook == "refusing" else (f"http://127.0.0.1:{free_port()}/scale", [])
+    config = ScaleConfig(webhook_url=url, webhook_debounce_s=0, webhook_attempts=3, webhook_backoff_s=0.01)
+
+    async def scenario() -> None:
+        hook = ScaleWebhook(config)
+        hook.offer(ScaleHint(current_nodes=1, desired_nodes=3, saturation=1.0, reason="test"), now=0)
+        for _ in range(1000):
+            if "gave up" in caplog.text:
+                break
+            await asyncio.sleep(0.01)
+        await hook.aclose()
+        assert hook.delivered == []
+
+    with caplog.at_level("WARNING", logger="macpool.router.scale"):
+        asyncio.run(scenario())
+    failed = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage()]
+    assert [m.split(" failed")[0] for m in failed] == [f"scale webhook attempt {n}/3" for n in (1, 2, 3)]
+    assert ("HTTP 503" if webhook == "refusing" else "ConnectError") in failed[-1]
+    assert "scale webhook gave up on desired_nodes=3" in caplog.text
+    assert len(posts) == (3 if webhook == "refusing" else 0)
 
 
 @pytest.mark.in_process
