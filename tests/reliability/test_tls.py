@@ -141,3 +141,18 @@ def test_tls_settings_that_cannot_work_stop_the_start(tmp_path: Path, command: t
     assert done.returncode == 2, done.stderr
     assert said.replace("PKI", str(pki)) in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_router_with_a_certificate_of_another_ca_is_refused_by_the_agent(tls_pool: TlsPool,
+                                                                           stack: Stack) -> None:
+    pki, other = tls_pool.pki, tls_pool.other
+    router = stack.router("router-other-cert", tls_pool.redis_url, "--agent-token", AGENT_TOKEN,
+                          "--node-ca", str(pki / "ca.pem"), "--node-cert", str(other / "router.pem"),
+                          "--node-key", str(other / "router-key.pem"))
+    stack.wait_nodes(router.url, 1)
+    # TLS 1.3: the router's handshake ends before the agent checks its certificate; the agent's alert
+    # closes the connection before any answer
+    answer = _chat(router.url, True)
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_unavailable", answer.text
+    logged = router.log_path.read_text() if router.log_path else ""
+    assert "node mac-1: RemoteProtocolError before an answer" in logged, logged[-2000:]
