@@ -4,13 +4,12 @@ FROM python:3.12-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY macpool ./macpool
 COPY router ./router
 COPY node_agent ./node_agent
-COPY simulator ./simulator
-COPY bench ./bench
-RUN pip install . && useradd --system --no-create-home --uid 10001 macpool
+# the versions constraints.txt locks (`macpool dev lock` writes it)
+RUN pip install -c constraints.txt . && useradd --system --no-create-home --uid 10001 macpool
 # numeric, so a cluster enforcing runAsNonRoot (the "restricted" pod security standard) can verify it
 USER 10001
 ENTRYPOINT ["macpool"]

@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pool": ("macpool.pool", "the operator's tasks: invite a Mac to join"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
     "top": ("router.top", "live terminal view of the pool"),
+    "node": ("macpool.node_cli", "node identity: the pool secret, a node's credential, revoking one"),
     "dev": ("macpool.dev.cli", "developer tasks: build llama-server, generate a tiny model, run the tests"),
 }
 

@@ -5,6 +5,7 @@ The Redis side of the contract - key names, the scripts and the typed calls - is
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any, Literal, get_args
@@ -110,6 +111,12 @@ class NodeDoc(BaseModel):
     # what loading its model would cost the Mac now (a standby node): "free" memory, "evict" idle models of
     # the same Mac first, or "full" (the memory is held by models with requests in flight: no load now)
     load_cost: LoadCost = "free"
+    # who vouches for this document (macpool/identity.py): the pool-issued credential that signed it - its
+    # node id (this node's, or the Mac's for a model node "<mac>/<model>") and when it was issued (ms) - and
+    # the signature of its SIGNED_FIELDS ("": unsigned)
+    signer: str = ""
+    signer_issued_ms: int = 0
+    signature: str = ""
 
     def encode(self) -> str:
         return self.model_dump_json()
@@ -117,6 +124,24 @@ class NodeDoc(BaseModel):
     @classmethod
     def decode(cls, raw: str | bytes) -> NodeDoc:
         return cls.model_validate_json(raw)
+
+
+# what a signature covers: who the node is, where routers reach it, which process, when, and every figure
+# placement, admission and the autoscaler act on. The rest (memory figures, reasons, versions) is for people
+# to read and can be altered by whoever writes Redis without moving a request.
+SIGNED_FIELDS: tuple[str, ...] = (
+    "node_id", "url", "instance", "started_at_ms", "updated_at_ms", "signer", "signer_issued_ms", "state",
+    "models", "capacity", "total_slots", "tokens_per_s", "ttft_p50_ms", "slot_tokens_per_s",
+    "slot_concurrency", "prefill_tokens_per_s", "ctx_per_slot", "seq_ctx", "kv_unified", "kv_cells",
+    "n_predict", "elastic", "standby_capacity", "wol_mac", "wol_broadcast", "load_cost",
+)
+
+
+def signed_payload(doc: NodeDoc) -> bytes:
+    """The bytes a heartbeat's signature covers: its SIGNED_FIELDS as canonical JSON (sorted keys, no
+    spaces), computed alike by the agent from its document and by a router from the JSON it read."""
+    fields = doc.model_dump(mode="json", include=set(SIGNED_FIELDS))
+    return b"macpool heartbeat 1\n" + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 def heartbeat_ttl_ms(interval_s: float) -> int:

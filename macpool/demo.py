@@ -62,6 +62,7 @@ class DemoSettings:
     admin_key: str = field(default_factory=lambda: secrets.token_hex(12))
     agent_token: str = field(default_factory=lambda: secrets.token_hex(16))
     heartbeat_interval: float = 1.0
+    trusted_network: bool = False  # a router beyond loopback with no client keys (docs/security.md)
 
 
 @dataclass
@@ -111,17 +112,19 @@ class Pool:
             port = free_port()
             stack.agent(
                 f"agent-{i + 1}", sim.url, redis_url, f"mac-{i + 1}", "--key-prefix", DEMO_PREFIX,
-                "--advertise-url", f"http://127.0.0.1:{port}", f"--token={s.agent_token}",
+                "--advertise-url", f"http://127.0.0.1:{port}",
                 "--heartbeat-interval", str(s.heartbeat_interval), port=port, wait=False,
+                env={"MACPOOL_AGENT_TOKEN": s.agent_token},  # not as a flag: ps shows every process's flags
             )
         stack.router(
-            "router", redis_url, "--key-prefix", DEMO_PREFIX, "--host", s.host, f"--admin-key={s.admin_key}",
-            f"--agent-token={s.agent_token}",
+            "router", redis_url, "--key-prefix", DEMO_PREFIX, "--host", s.host,
+            *(["--trusted-network"] if s.trusted_network else []),
             "--shutdown-timeout", "3",  # Ctrl-C ends a demo's long streams soon, with an SSE error event
             port=s.port, host=self.reach_host, wait=False,
+            env={"MACPOOL_ADMIN_KEY": s.admin_key, "MACPOOL_AGENT_TOKEN": s.agent_token},
         )
         stack.wait_serving(timeout=READY_TIMEOUT_S)
-        stack.wait_nodes(self.router_url, s.nodes, timeout=READY_TIMEOUT_S)
+        stack.wait_nodes(self.router_url, s.nodes, timeout=READY_TIMEOUT_S, key=s.admin_key)
 
     def dead(self) -> list[Proc]:
         return self.stack.dead()
@@ -196,7 +199,8 @@ async def drive_load(
 ) -> LoadStats:
     """Closed-loop streaming clients, about ``load_factor`` x the pool's capacity, for ``load_seconds``."""
     stats = LoadStats()
-    async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(120, connect=5)) as client:
+    async with httpx.AsyncClient(base_url=router_url, timeout=httpx.Timeout(120, connect=5),
+                                 headers={"Authorization": f"Bearer {settings.admin_key}"}) as client:
         capacity = int((await client.get("/api/pool")).json()["pool"]["capacity"])
         workers = max(2, math.ceil(capacity * settings.load_factor))
         deadline = time.monotonic() + settings.load_seconds
@@ -304,6 +308,9 @@ def parse(argv: list[str]) -> DemoSettings:
     )
     p.add_argument("--speed", type=float, default=1.0, help="simulator speed factor (default %(default)s)")
     p.add_argument("--admin-key", default="", help="admin key for drain/undrain (default: random)")
+    p.add_argument("--trusted-network", action="store_true",
+                   help="with --host beyond loopback: serve the LAN with no client API keys "
+                   "(docs/security.md)")
     a = p.parse_args(argv)
     if not 1 <= a.nodes <= 32:
         raise DemoError(f"--nodes={a.nodes}: must be between 1 and 32")
@@ -312,7 +319,7 @@ def parse(argv: list[str]) -> DemoSettings:
     extra = {"admin_key": a.admin_key} if a.admin_key else {}
     return DemoSettings(
         nodes=a.nodes, port=a.port, host=a.host, redis_url=a.redis_url, load=a.load,
-        load_seconds=a.load_seconds, speed=a.speed, **extra,
+        load_seconds=a.load_seconds, speed=a.speed, trusted_network=a.trusted_network, **extra,
     )
 
 

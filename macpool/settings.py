@@ -9,6 +9,7 @@ variable), reads the environment, and :class:`ConfigFile` reads the file the set
 
 from __future__ import annotations
 
+import ipaddress
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Self, TypeVar, get_args
@@ -59,6 +60,28 @@ def _origins(value: str) -> str:
 
 
 Origins = Annotated[str, AfterValidator(_origins)]
+
+
+def network_list(value: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """Comma-separated CIDRs (``10.0.0.0/8,fc00::/7``; a bare address is its own /32 or /128)."""
+    networks = []
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        try:
+            networks.append(ipaddress.ip_network(part, strict=False))
+        except ValueError:
+            raise ValueError(f"{part!r} is not a network: an address or address/prefix (192.168.0.0/16)") \
+                from None
+    if not networks:
+        raise ValueError("no network given")
+    return networks
+
+
+def _networks(value: str) -> str:
+    network_list(value)
+    return value
+
+
+Networks = Annotated[str, AfterValidator(_networks)]
 
 
 # a path a person wrote: ``~`` is their home directory, wherever it was given (a config file, the environment,

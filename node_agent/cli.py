@@ -10,6 +10,7 @@ from typing import Any
 from pydantic_settings import CliSettingsSource
 
 from macpool import logs, plotting
+from macpool.credentials import warn_on_command_line
 from macpool.settings import ConfigError, from_argv
 
 from .settings import AgentSettings, CalibrateSettings, calibrated
@@ -40,6 +41,7 @@ def build_settings(argv: list[str]) -> AgentSettings:
 
 
 def run(argv: list[str]) -> int:
+    warn_on_command_line(f"{PROG} run", _split_extra(argv)[0], ("--token", "--agent-token"))
     settings = build_settings(argv)
     logs.configure(settings.log_level, settings.log_format)
     logging.getLogger("asyncio").setLevel(logging.ERROR)  # "socket.send() raised" after a client left

@@ -4,7 +4,7 @@ It serves every path of ``macpool/apis.py``. A generation path holds slots again
 (token counts, templates, tokenize) holds none and is bounded by a cap of its own (``--light-cap``). Over
 either cap the answer is an immediate 503 ``node_full`` with ``Retry-After``: the router then tries
 another node. The agent token travels in ``X-Macpool-Token`` (the client's ``Authorization`` belongs to
-the router and is passed through untouched).
+the router, which does not forward it).
 """
 
 from __future__ import annotations
@@ -131,13 +131,10 @@ class Gateway:
         self._urls: dict[tuple[str, str, bytes], http.URL] = {}  # (upstream, path, query) -> parsed URL
         settings = runtime.settings  # as the agent's httpx client: --read-timeout bounds each wait
         self._timeouts = http.timeouts(settings.connect_timeout, settings.read_timeout, settings.read_timeout)
+        self._token = settings.router_token()
 
     def _authorized(self, request: Request) -> bool:
-        token = self.runtime.settings.token
-        if not token:
-            return True
-        given = request.headers.get(TOKEN_HEADER, "")
-        return hmac.compare_digest(given.encode(), token.encode())
+        return token_given(request, self._token)
 
     def _not_serving(self) -> Response | None:
         """Why this node takes no request of any kind now (starting, draining, ...), or None."""
@@ -378,7 +375,7 @@ class Gateway:
         return JSONResponse({"status": "ok"})
 
     async def status(self, request: Request) -> Response:
-        return JSONResponse(status_of(self.runtime))
+        return JSONResponse(status_of(self.runtime, private=self._authorized(request)))
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -403,8 +400,16 @@ def create_app(runtime: Runtime) -> Starlette:
     return app
 
 
-def status_of(runtime: Runtime) -> dict[str, object]:
-    """A node's ``/status``: its last heartbeat document, its live figures and the agent's details."""
+def token_given(request: Request, token: str | None) -> bool:
+    """Whether ``request`` carries the agent token (any request does where there is none)."""
+    if not token:
+        return True
+    return hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), token.encode())
+
+
+def status_of(runtime: Runtime, private: bool = True) -> dict[str, object]:
+    """A node's ``/status``: its last heartbeat document, its live figures and the agent's details (without
+    the model's path and llama-server's command line unless ``private``: the token was given)."""
     return {
         "node": runtime.doc.model_dump(mode="json") if runtime.doc else None,
         "state": runtime.state,
@@ -412,13 +417,23 @@ def status_of(runtime: Runtime) -> dict[str, object]:
         "in_flight": runtime.in_flight,
         "light_in_flight": runtime.light_in_flight,
         "admitting": runtime.admitting,
-        **details(runtime),
+        **details(runtime, private),
     }
 
 
-def details(runtime: Runtime) -> dict[str, object]:
+# what /status shows only with the agent token: where the Mac keeps its files, and how it runs llama-server
+_PRIVATE_DETAILS = {"model": ("path",), "llama_server": ("argv",)}
+
+
+def details(runtime: Runtime, private: bool = True) -> dict[str, object]:
     """The agent's extra ``/status`` figures, the callable ones read now."""
-    return {key: value() if callable(value) else value for key, value in runtime.details.items()}
+    out = {key: value() if callable(value) else value for key, value in runtime.details.items()}
+    if not private:
+        for key, hidden in _PRIVATE_DETAILS.items():
+            value = out.get(key)
+            if isinstance(value, dict):
+                out[key] = {k: v for k, v in value.items() if k not in hidden}
+    return out
 
 
 class _ByModel(Collector):
@@ -451,8 +466,9 @@ def create_models_app(runtimes: dict[str, Runtime], agent: Runtime) -> ASGIApp:
         return JSONResponse({"status": "ok"})
 
     async def status(request: Request) -> Response:
-        return JSONResponse({"models": {name: status_of(runtime) for name, runtime in runtimes.items()},
-                             **details(agent)})
+        private = token_given(request, agent.settings.router_token())
+        models = {name: status_of(runtime, private) for name, runtime in runtimes.items()}
+        return JSONResponse({"models": models, **details(agent, private)})
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -284,6 +284,7 @@ class Heartbeat:
         self.store = Store(self.redis, Keys(settings.key_prefix))
         self.ttl_ms = heartbeat_ttl_ms(settings.heartbeat_interval)
         self.pressure.recover_beats = settings.pressure_recover_beats
+        self.credential = settings.credential()  # signs each document, when the pool issued one
 
     async def run(self) -> None:
         await every(self.runtime.settings.heartbeat_interval, self.beat, "heartbeat", log,
@@ -294,6 +295,8 @@ class Heartbeat:
         if self.before_beat is not None:
             await self.before_beat()
         doc = await self.observe()
+        if self.credential is not None:
+            doc = self.credential.sign(doc)
         await self.publish(doc)
 
     async def observe(self) -> NodeDoc:

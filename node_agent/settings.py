@@ -3,6 +3,7 @@ environment > ``--config`` TOML file (top-level keys or an ``[agent]`` table) > 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from macpool.credentials import SecretError, check_secret, exposed_without_auth, read_secret
+from macpool.identity import IdentityError, NodeCredential, load_credential
 from macpool.serving import check_tls_files
 from macpool.settings import CommandSettings, ConfigError, RedisUrl, UserPath, first_error
 from macpool.store import DEFAULT_PREFIX
@@ -159,7 +162,22 @@ class AgentSettings(CommandSettings):
     port: int = Field(default=8090, ge=0, le=65535, description="listen port")
     token: str | None = Field(
         default=None, validation_alias="agent_token",  # the router's setting of the same token
-        description="require this token in X-Macpool-Token",
+        description="require this token in X-Macpool-Token (prefer --token-file or MACPOOL_AGENT_TOKEN: a "
+        "flag shows in ps)",
+    )
+    token_file: UserPath | None = Field(
+        default=None, validation_alias="agent_token_file",
+        description="file holding the agent token, its first line (the routers' --agent-token-file)",
+    )
+    trusted_network: bool = Field(
+        default=False,
+        description="serve beyond loopback with no token: every host that reaches the port is trusted "
+        "(without it such an agent refuses to start; docs/security.md)",
+    )
+    node_credential: UserPath | None = Field(
+        default=None,
+        description="this node's credential file (`macpool node add ID`, mode 600): signs the heartbeats and "
+        "replaces --token with this node's own token; the node id is the credential's",
     )
     # HTTPS (docs/security.md, "TLS"); with tls_client_ca, mutual TLS: routers show a certificate of that CA
     tls_cert: UserPath | None = Field(
@@ -289,6 +307,67 @@ class AgentSettings(CommandSettings):
             raise ValueError(f"--advertise-url {self.advertise_url!r}: the agent serves HTTPS (--tls-cert), "
                              "so routers reach it at https://")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_id_of_credential(cls, data: Any) -> Any:
+        """With a credential and no node id given, the node is the one the credential was issued for."""
+        if isinstance(data, dict) and data.get("node_credential") and not data.get("node_id"):
+            with contextlib.suppress(IdentityError):  # (check() says what is wrong with the file)
+                credential = load_credential(Path(data["node_credential"]).expanduser())
+                data = {**data, "node_id": credential.node_id}
+        return data
+
+    @model_validator(mode="after")
+    def _one_way_to_authenticate(self) -> Self:
+        """A shared token (given, or read from its file) or this node's own credential, the credential issued
+        for this node; and one of them unless the agent serves loopback only or a trusted network."""
+        if self.token_file is not None:
+            if self.token is not None:
+                raise ValueError("give --token or --token-file, not both")
+            try:
+                self.token = read_secret(self.token_file, "--token-file")
+            except SecretError as exc:
+                raise ValueError(str(exc)) from None
+        if self.token is not None:
+            try:
+                check_secret(self.token, "--token")
+            except SecretError as exc:
+                raise ValueError(str(exc)) from None
+        guarded = self.token is not None or self.node_credential is not None
+        if exposed_without_auth(self.host, guarded, self.trusted_network):
+            raise ValueError(
+                f"refusing to serve {self.host} without an agent token: give --token-file (the routers' "
+                "--agent-token-file) or --node-credential, or --trusted-network if every host that can reach "
+                "this port may use it (docs/security.md)")
+        if self.node_credential is None:
+            return self
+        try:
+            credential = load_credential(self.node_credential)
+        except IdentityError as exc:
+            raise ValueError(f"--node-credential: {exc}") from None
+        if self.token:
+            raise ValueError("give --token (a token shared by the pool) or --node-credential (this node's "
+                             "own), not both")
+        if credential.node_id != self.node_id:
+            raise ValueError(f"--node-id {self.node_id!r}, but --node-credential was issued for "
+                             f"{credential.node_id!r}")
+        return self
+
+    def router_token(self) -> str | None:
+        """What a router must send in X-Macpool-Token: this node's own token when it has a credential, else
+        the shared one (None: nothing asked)."""
+        credential = self.credential()
+        return credential.agent_token if credential is not None else self.token
+
+    def credential(self) -> NodeCredential | None:
+        """This node's credential (``--node-credential``), or None."""
+        if self.node_credential is None:
+            return None
+        try:
+            return load_credential(self.node_credential)
+        except IdentityError as exc:
+            raise ConfigError(f"--node-credential: {exc}") from None
 
     @property
     def supervise(self) -> bool:

@@ -192,7 +192,7 @@ class Admission:
             return self._local_lease(request_id, docs, ticket)
         if attempt.status == "reserved":
             return self._lease(request_id, docs, attempt, ticket)
-        self._refuse(attempt, ticket)
+        self.refuse(attempt, ticket)
         return await self._wait(request_id, candidates, docs, ticket, tried)
 
     async def _wait(
@@ -230,7 +230,7 @@ class Admission:
                     lease = self._lease(request_id, docs, attempt, ticket)
                     lease.queued_s = waited
                     return lease
-                self._refuse(attempt, ticket)  # shed, limited, or our entry expired and others took the room
+                self.refuse(attempt, ticket)  # shed, limited, or our entry expired and others took the room
         finally:
             self.waiters.remove(waiter)
             if not admitted:
@@ -251,7 +251,7 @@ class Admission:
         """Whether arrivals for ``model`` are refused from memory (router/full_memo.py)."""
         return self.full.knows_full(model)
 
-    def _refuse(self, attempt: Reservation, ticket: Ticket) -> None:
+    def refuse(self, attempt: Reservation, ticket: Ticket) -> None:
         """Raise for every outcome but ``queued``."""
         if attempt.status == "full":
             raise self.reject("pool_full", FULL_MESSAGE)

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
+from urllib.parse import unquote
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
@@ -42,6 +43,7 @@ from router.dialects import Dialect, api_of
 from router.forward import Call, Forwarder, new_upstream
 from router.liveness import Liveness
 from router.metrics import RouterMetrics
+from router.origins import OriginGuard
 from router.pool import PoolView
 from router.scale import ScaleConfig, ScaleWatch
 from router.settings import Settings
@@ -76,6 +78,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.api_keys = KeyRing(load_api_keys(settings.api_keys_file) if settings.api_keys_file else [])
         self.admin_key = KeyRing([ApiKey(digest(settings.admin_key), "admin")] if settings.admin_key else [])
+        # who may read the pool's figures (docs/security.md): the read key, or the admin key
+        read = [ApiKey(digest(settings.read_key), "read")] if settings.read_key else []
+        self.viewers = KeyRing(read + self.admin_key.keys) if settings.observability_guarded else None
         self.aliases = Aliases(settings.model_aliases)
         self._services: Services | None = None
         self.stopping = False  # set by the server's signal handler (router/cli.py): a shutdown has begun
@@ -142,6 +147,7 @@ class Router:
             self.metrics.requests.labels(model="", node="", status="401").inc()
             return dialect.error(401, "invalid or missing API key", "invalid_api_key")
         try:
+            _json_content(headers.get("content-type"))
             priority = self._priority(headers.get("x-macpool-priority"), key)
             body = await self._body(request)
             call = self._call(path, dialect, headers.raw, body, key, priority, arrived,
@@ -151,7 +157,7 @@ class Router:
             self.metrics.requests.labels(model="", node="", status=str(exc.status)).inc()
             # a body refused before its end, or lost to an upgrade offer, leaves bytes unread: the connection
             # ends with the answer
-            unread = exc.code in ("request_timeout", "upgrade_not_supported")
+            unread = exc.code in ("request_timeout", "upgrade_not_supported", "unsupported_media_type")
             close = {"Connection": "close"} if unread else None
             return dialect.error(exc.status, str(exc), exc.code, headers=close)
         except ClientDisconnect:
@@ -235,6 +241,8 @@ class Router:
         value = header.strip().lower()
         if value not in PRIORITIES:
             raise BadRequest(400, "X-Macpool-Priority must be interactive or batch", "invalid_priority")
+        if key and key.priority == "batch":
+            return "batch"  # the header lowers a request's class, never raises it above its key's
         return cast(Priority, value)
 
     # --- read-only endpoints -----------------------------------------------------------------------
@@ -283,11 +291,29 @@ class Router:
         return JSONResponse(body, status_code=200 if redis_ok and ready_nodes else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        refused = self.unviewable(request)
+        if refused is not None:
+            return refused
         self.services.pool.export(self.metrics)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def api_pool(self, request: Request) -> Response:
-        return JSONResponse(self.pool_json())
+        return self.unviewable(request) or JSONResponse(self.pool_json())
+
+    def unviewable(self, request: Request) -> Response | None:
+        """401 for a request for the pool's figures without the read or the admin key, where they need one;
+        else None. The key comes as ``Authorization: Bearer``, or in the dashboard's cookie (an
+        ``EventSource`` cannot send headers)."""
+        if self.viewers is None:
+            return None
+        cookie = unquote(request.cookies.get(VIEW_COOKIE, ""))
+        presented = bearer_token(request.headers.get("authorization")) or cookie
+        if self.viewers.match(presented) is not None:
+            return None
+        if not self.viewers.enabled:
+            message = "the pool's figures need a read key, and this router has none: set --read-key-file"
+            return error_response(401, message, "read_disabled")
+        return error_response(401, "invalid or missing read key (or admin key)", "invalid_read_key")
 
     # --- admin -------------------------------------------------------------------------------------
 
@@ -336,6 +362,8 @@ class Router:
         return routes + _dashboard_routes(self)
 
 
+# the cookie the dashboard keeps its key in, for its event stream (router/static/dashboard.js)
+VIEW_COOKIE = "macpool_key"
 SETTLE_S = 3.0  # at shutdown, the most the leases of cancelled requests are waited for (then they expire)
 
 
@@ -360,7 +388,7 @@ def create_app(settings: Settings) -> Starlette:
     router = Router(settings)
     app = Starlette(
         routes=router.routes(),
-        middleware=[Middleware(TrailingSlash)],
+        middleware=[Middleware(OriginGuard, allowed=settings.cors_origins), Middleware(TrailingSlash)],
         lifespan=router.lifespan,
         exception_handlers=exception_handlers("router", log),
     )
@@ -404,7 +432,8 @@ def _dashboard_routes(router: Router) -> list[BaseRoute]:
             raise
         return []
     routes: list[BaseRoute] = dashboard.routes(
-        router.pool_json, router.settings, watch=router.scale, stopping=lambda: router.stopping
+        router.pool_json, router.settings, watch=router.scale, stopping=lambda: router.stopping,
+        unviewable=router.unviewable,
     )
     return routes
 
@@ -414,6 +443,16 @@ def _usable_request_id(value: str | None) -> str | None:
     if value and len(value) <= 200 and value.isascii() and value.isprintable():
         return value
     return None
+
+
+def _json_content(content_type: str | None) -> None:
+    """BadRequest 415 unless the body is declared JSON: a browser sends a body typed text/plain, a form or
+    none without asking first (no preflight), so only a JSON body shows a client that is not a page."""
+    media = (content_type or "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        shown = f"{content_type[:100]!r}" if content_type else "none"
+        message = f"the request body must be JSON sent as Content-Type: application/json (got {shown})"
+        raise BadRequest(415, message, "unsupported_media_type")
 
 
 def _inspect(body: bytes, default_model: str | None) -> tuple[dict[str, Any], str]:

@@ -10,6 +10,7 @@ from types import FrameType
 import uvicorn
 
 from macpool import logs
+from macpool.credentials import warn_on_command_line
 from macpool.serving import server_config, tls_options
 from router.settings import ConfigError, Settings
 
@@ -56,12 +57,17 @@ class _Server(uvicorn.Server):
 
 
 def main(argv: list[str]) -> int:
+    warn_on_command_line("macpool router", argv, ("--admin-key", "--read-key", "--agent-token"))
     try:
         settings = build_settings(argv)
         if settings.api_keys_file:
             from router.auth import load_api_keys
 
             load_api_keys(settings.api_keys_file)  # fail at the edge, not at first request
+        if settings.pool_secret_file:
+            from router.trust import NodeTrust
+
+            NodeTrust(settings)  # an unreadable pool secret, or one others may read, fails here
     except ConfigError as exc:
         print(f"macpool router: {exc}", file=sys.stderr)
         return 2

@@ -1,11 +1,13 @@
 """Scale to zero, and models loaded on demand: a request for a model no ready node serves waits while a
 node loads it.
 
-The request takes a place in the pool's queue (no candidates: it only counts as demand, which the
-autoscaler reads) and waits up to ``--cold-start-timeout`` for a node of its model to be ready; then it goes
-through admission as any other request. With ``--load-on-demand`` (the default) it also asks the standby node
-of its model that would load it soonest to load it (its last load time, then the most capacity), once for
-every router: the first waiting request sets ``{p}loading:{model}`` for the timeout, and the others see it.
+The request takes a place in the pool's queue (no candidates: it only counts as demand, which the autoscaler
+reads), bounded as any queued request is - by ``--queue-size`` (503 pool_full, batch_shed) and by its key's
+limit (429) - and waits up to ``--cold-start-timeout`` for a node of its model to be ready; then it goes
+through admission as any other request. With ``--load-on-demand`` (the default) it also asks the standby
+node of its model that would load it soonest to load it (its last load time, then the most capacity), once
+for every router: the first waiting request sets ``{p}loading:{model}`` for the timeout, and the others see
+it.
 An ask is over once its node, seen loading or serving since, is back in standby (it unloaded the model when
 idle, or refused the load), or has stayed in standby for a few seconds: then the model is asked for again
 rather than waited for until the marker lapses.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from macpool.contract import LOAD_COST_ORDER, NodeDoc
 from macpool.store import ReserveRequest
 from macpool.store.elastic import ElasticStore, LoadAsk
-from router.admission import Admission, Rejected, Ticket
+from router.admission import Admission, Ticket
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
 
@@ -74,8 +76,10 @@ class ColdStart:
     def _warms(doc: NodeDoc, model: str) -> bool:
         return doc.elastic and doc.state in WARMING_STATES and (not model or model in doc.models)
 
-    async def wait(self, ticket: Ticket) -> Rejected | None:
-        """Until a node of the ticket's model is ready (None) or the cold-start timeout passes."""
+    async def wait(self, ticket: Ticket) -> None:
+        """Until a node of the ticket's model is ready. Meanwhile the request holds a place in the pool's
+        queue, so the queue's bound and its key's limit hold for it as for any waiting request: Rejected
+        (pool_full, batch_shed) or Limited as they would be; Rejected too past the cold-start timeout."""
         started = time.monotonic()
         deadline = started + self.settings.cold_start_timeout
         rid = f"{self.settings.router_id}:cold:{uuid.uuid4().hex}"
@@ -88,22 +92,23 @@ class ColdStart:
                 now = time.monotonic()
                 if now >= deadline:
                     if asked:
-                        return self.admission.reject(
+                        raise self.admission.reject(
                             "model_loading", f"model {ticket.model!r} is loading; it was not ready within "
                             f"the cold-start timeout ({self.settings.cold_start_timeout:.0f}s)")
-                    return self.admission.reject(
+                    raise self.admission.reject(
                         "cold_start", f"no node of {ticket.model or 'the pool'!r} was ready within the "
                         f"cold-start timeout ({self.settings.cold_start_timeout:.0f}s); one is loading")
                 if now >= renew_at:
-                    await self._queue(rid, ticket, again=renew_at > started)
+                    # the load first: a request the queue has no room for still has its model loaded for
+                    # when it comes back
                     asked = await self._load(ticket.model) or asked
+                    await self._queue(rid, ticket, again=renew_at > started)
                     renew_at = now + RENEW_S
                 elif not asked and self.loader(ticket.model) is not None:
                     # a node that could load it appeared (a Mac's busy models went idle): ask now, not at
                     # the next renewal (the check is the pool view in memory; Redis only when it holds)
                     asked = await self._load(ticket.model)
                 await asyncio.sleep(min(POLL_S, deadline - now))
-            return None
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.admission.store.leave_queue(rid))
@@ -160,13 +165,18 @@ class ColdStart:
             return False
 
     async def _queue(self, rid: str, ticket: Ticket, again: bool) -> None:
-        """Take (or keep) a place in the queue: the demand the autoscaler sees."""
+        """Take (or keep) a place in the queue: the demand the autoscaler sees, bounded as any request's
+        (raises Rejected or Limited when the queue or the key has no room for it)."""
+        admission = self.admission
         request = ReserveRequest(
-            rid, [], self.admission.leases.lease_ms, queue_size=self.settings.queue_size, enqueue=True,
+            rid, [], admission.leases.lease_ms, queue_size=self.settings.queue_size, enqueue=True,
             dequeue=again, priority=ticket.priority, tenant=ticket.tenant, model=ticket.model,
+            key_limit=ticket.key_limit, batch_queue_max=admission.batch_queue_max,
             generations=ticket.generations,
         )
         try:
-            await self.admission.store.reserve(request)
+            attempt = await admission.store.reserve(request)
         except Exception as exc:  # waiting goes on: the autoscaler also sees the standby nodes' states
             log.warning("cold start: queueing failed: %s: %s", type(exc).__name__, exc)
+            return
+        admission.refuse(attempt, ticket)

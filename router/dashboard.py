@@ -35,8 +35,12 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 class Dashboard:
     """The endpoints, bound to one watch."""
 
-    def __init__(self, watch: ScaleWatch, stopping: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self, watch: ScaleWatch, stopping: Callable[[], bool] = lambda: False,
+        unviewable: Callable[[Request], Response | None] = lambda request: None,
+    ) -> None:
         self.watch = watch
+        self.unviewable = unviewable  # the refusal of a request without the read key, where one is needed
         self.stopping = stopping  # true once the server is shutting down: streams end, pages reconnect
         self.viewers = 0  # open SSE streams
 
@@ -44,9 +48,14 @@ class Dashboard:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
     async def scale(self, request: Request) -> Response:
-        return JSONResponse(await self.watch.hint(), headers={"Cache-Control": "no-store"})
+        hint = self.unviewable(request) or JSONResponse(await self.watch.hint(),
+                                                        headers={"Cache-Control": "no-store"})
+        return hint
 
     async def stream(self, request: Request) -> Response:
+        refused = self.unviewable(request)
+        if refused is not None:
+            return refused
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         if request.method == "HEAD":  # the head alone: the stream never ends, and nothing would read it
             return Response(media_type="text/event-stream", headers=headers)
@@ -78,14 +87,18 @@ class Dashboard:
 def routes(
     pool_json: PoolSource, settings: Settings, watch: ScaleWatch | None = None,
     stopping: Callable[[], bool] = lambda: False,
+    unviewable: Callable[[Request], Response | None] = lambda request: None,
 ) -> list[BaseRoute]:
     """GET /dashboard, /static/..., /api/pool/stream (SSE) and /api/pool/scale.
 
     Pass ``watch`` when the router runs it in its lifespan (``async with watch.running():``) for the
     webhook and gap-free history; without it the watch samples only while someone is looking.
     ``stopping`` says when the server has begun to shut down (the streams then end within an interval).
+    ``unviewable`` refuses a request for the pool's figures without the key they need (the page itself and
+    its static files hold none: they are open, and the page asks for the key).
     """
-    dashboard = Dashboard(watch or ScaleWatch(pool_json, ScaleConfig.from_settings(settings)), stopping)
+    dashboard = Dashboard(watch or ScaleWatch(pool_json, ScaleConfig.from_settings(settings)), stopping,
+                          unviewable)
     return [
         Route("/dashboard", dashboard.page, methods=["GET"]),
         Route("/api/pool/stream", dashboard.stream, methods=["GET"]),

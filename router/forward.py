@@ -242,9 +242,12 @@ class Forwarder:
         if too_large is not None:
             return too_large
         if self.cold_start.needed(call.model):
-            refused = await self.cold_start.wait(call.ticket)
-            if refused is not None:
-                return self.rejection(refused, call)
+            try:
+                await self.cold_start.wait(call.ticket)
+            except Rejected as rejected:
+                return self.rejection(rejected, call)
+            except Limited as limited:
+                return self.limited(limited, call)
         tried: set[str] = set()
         failures: set[str] = set()  # what each node tried answered
         for _ in range(self.settings.max_attempts):
@@ -362,8 +365,9 @@ class Forwarder:
         node = hold.node
         url = self._url(node.url, dialect.count_path, b"")
         headers = [("content-type", "application/json"), ("x-request-id", call.request_id)]
-        if self.settings.agent_token:
-            headers.append((TOKEN_HEADER, self.settings.agent_token))
+        token = self.pool.trust.agent_token(node)
+        if token:
+            headers.append((TOKEN_HEADER, token))
         upstream: http.Response | None = None
         try:
             async with asyncio.timeout(COUNT_TIMEOUT_S):
@@ -439,7 +443,7 @@ class Forwarder:
         """Send upstream and wait for the first byte; raise _Retry when another node should try. Any answer
         but a Relay means the node failed the request (the caller gives the hold back)."""
         node = hold.node
-        url, headers = self._url(node.url, call.path, call.query), self._upstream_headers(call)
+        url, headers = self._url(node.url, call.path, call.query), self._upstream_headers(call, node)
         upstream: http.Response | None = None
         try:
             async with asyncio.timeout(self._first_byte_timeout(call, node)):
@@ -573,15 +577,16 @@ class Forwarder:
             url = self._urls[node_url, path, query] = http.url(text)
         return url
 
-    def _upstream_headers(self, call: Call) -> list[tuple[str, str]]:
+    def _upstream_headers(self, call: Call, node: NodeDoc) -> list[tuple[str, str]]:
         drop = _DROP_UPSTREAM | connection_listed(call.headers)
         kept = ((k, v) for k, v in call.headers if k not in drop and not k.startswith(b"x-macpool-"))
         headers = http.as_str(kept)
         headers.append(("x-request-id", call.request_id))
         if call.stream and call.generations == 1:  # else the agent parses the body to count them
             headers.append(_STREAMED)
-        if self.settings.agent_token:
-            headers.append((TOKEN_HEADER, self.settings.agent_token))
+        token = self.pool.trust.agent_token(node)  # the node's own when it signs, else the shared one
+        if token:
+            headers.append((TOKEN_HEADER, token))
         return headers
 
     def _upstream_error(self, node_id: str, kind: str) -> None:

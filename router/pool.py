@@ -25,6 +25,7 @@ from macpool.store import PoolSnapshot, Store
 from macpool.store.events import Autoscaled, Drained, Freed, Gone, Granted, Heartbeat, Shed, parse_event
 from router.metrics import RouterMetrics
 from router.settings import Settings
+from router.trust import PENDING, NodeTrust
 
 log = logging.getLogger("macpool.router")
 
@@ -84,7 +85,12 @@ class PoolView:
         self.redis = store.redis
         self.keys = store.keys
         self.tenants = tenants or []  # whose requests in flight the refresh counts (the configured API keys)
-        self.snapshot = PoolSnapshot()
+        self.snapshot = PoolSnapshot()  # its nodes: those trusted only
+        self.trust = NodeTrust(settings)
+        self.untrusted: dict[str, tuple[NodeDoc, str]] = {}  # node id -> its last heartbeat, why refused
+        # node id -> the refusal last logged for it: apart from ``untrusted``, which a refresh read before a
+        # heartbeat arrived may prune, so that a refusal is logged once
+        self._refusals_told: dict[str, str] = {}
         self.redis_ok = False
         self.redis_seen = time.monotonic()  # when Redis last answered a full read
         self._outage_logged = False  # an outage is logged once, when it begins, and once when it ends
@@ -138,6 +144,19 @@ class PoolView:
             log.info("redis at %s answers again; pool view refreshed", self.store.address)
             await self._drop_idle_connections()
         self.version += 1
+        self.trust.note_revocations(snapshot.revocations)
+        await self.trust.resolve(list(snapshot.nodes.values()))
+        for node_id in set(self.untrusted) - set(snapshot.nodes):
+            del self.untrusted[node_id]
+        for doc in list(snapshot.nodes.values()):
+            refusal = self.trust.refusal(doc)
+            if refusal is not None:
+                self._distrust(doc, refusal)
+                del snapshot.nodes[doc.node_id]
+                snapshot.reservations.pop(doc.node_id, None)
+                snapshot.reserved_tokens.pop(doc.node_id, None)
+            else:
+                self._trusted(doc)
         for doc in snapshot.nodes.values():
             self._heard(doc)
         self.snapshot = snapshot
@@ -228,6 +247,8 @@ class PoolView:
                 self._heartbeat(doc)
             case Gone(node_id):
                 self._forget(node_id)
+                self.untrusted.pop(node_id, None)
+                self._refusals_told.pop(node_id, None)
             case Freed(node_id):
                 self.freed.mark()
                 if self.snapshot.reservations.get(node_id, 0) > 0:
@@ -248,6 +269,14 @@ class PoolView:
                 self.snapshot.drained.discard(node_id)
 
     def _heartbeat(self, doc: NodeDoc) -> None:
+        refusal = self.trust.refusal(doc)
+        if refusal is not None:
+            if doc.node_id in self.snapshot.nodes:
+                self.version += 1
+                self._forget(doc.node_id)
+            self._distrust(doc, refusal)
+            return
+        self._trusted(doc)
         previous = self.snapshot.nodes.get(doc.node_id)
         if previous is None or (previous.capacity, previous.state) != (doc.capacity, doc.state):
             self.version += 1
@@ -258,6 +287,19 @@ class PoolView:
         if doc.state == "ready" and doc.capacity > before:
             for listener in self.grown_listeners:
                 listener(doc.node_id)
+
+    def _distrust(self, doc: NodeDoc, reason: str) -> None:
+        """Keep ``doc`` out of the pool; say so once per node and reason."""
+        self.untrusted[doc.node_id] = (doc, reason)
+        if reason != PENDING and self._refusals_told.get(doc.node_id) != reason:
+            self._refusals_told[doc.node_id] = reason
+            log.warning("node %s (%s) is not trusted and gets no traffic: %s", doc.node_id, doc.url, reason,
+                        extra={"node": doc.node_id})
+
+    def _trusted(self, doc: NodeDoc) -> None:
+        self.untrusted.pop(doc.node_id, None)
+        if self._refusals_told.pop(doc.node_id, None) is not None:
+            log.info("node %s (%s) is trusted again", doc.node_id, doc.url, extra={"node": doc.node_id})
 
     def reserved(self, node_id: str, count: int) -> None:
         """A reservation answer told us the exact count on a node."""
@@ -400,7 +442,14 @@ class PoolView:
                 "reserved_tokens": self.snapshot.reserved_tokens.get(doc.node_id, 0),
                 "drained": doc.node_id in self.snapshot.drained,
                 "circuit": self.circuit_state(doc.node_id),
+                "identity": "signed" if doc.signature else "unsigned",
             })
+        untrusted = [
+            {"node_id": doc.node_id, "url": doc.url, "signer": doc.signer, "state": doc.state,
+             "models": doc.models, "reason": reason,
+             "trust": "pending" if reason == PENDING else "untrusted"}
+            for doc, reason in sorted(self.untrusted.values(), key=lambda entry: entry[0].node_id)
+        ]
         tenants = sorted(set(self.snapshot.queued) | set(self.snapshot.in_flight))
         return {
             "ts_ms": now_ms(),
@@ -408,6 +457,7 @@ class PoolView:
             "redis_ok": self.redis_ok,
             "pool": self.totals(),
             "nodes": nodes,
+            "untrusted": untrusted,
             "autoscale": list(self.autoscale),
             "tenants": [
                 {"tenant": t, "in_flight": self.snapshot.in_flight.get(t),
@@ -428,6 +478,7 @@ class PoolView:
         for doc in self.fresh_nodes():
             state: str = "draining" if doc.node_id in self.snapshot.drained else doc.state
             counts[state] = counts.get(state, 0) + 1
+        counts["untrusted"] = len(self.untrusted)
         for state, count in counts.items():
             metrics.nodes.labels(state=state).set(count)
         metrics.queued.clear()

@@ -6,18 +6,24 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from pathlib import Path
 from typing import Literal, Self
 
 from pydantic import AliasGenerator, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from macpool.credentials import check_secret, exposed_without_auth, is_loopback, read_secret
 from macpool.scaling import MinNodes, ScalePolicy
 from macpool.serving import check_tls_files
-from macpool.settings import CommandSettings, ConfigError, Origins, RedisUrl, UserPath
+from macpool.settings import CommandSettings, ConfigError, Networks, Origins, RedisUrl, UserPath
 from macpool.store import DEFAULT_PREFIX
 from router.aliases import AliasTable
 
 __all__ = ["ConfigError", "Settings"]
+
+# loopback, the private ranges (RFC 1918, IPv6 ULA) and link-local (a Thunderbolt bridge between Macs)
+LAN_NETWORKS = ("127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,169.254.0.0/16,fc00::/7,"
+                "fe80::/10")
 
 
 def _scale_prefixed(name: str) -> str:
@@ -163,7 +169,39 @@ class _Serving(CommandSettings):
         default=3, ge=1,
         description="nodes tried per request before giving up (failover before the first byte)",
     )
-    agent_token: str | None = Field(default=None, description="token sent to the agents in X-Macpool-Token")
+    agent_token: str | None = Field(
+        default=None,
+        description="token sent to the agents in X-Macpool-Token (with --pool-secret-file: to unsigned nodes "
+        "only; a signed node gets its own token). Prefer --agent-token-file or MACPOOL_AGENT_TOKEN: a flag "
+        "shows in ps",
+    )
+    agent_token_file: UserPath | None = Field(
+        default=None, description="file holding the agent token (its first line)",
+    )
+
+    # node identity (router/trust.py, docs/security.md "Node identity")
+    pool_secret_file: UserPath | None = Field(
+        default=None,
+        description="file holding the pool secret (`macpool node init`; mode 600): heartbeats must be signed "
+        "with a credential it issued (`macpool node add`), and each node gets its own agent token "
+        "(unset: node identity off)",
+    )
+    node_identity: Literal["required", "optional"] = Field(
+        default="required",
+        description="with --pool-secret-file: required - an unsigned node gets no traffic; optional - while "
+        "a pool moves to credentials, an unsigned node is trusted (and sent --agent-token) unless its id "
+        "signed before",
+    )
+    node_clock_skew: float = Field(
+        default=30.0, gt=0,
+        description="seconds a signed heartbeat's time may differ from this router's clock beyond "
+        "--stale-after: older ones are refused as replayed",
+    )
+    node_networks: Networks = Field(
+        default=LAN_NETWORKS,
+        description="networks node URLs may point into, comma-separated CIDRs; a node whose URL's host is "
+        "(or resolves to) an address outside gets no traffic. Default: loopback, private and link-local",
+    )
 
     # TLS (docs/security.md, "TLS"): HTTPS to clients, and to agents whose node URLs are https://
     tls_cert: UserPath | None = Field(
@@ -205,12 +243,31 @@ class _Serving(CommandSettings):
     )
     admin_key: str | None = Field(
         default=None,
-        description="bearer key for /admin/* (unset: admin API disabled)",
+        description="bearer key for /admin/* and the observability endpoints (unset: admin API disabled; "
+        "prefer --admin-key-file or MACPOOL_ADMIN_KEY: a flag shows in ps)",
+    )
+    admin_key_file: UserPath | None = Field(
+        default=None, description="file holding the admin key (its first line)",
+    )
+    read_key: str | None = Field(
+        default=None,
+        description="bearer key for /metrics, /api/pool, its stream, /api/pool/scale and the dashboard's "
+        "data, read-only (the admin key is accepted too); needed there once set, or once the router serves "
+        "beyond loopback with keys (prefer --read-key-file or MACPOOL_READ_KEY)",
+    )
+    read_key_file: UserPath | None = Field(
+        default=None, description="file holding the read key (its first line)",
+    )
+    trusted_network: bool = Field(
+        default=False,
+        description="serve beyond loopback with no client API keys: every host that reaches the port is "
+        "trusted (without it such a router refuses to start)",
     )
     cors_origins: Origins | None = Field(
         default=None,
         description="browser origins allowed to call the API, comma-separated (https://chat.example.com), "
-        "or * for any (unset: no CORS)",
+        "or * for any (unset: no CORS); a request from any other browser origin but the router's own is "
+        "refused (403)",
     )
 
     @model_validator(mode="after")
@@ -251,3 +308,30 @@ class Settings(ScalePolicy, _Serving):
         default="text",
         description="text, or json: one JSON object per line (uvicorn's lines too)",
     )
+
+    @model_validator(mode="after")
+    def _secrets(self) -> Settings:
+        """The secrets from their files, each checked; and no open router beyond loopback unless trusted."""
+        for name in ("admin_key", "read_key", "agent_token"):
+            path: Path | None = getattr(self, f"{name}_file")
+            flag = "--" + name.replace("_", "-")
+            if path is not None:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"give {flag} or {flag}-file, not both")
+                setattr(self, name, read_secret(path, f"{flag}-file"))
+            value = getattr(self, name)
+            if value is not None:
+                check_secret(value, flag)
+        if exposed_without_auth(self.host, self.api_keys_file is not None, self.trusted_network):
+            raise ValueError(
+                f"refusing to serve {self.host} without client API keys: give --api-keys-file, or "
+                "--trusted-network if every host that can reach this port may use the pool "
+                "(docs/security.md)")
+        return self
+
+    @property
+    def observability_guarded(self) -> bool:
+        """Whether /metrics, /api/pool, its stream and the scale hint need the read or the admin key: once a
+        read key is set, or once the router serves beyond loopback with any key."""
+        keyed = self.api_keys_file is not None or self.admin_key is not None
+        return self.read_key is not None or (keyed and not is_loopback(self.host))

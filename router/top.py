@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +16,8 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from macpool.credentials import SecretError, read_secret
 
 GONE_KEEP_S = 120.0  # as long as the dashboard keeps it (router/static/dashboard.js GONE_KEEP_MS)
 
@@ -138,17 +141,18 @@ class TopView:
             in_flight = max(int(doc.get("in_flight") or 0), int(doc.get("reserved") or 0))
             pinned, limit = float(memory.get("pinned_gb") or 0), float(memory.get("wired_limit_gb") or 0)
             ttft = doc.get("ttft_p50_ms")
+            # what Redis says (node ids, models, reasons) is shown as text: never read as rich markup
             cells: list[RenderableType] = [
-                str(doc.get("node_id")),
+                Text(str(doc.get("node_id"))),
                 Text(state, STATE_STYLE.get(state, "")),
-                models_text(doc),
+                Text(models_text(doc)),
                 f"{_bar(in_flight, max(capacity, 1), 8)} {in_flight:>2}/{capacity:<2}",
                 str(doc.get("reserved", "-")),
                 _cells(doc),
                 f"{_bar(pinned, limit, 8)} {pinned:5.1f}/{limit:.0f}" if limit else "-",
                 _num(doc.get("tokens_per_s"), 0),
                 "-" if ttft is None else f"{float(ttft):.0f}ms",
-                "left the pool" if state == "gone" else _reason(doc),
+                Text("left the pool" if state == "gone" else _reason(doc)),
             ]
             table.add_row(*cells[: len(columns)], style="dim" if state == "gone" else "")
         if not table.rows:
@@ -171,6 +175,10 @@ def _cells(doc: dict[str, Any]) -> str:
 
 def fetch(client: httpx.Client, url: str) -> dict[str, Any]:
     response = client.get(url.rstrip("/") + "/api/pool", timeout=5.0)
+    if response.status_code == 401:
+        raise httpx.HTTPStatusError(
+            "401: the router needs its read key (MACPOOL_READ_KEY or --read-key-file)",
+            request=response.request, response=response)
     response.raise_for_status()
     data: dict[str, Any] = response.json()
     return data
@@ -182,18 +190,29 @@ def main(argv: list[str]) -> int:
         "--router", default=os.environ.get("MACPOOL_ROUTER_URL", "http://127.0.0.1:8080"),
         help="router base URL (env MACPOOL_ROUTER_URL; default %(default)s)",
     )
+    parser.add_argument(
+        "--read-key-file", type=Path,
+        help="file holding the router's read key (or its admin key), when it needs one; or set "
+        "MACPOOL_READ_KEY",
+    )
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     parser.add_argument("--once", action="store_true", help="print one frame and exit")
     args = parser.parse_args(argv)
     if args.interval <= 0:
         print(f"macpool top: invalid --interval={args.interval}: must be > 0", file=sys.stderr)
         return 2
+    try:
+        key = read_secret(args.read_key_file, "--read-key-file") if args.read_key_file else None
+    except SecretError as exc:
+        print(f"macpool top: {exc}", file=sys.stderr)
+        return 2
+    key = key or os.environ.get("MACPOOL_READ_KEY") or None
     view_state = TopView()
     # not a terminal (a pipe, a file, a cron job's mail): rich would assume 80 columns and wrap the figures
     # away from their labels, unless COLUMNS says otherwise
     wide = not sys.stdout.isatty() and not os.environ.get("COLUMNS")
     console = Console(width=160) if wide else Console()
-    with httpx.Client() as client:
+    with httpx.Client(headers={"Authorization": f"Bearer {key}"} if key else None) as client:
         if args.once:
             try:
                 view = fetch(client, args.router)

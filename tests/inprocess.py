@@ -176,11 +176,12 @@ class LocalStack:
     # --- waiting -------------------------------------------------------------------------------------
 
     def wait_nodes(
-        self, router_url: str, count: int, *, timeout: float = 30.0, exact: bool = False
+        self, router_url: str, count: int, *, timeout: float = 30.0, exact: bool = False,
+        key: str | None = None,
     ) -> dict[str, Any]:
         """Until the router at ``router_url`` sees ``count`` ready nodes; its ``/api/pool`` document."""
         self._check_running()
-        return wait_nodes(router_url, count, timeout=timeout, exact=exact)
+        return wait_nodes(router_url, count, timeout=timeout, exact=exact, key=key)
 
     def _wait(self, served: Served, listening: Callable[[], bool], ready: str | None, timeout: float) -> None:
         deadline = self.loop.time() + timeout

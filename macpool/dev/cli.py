@@ -151,12 +151,28 @@ def _ensure_tls_redis() -> None:
         _apt_install("redis-server", "for the Redis TLS tests")
 
 
+# the install every environment makes (CI, the Dockerfile, a developer's venv): the versions constraints.txt
+# locks, which `macpool dev lock` writes
+INSTALL = ["-c", "constraints.txt", "-e", ".[test]"]
+LOCK = ["pip", "compile", "pyproject.toml", "--all-extras", "--universal", "--python-version", "3.11",
+        "-o", "constraints.txt"]
+
+
+def lock(upgrade: bool) -> int:
+    """Write constraints.txt: every dependency, extras included, resolved for every platform (macOS for the
+    agents, Linux for routers and the image) by uv, at the newest versions the bounds in pyproject.toml allow
+    with ``upgrade``, else changing only what those bounds no longer allow."""
+    return _run("lock", [sys.executable, "-m", "uv", *LOCK, *(["--upgrade"] if upgrade else [])])
+
+
 def run_tests(pytest_args: list[str]) -> int:
     """ruff, mypy, then the whole pytest suite (building llama-server and installing the coding CLIs first,
     cached). With no pytest arguments the suite runs on ``WORKERS`` workers, each with its own Redis, then
     the tests marked ``alone`` with a core each; with arguments, or an external Redis, it is one plain
     pytest run."""
     py = sys.executable
+    if os.environ.get("CI") and _run("dependencies, as locked", [py, "-m", "pip", "install", "-q", *INSTALL]):
+        return 1
     for step, argv in (
         ("ruff", [py, "-m", "ruff", "check", "."]),
         ("mypy", [py, "-m", "mypy"]),
@@ -193,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("coding-clis", help="install Claude Code and Codex, pinned, from npm (cached)")
     tiny = sub.add_parser("tiny-model", help="write the tiny random-weight GGUF and print its path")
     tiny.add_argument("--variant", default="tiny", choices=sorted(tiny_model.VARIANTS))
+    locking = sub.add_parser("lock", help="write constraints.txt, the versions every install uses (uv)")
+    locking.add_argument("--upgrade", action="store_true", help="the newest versions pyproject.toml allows")
     test = sub.add_parser("test", help="ruff + mypy + the whole pytest suite")
     test.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest")
     args, extra = parser.parse_known_args(argv)
@@ -202,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         return llama_build.main([])
     if args.task == "coding-clis":
         return coding_clis.main([])
+    if args.task == "lock":
+        return lock(args.upgrade)
     if args.task == "tiny-model":
         print(tiny_model.ensure(args.variant))
         return 0

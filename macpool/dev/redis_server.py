@@ -127,7 +127,12 @@ class RedisServer:
             "--loglevel", "warning",
         ]
         if self.password:
-            args += ["--requirepass", self.password, "--masterauth", self.password]
+            # in a file only its owner reads, as its first argument: on the command line, ps would show it
+            config = Path(self._dir.name) / "auth.conf"
+            config.touch(mode=0o600)
+            quoted = '"' + self.password.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            config.write_text(f"requirepass {quoted}\nmasterauth {quoted}\n")
+            args.insert(1, str(config))
         return args
 
     def call(self, *args: str) -> Any:

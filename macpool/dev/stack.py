@@ -171,10 +171,10 @@ class Stack:
 
     def wait_nodes(
         self, router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False,
-        verify: ssl.SSLContext | bool = True,
+        key: str | None = None, verify: ssl.SSLContext | bool = True,
     ) -> dict[str, Any]:
         """``wait_nodes`` below, failing early when one of this stack's processes has exited."""
-        return wait_nodes(router_url, count, timeout=timeout, exact=exact, stack=self, verify=verify)
+        return wait_nodes(router_url, count, timeout=timeout, exact=exact, stack=self, key=key, verify=verify)
 
     @property
     def stopped(self) -> bool:
@@ -251,16 +251,19 @@ class Stack:
 
 def wait_nodes(
     router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False, stack: Stack | None = None,
-    verify: ssl.SSLContext | bool = True,
+    key: str | None = None, verify: ssl.SSLContext | bool = True,
 ) -> dict[str, Any]:
     """Until the router at ``router_url`` sees ``count`` ready nodes (``exact``: exactly that many); returns
-    its ``/api/pool`` document (an https:// router checked with ``verify``). With ``stack``, fails early when
-    one of its processes has exited and gives up when it is stopped."""
+    its ``/api/pool`` document (read with ``key``, the router's read or admin key, when given; an https://
+    router checked with ``verify``). With ``stack``, fails early when one of its processes has exited and
+    gives up when it is stopped."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     deadline = time.monotonic() + timeout
     seen: object = None
     while time.monotonic() < deadline and not (stack is not None and stack.stopped):
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            doc: dict[str, Any] = httpx.get(router_url + "/api/pool", timeout=5, verify=verify).json()
+            doc: dict[str, Any] = httpx.get(router_url + "/api/pool", headers=headers, timeout=5,
+                                            verify=verify).json()
             seen = int(doc["pool"]["nodes_ready"])
             if seen == count or (seen > count and not exact):
                 return doc

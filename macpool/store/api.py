@@ -151,6 +151,7 @@ class PoolSnapshot(BaseModel):
     queued_slots: int = 0  # the slots the waiting requests will hold: one per generation each runs at once
     queued: dict[str, dict[str, int]] = Field(default_factory=dict)  # tenant -> priority -> waiting
     in_flight: dict[str, int] = Field(default_factory=dict)  # tenant -> requests in flight
+    revocations: dict[str, str] = Field(default_factory=dict)  # node id -> its revocation record (JSON)
 
 
 class Store:
@@ -258,6 +259,10 @@ class Store:
             pipe.publish(self.keys.events, drain_message(node_id, drained))
             await pipe.execute()
 
+    async def set_revocation(self, node_id: str, record: str) -> None:
+        """Write the operator's signed word on ``node_id`` (macpool/identity.py ``Revocation``)."""
+        await self.redis.hset(self.keys.revoked, node_id, record)
+
     async def forget(self, lease: Lease) -> None:
         """Remove a lease without handing its slots on: a renewal that crossed its release brought it back."""
         keys, args = self._admission([lease.node_id], None, _lease(lease))
@@ -308,12 +313,14 @@ class Store:
             pipe.smembers(keys.drained)
             pipe.zrangebyscore(keys.queue, now, "+inf")
             pipe.hgetall(keys.queue_meta)
+            pipe.hgetall(keys.revoked)
             if tenants:
                 pipe.hmget(keys.in_flight_count, list(tenants))
                 pipe.zrangebyscore(keys.in_flight, "-inf", f"({now}")  # expired, not yet pruned
-            ids_raw, drained_raw, waiting_raw, meta_raw, *loads = await pipe.execute()
+            ids_raw, drained_raw, waiting_raw, meta_raw, revoked_raw, *loads = await pipe.execute()
         snapshot = PoolSnapshot(drained={_text(d) for d in drained_raw},
-                                in_flight=_in_flight(tenants, *loads) if tenants else {})
+                                in_flight=_in_flight(tenants, *loads) if tenants else {},
+                                revocations={_text(k): _text(v) for k, v in revoked_raw.items()})
         records = {_text(k): _QueueRecord.parse(v) for k, v in meta_raw.items()}
         for rid in waiting_raw:
             record = records.get(_text(rid))

@@ -34,6 +34,8 @@ cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or b
 ``{p}autoscale:leader`` STRING, TTL = the lease: the id of the one ``macpool autoscale`` that acts.
 ``{p}autoscale:known``  HASH node id -> how to wake it (JSON: MAC, broadcast, models, standby capacity), kept
                       by the autoscaler from heartbeats, so a Mac asleep (its key expired) can be woken.
+``{p}revoked``        HASH node id -> the operator's signed word on it (macpool/identity.py ``Revocation``:
+                      revoked or not, since when); routers remember every one they have seen.
 ``{p}events``         pub/sub channel: ``node <doc json>``, ``gone <id>``, ``freed <id>`` (one per slot),
                       ``granted <request id> <node id> <k>``, ``shed <request id>``, ``drain <id>``,
                       ``undrain <id>``, ``autoscale <decision json>`` (macpool/store/elastic.py).
@@ -64,6 +66,7 @@ class Keys:
         self.held = f"{prefix}held"
         self.autoscale_leader = f"{prefix}autoscale:leader"
         self.autoscale_known = f"{prefix}autoscale:known"
+        self.revoked = f"{prefix}revoked"
 
     def node(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}"

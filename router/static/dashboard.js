@@ -4,6 +4,9 @@
 const GONE_KEEP_MS = 120000;   // a node that left the pool stays on the page, greyed, this long
 const SPARK_WINDOW_MS = 300000;
 const KEY_STORE = "macpool-admin-key";
+// the pool's figures may need the read key (or the admin key): an EventSource sends no header, so the key
+// typed in goes in a same-site session cookie as well as in this tab's storage (docs/security.md)
+const KEY_COOKIE = "macpool_key";
 
 const cards = new Map();       // node_id -> {el, doc, goneSince}
 let history = [];
@@ -193,6 +196,9 @@ function onPool(msg) {
   const last = acted[acted.length - 1];
   $("p-reason").textContent = (scale.reason ? "scale hint: " + scale.reason : "")
     + (last ? ` | autoscale: ${last.action} ${last.node} (${last.reason})` : "");
+  const refused = (view.untrusted || []).filter((n) => n.trust === "untrusted");
+  $("p-untrusted").textContent = refused.length
+    ? "untrusted, no traffic: " + refused.map((n) => `${n.node_id} at ${n.url || "-"} (${n.reason})`).join("; ") : "";
 
   const seen = new Set();
   for (const doc of view.nodes || []) {
@@ -279,7 +285,17 @@ async function admin(id, action) {
 function connect() {
   const source = new EventSource("api/pool/stream");
   source.addEventListener("open", () => { $("conn").textContent = "live"; $("conn").className = "conn conn-ok"; });
-  source.addEventListener("error", () => { $("conn").textContent = "reconnecting"; $("conn").className = "conn conn-bad"; });
+  source.addEventListener("error", async () => {
+    $("conn").textContent = "reconnecting"; $("conn").className = "conn conn-bad";
+    try {
+      const r = await fetch("api/pool/scale");
+      if (r.status === 401) {
+        source.close();  // no retry without a key: one is asked for
+        $("conn").textContent = "this router needs its read key (or the admin key): type it in the key box";
+        $("admin-key").focus();
+      }
+    } catch (_) { /* the router is away: EventSource retries */ }
+  });
   source.addEventListener("history", (e) => {
     const incoming = JSON.parse(e.data).points || [];
     const last = history.length ? history[history.length - 1].ts_ms : 0;
@@ -288,11 +304,23 @@ function connect() {
   });
   source.addEventListener("pool", (e) => onPool(JSON.parse(e.data)));
   source.addEventListener("problem", (e) => { $("conn").textContent = JSON.parse(e.data).message; $("conn").className = "conn conn-bad"; });
+  return source;
+}
+
+let source = null;
+
+function keepKey(key) {
+  const secure = location.protocol === "https:" ? "; Secure" : "";
+  document.cookie = `${KEY_COOKIE}=${encodeURIComponent(key)}; path=/; SameSite=Strict${secure}` + (key ? "" : "; max-age=0");
 }
 
 $("admin-key").value = sessionStorage.getItem(KEY_STORE) || "";
+keepKey($("admin-key").value);
 $("admin-save").addEventListener("click", () => {
   sessionStorage.setItem(KEY_STORE, $("admin-key").value);
+  keepKey($("admin-key").value);
   $("admin-msg").textContent = $("admin-key").value ? "key kept for this tab" : "key cleared";
+  if (source) source.close();
+  source = connect();  // again, with the key
 });
-connect();
+source = connect();

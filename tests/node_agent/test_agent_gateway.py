@@ -99,14 +99,14 @@ async def _burst(url: str, n: int, token: str) -> list[httpx.Response]:
 @pytest.mark.in_process
 def test_hard_cap_under_three_times_the_cap_and_token(sim: SimFactory, agent: AgentFactory) -> None:
     upstream = sim("--parallel", "16", "--speed", "20", "--metrics")
-    gateway = agent("--upstream", upstream.url, "--cap", "4", "--token", "s3cret")
+    gateway = agent("--upstream", upstream.url, "--cap", "4", "--token", "s3cret-gateway-token")
     wait_until(lambda: status(gateway.url)["state"] == "ready", what="ready")
     # without the token (or with a wrong one): 401, nothing reaches llama-server
     for headers in ({}, {"X-Macpool-Token": "wrong"}, {"Authorization": "Bearer s3cret"}):
         denied = httpx.post(gateway.url + "/v1/chat/completions", json=chat(5), headers=headers)
         assert denied.status_code == 401
         assert denied.json()["error"]["code"] == "invalid_agent_token"
-    responses = asyncio.run(_burst(gateway.url, 12, "s3cret"))
+    responses = asyncio.run(_burst(gateway.url, 12, "s3cret-gateway-token"))
     ok = [r for r in responses if r.status_code == 200]
     full = [r for r in responses if r.status_code == 503]
     assert len(ok) + len(full) == 12

@@ -23,26 +23,26 @@ def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.Mo
     )
     monkeypatch.setenv("MACPOOL_NODE_ID", "from-env")
     monkeypatch.setenv("MACPOOL_CAP", "5")
-    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "env-token")
+    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "env-token-of-16-chars")
     settings = build_settings(["--config", str(config), "--cap", "7"])
     assert settings.cap == 7  # flag
     assert settings.node_id == "from-env"  # env over file
     assert settings.headroom_gb == 4.0 and settings.upstream == "http://file:1"  # file
-    assert settings.token == "env-token"
-    assert build_settings(["--config", str(config), "--token", "flag"]).token == "flag"
+    assert settings.token == "env-token-of-16-chars"
+    assert build_settings(["--config", str(config), "--token", "flag-token-of-16-chars"]).token == "flag-token-of-16-chars"
 
 
 def test_the_token_goes_by_its_names_and_the_routers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "agent.toml"
     for key in ("token", "agent_token"):
-        config.write_text(f'upstream = "http://file:1"\n{key} = "from-file"\n')
-        assert build_settings(["--config", str(config)]).token == "from-file"
+        config.write_text(f'upstream = "http://file:1"\n{key} = "from-file-token-16"\n')
+        assert build_settings(["--config", str(config)]).token == "from-file-token-16"
     for flag in ("--token", "--agent-token"):
-        assert build_settings([*ATTACH, flag, "from-flag"]).token == "from-flag"
-    monkeypatch.setenv("MACPOOL_TOKEN", "agent's own")
-    assert build_settings(ATTACH).token == "agent's own"
-    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "the router's")  # named as the router names it: it wins
-    assert build_settings(ATTACH).token == "the router's"
+        assert build_settings([*ATTACH, flag, "from-flag-token-16"]).token == "from-flag-token-16"
+    monkeypatch.setenv("MACPOOL_TOKEN", "agent's own token-16")
+    assert build_settings(ATTACH).token == "agent's own token-16"
+    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "the router's token-16")  # named as the router names it: it wins
+    assert build_settings(ATTACH).token == "the router's token-16"
 
 
 def test_the_mode_flag_wins_over_the_other_mode_from_the_file_or_environment(

@@ -118,8 +118,10 @@ class Rig:
         data: dict[str, Any] = httpx.get(router.url + "/api/pool", timeout=5).json()
         return data
 
-    def wait_ready(self, router: Server, nodes: int, timeout: float = 30.0) -> dict[str, Any]:
-        return self.stack.wait_nodes(router.url, nodes, timeout=timeout, exact=True)
+    def wait_ready(
+        self, router: Server, nodes: int, timeout: float = 30.0, key: str | None = None
+    ) -> dict[str, Any]:
+        return self.stack.wait_nodes(router.url, nodes, timeout=timeout, exact=True, key=key)
 
     @staticmethod
     def model(router: Server) -> str:

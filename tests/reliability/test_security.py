@@ -5,20 +5,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 import pytest
 import redis
+from rich.console import Console
 
 import router.auth as auth
+from macpool import demo
 from macpool.dev import tiny_model
 from macpool.dev.llama_build import find_llama_server
+from macpool.dev.procs import macpool_argv
 from macpool.dev.redis_server import RedisServer, free_port
 from macpool.dev.stack import Stack
+from router.top import TopView
 from tests.conftest import Server, SpawnFactory
 from tests.reliability.conftest import (
     ADMIN_KEY,
@@ -30,6 +38,7 @@ from tests.reliability.conftest import (
 )
 
 pytestmark = pytest.mark.slow
+JSON = {"Content-Type": "application/json"}
 
 
 def test_agent_refuses_requests_without_the_token(rig: Rig) -> None:
@@ -249,9 +258,10 @@ def test_error_bodies_carry_nothing_internal(rig: Rig, spawn: SpawnFactory) -> N
         bodies += [
             client.get("/nope"),
             client.delete("/v1/chat/completions"),
-            client.post("/v1/chat/completions", content=b"{not json"),
-            client.post("/v1/chat/completions", content=b"[1]"),
-            client.post("/v1/chat/completions", content=b"x" * 5000),
+            client.post("/v1/chat/completions", content=b"{not json", headers=JSON),
+            client.post("/v1/chat/completions", content=b"[1]", headers=JSON),
+            client.post("/v1/chat/completions", content=b"x" * 5000, headers=JSON),
+            client.post("/v1/chat/completions", content=b"{}"),  # untyped: 415
             client.post("/v1/chat/completions", json=chat("no-such-model")),
             client.post("/v1/chat/completions", json={"model": 5}),
         ]
@@ -261,7 +271,7 @@ def test_error_bodies_carry_nothing_internal(rig: Rig, spawn: SpawnFactory) -> N
         for _ in range(4):
             bodies.append(client.post("/v1/chat/completions", json=chat("", 2, False)))
     statuses = {reply.status_code for reply in bodies}
-    assert {400, 404, 405, 413, 503} <= statuses, statuses
+    assert {400, 404, 405, 413, 415, 503} <= statuses, statuses
     assert 502 in statuses, statuses
     for reply in bodies:
         assert_clean(
@@ -362,3 +372,260 @@ def test_a_body_the_router_found_streamed_is_passed_on_unparsed(rig: Rig, spawn:
     assert upstream_got(agent.url, plain, token)["stream"] is True
     # the router's word is taken for it (the agent does not parse the body again): passed on as it is
     assert upstream_got(agent.url, plain, token | {"x-macpool-stream": "1"}) == plain
+
+
+# --- safe defaults (docs/security.md "Safe defaults") ------------------------------------------------------
+
+READ_KEY = "reliability-read-key-5e1b"
+SECRET_FLAGS = ("--admin-key", "--read-key", "--agent-token")
+
+
+def _refused_at_start(*args: str, env: dict[str, str] | None = None) -> str:
+    """``macpool <args>`` exits 2 at once with one line on stderr (no traceback); that line."""
+    result = subprocess.run(macpool_argv(*args), capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 2, (args, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if "warning:" not in line]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_an_open_router_or_agent_beyond_loopback_refuses_to_start(rig: Rig, spawn: SpawnFactory) -> None:
+    line = _refused_at_start("router", "--redis-url", rig.redis_url, "--host", "0.0.0.0")
+    assert "refusing to serve 0.0.0.0 without client API keys" in line and "--trusted-network" in line
+    line = _refused_at_start("agent", "run", "--upstream", "http://127.0.0.1:9", "--redis-url", rig.redis_url,
+                             "--host", "0.0.0.0")
+    assert "refusing to serve 0.0.0.0 without an agent token" in line and "--trusted-network" in line
+    # the operator's word that the network is trusted, or a credential: they start
+    open_router = spawn("router", "--redis-url", rig.redis_url, "--host", "0.0.0.0", "--trusted-network",
+                        name="router-trusted")
+    assert httpx.get(open_router.url + "/health", timeout=10).status_code == 200
+    sim = rig.sim("open")
+    agent = spawn("agent", "run", "--upstream", sim.url, "--redis-url", rig.redis_url, "--node-id", "open",
+                  "--host", "0.0.0.0", "--trusted-network", name="agent-trusted")
+    assert httpx.get(agent.url + "/health", timeout=10).status_code == 200
+    # loopback stays as it was: no key, no flag
+    local = spawn("router", "--redis-url", rig.redis_url, name="router-local")
+    assert httpx.get(local.url + "/health", timeout=10).status_code == 200
+
+
+def test_secrets_from_files_and_the_environment_placeholders_and_short_ones_refused(
+    rig: Rig, spawn: SpawnFactory, tmp_path: Path
+) -> None:
+    for value, why in (("CHANGE-ME", "placeholder"), ("change-me-to-a-long-secret", "placeholder"),
+                       ("<your admin key>", "placeholder"), ("short-secret", "12 characters")):
+        line = _refused_at_start("router", "--redis-url", rig.redis_url, env={"MACPOOL_ADMIN_KEY": value})
+        assert why in line and value not in line, line
+        line = _refused_at_start("agent", "run", "--upstream", "http://127.0.0.1:9", "--redis-url",
+                                 rig.redis_url, env={"MACPOOL_AGENT_TOKEN": value})
+        assert why in line and value not in line, line
+    line = _refused_at_start("router", "--redis-url", rig.redis_url, "--admin-key-file", str(tmp_path / "no"))
+    assert "No such file" in line
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    assert "empty" in _refused_at_start("agent", "run", "--upstream", "http://127.0.0.1:9", "--token-file",
+                                        str(empty))
+    # from files: the first line, its line end dropped; the router's and the agent's token agree
+    (tmp_path / "admin").write_text(ADMIN_KEY + "\n")
+    (tmp_path / "token").write_text(AGENT_TOKEN + "\n")
+    sim = rig.sim("files")
+    spawn("agent", "run", "--upstream", sim.url, "--redis-url", rig.redis_url, "--node-id", "files",
+          "--token-file", str(tmp_path / "token"), "--heartbeat-interval", "0.3", name="agent-files")
+    router = spawn("router", "--redis-url", rig.redis_url, "--admin-key-file", str(tmp_path / "admin"),
+                   "--agent-token-file", str(tmp_path / "token"), "--refresh-interval", "0.5",
+                   name="router-files")
+    rig.wait_ready(router, nodes=1)
+    served = httpx.post(router.url + "/v1/chat/completions", json=chat("", 2, False), timeout=30)
+    assert served.status_code == 200, served.text  # the agent took the router's token
+    drained = httpx.post(router.url + "/admin/nodes/files/drain", timeout=10,
+                         headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    assert drained.status_code == 200
+    argv = psutil.Process(router.child.pid).cmdline()
+    assert not any(AGENT_TOKEN in arg or ADMIN_KEY in arg for arg in argv)
+
+
+def test_a_secret_on_the_command_line_draws_a_warning(rig: Rig) -> None:
+    for flag in SECRET_FLAGS:
+        result = subprocess.run(macpool_argv("router", "--redis-url", rig.redis_url, flag, "x" * 20 + "y",
+                                             "--help"), capture_output=True, text=True, timeout=60)
+        assert f"warning: {flag} on the command line is visible" in result.stderr, flag
+    result = subprocess.run(macpool_argv("agent", "run", "--token=" + AGENT_TOKEN, "--upstream", "bad"),
+                            capture_output=True, text=True, timeout=60)
+    assert "warning: --token on the command line is visible" in result.stderr
+    assert AGENT_TOKEN not in result.stderr
+
+
+def test_the_embedded_redis_shows_no_password_in_ps() -> None:
+    password = "embedded-redis-password-3d9a"
+    with RedisServer(password=password) as server:
+        assert server.process is not None
+        assert not any(password in arg for arg in psutil.Process(server.process.pid).cmdline())
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=server.port).ping()
+        assert redis.Redis.from_url(server.url).ping()
+
+def test_the_demo_shows_no_secret_in_ps(tmp_path: Path) -> None:
+    pool = demo.Pool(demo.DemoSettings(nodes=1, port=free_port(), speed=20), tmp_path)
+    try:
+        pool.start(lambda line: None)
+        secret = (pool.settings.admin_key, pool.settings.agent_token)
+        assert len(pool.stack.procs) >= 3
+        for proc in pool.stack.procs:
+            argv = psutil.Process(proc.pid).cmdline()
+            assert not any(s in arg for s in secret for arg in argv), (proc.name, argv)
+    finally:
+        pool.stack.stop()
+
+
+def _observability(router: Server) -> dict[str, int]:
+    return {path: httpx.get(router.url + path, timeout=10).status_code
+            for path in ("/metrics", "/api/pool", "/api/pool/scale")}
+
+
+def test_observability_needs_the_read_or_admin_key(rig: Rig, spawn: SpawnFactory, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-client-key-of-a-team name=team\n")
+    (tmp_path / "read").write_text(READ_KEY)
+    rig.node("obs", cap=2)
+    router = rig.router("--api-keys-file", str(keys), "--read-key-file", str(tmp_path / "read"))
+    rig.wait_ready(router, nodes=1, key=READ_KEY)
+    paths = ("/metrics", "/api/pool", "/api/pool/scale", "/api/pool/stream")
+    for headers, cookies, status in (
+        ({}, {}, 401),
+        ({"Authorization": "Bearer sk-client-key-of-a-team"}, {}, 401),  # a client key is not for this
+        ({"Authorization": f"Bearer {READ_KEY}x"}, {}, 401),
+        ({"Authorization": f"Bearer {READ_KEY}"}, {}, 200),
+        ({"Authorization": f"Bearer {ADMIN_KEY}"}, {}, 200),
+        ({}, {"macpool_key": READ_KEY}, 200),  # the dashboard's cookie (its EventSource sends no header)
+    ):
+        with httpx.Client(base_url=router.url, headers=headers, cookies=cookies, timeout=10) as client:
+            for path in paths:
+                with client.stream("GET", path) as reply:
+                    assert reply.status_code == status, (path, headers, cookies)
+                    if status == 401:
+                        reply.read()
+                        assert reply.json()["error"]["code"] == "invalid_read_key"
+                        assert_clean(reply.text, READ_KEY, ADMIN_KEY)
+    # liveness, readiness and the page itself (it holds no figure, and asks for the key) stay open
+    for path in ("/health", "/ready", "/dashboard"):
+        assert httpx.get(router.url + path, timeout=10).status_code == 200, path
+    # the read key is no admin key
+    drain = httpx.post(router.url + "/admin/nodes/obs/drain", timeout=10,
+                       headers={"Authorization": f"Bearer {READ_KEY}"})
+    assert drain.status_code == 401
+
+
+def test_observability_beyond_loopback_needs_a_key_even_without_a_read_key(
+    rig: Rig, spawn: SpawnFactory, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-client-key-of-a-team\n")
+    lan = rig.router("--host", "0.0.0.0", "--api-keys-file", str(keys))  # an admin key, no read key
+    assert set(_observability(lan).values()) == {401}
+    with_admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert httpx.get(lan.url + "/api/pool", headers=with_admin, timeout=10).status_code == 200
+    # on loopback without a read key, as before: open (the demo's dashboard needs no key)
+    local = rig.router(name="router-local")
+    assert set(_observability(local).values()) == {200}
+    # beyond loopback, trusted, with no key at all: nothing to ask for
+    trusted = spawn("router", "--redis-url", rig.redis_url, "--host", "0.0.0.0", "--trusted-network",
+                    name="router-trusted")
+    assert set(_observability(trusted).values()) == {200}
+    # client keys but neither a read key nor an admin key: closed, and the answer says what to set
+    bare = spawn("router", "--redis-url", rig.redis_url, "--host", "0.0.0.0", "--api-keys-file", str(keys),
+                 name="router-bare")
+    reply = httpx.get(bare.url + "/api/pool", timeout=10)
+    assert reply.status_code == 401 and reply.json()["error"]["code"] == "read_disabled"
+
+
+def test_agent_status_hides_paths_and_argv_without_the_token(rig: Rig) -> None:
+    model = tiny_model.ensure("tiny")
+    command = f"{sys.executable} -m macpool.cli sim --preset m5max-128g-14b-q4 --speed 20"
+    agent = rig.spawn("agent", "run", "--llama-server", command, "--model", str(model), "--parallel", "1",
+                      "--ctx-per-slot", "256", "--redis-url", rig.redis_url, "--node-id", "status",
+                      "--heartbeat-interval", "0.3", env={"MACPOOL_AGENT_TOKEN": AGENT_TOKEN},
+                      name="agent-status")
+
+    def status(headers: dict[str, str]) -> dict[str, Any]:
+        reply = httpx.get(agent.url + "/status", headers=headers, timeout=10)
+        assert reply.status_code == 200
+        got: dict[str, Any] = reply.json()
+        return got
+
+    full = wait_until(lambda: (s := status({"X-Macpool-Token": AGENT_TOKEN})).get("llama_server") and s,
+                      60, "the supervised server described")
+    assert full["model"]["path"] == str(model) and full["llama_server"]["argv"]
+    for headers in ({}, {"X-Macpool-Token": "wrong"}):
+        public = status(headers)
+        assert "path" not in public["model"] and "argv" not in public["llama_server"], public
+        assert public["state"] == full["state"] and "pid" in public["llama_server"]
+        assert str(model) not in json.dumps(public)
+    assert httpx.get(agent.url + "/health", timeout=10).status_code == 200
+
+
+# --- browsers (docs/security.md "Safe defaults") ---------------------------------------------------------
+
+@pytest.mark.in_process
+def test_a_browser_cannot_send_a_simple_cross_site_request(rig: Rig) -> None:
+    node = rig.node("web", cap=2)
+    router = rig.router("--cors-origins", "https://chat.example.com")
+    rig.wait_ready(router, nodes=1)
+    body = json.dumps(chat("", 2, False)).encode()
+    url = router.url + "/v1/chat/completions"
+    # what a page can send without a preflight: a form, text/plain, or a Blob with no type at all
+    for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        reply = httpx.post(url, content=body, headers=headers, timeout=10)
+        assert reply.status_code == 415, (content_type, reply.text)
+        assert reply.json()["error"]["code"] == "unsupported_media_type"
+    messages = httpx.post(router.url + "/v1/messages", content=b"{}", timeout=10,
+                          headers={"Content-Type": "text/plain"})
+    assert messages.status_code == 415 and messages.json()["type"] == "error"  # Anthropic's document
+    # an origin not allowed is refused whatever it sends; the allowed one, the router's own, and a client
+    # that is no browser (no Origin) are served
+    origins = (("https://evil.example.com", 403), ("null", 403), ("https://chat.example.com", 200),
+               (router.url, 200), (None, 200))
+    for origin, status in origins:
+        headers = {"Content-Type": "application/json; charset=utf-8"} | ({"Origin": origin} if origin else {})
+        reply = httpx.post(url, content=body, headers=headers, timeout=30)
+        assert reply.status_code == status, (origin, reply.text)
+        if status == 403:
+            assert reply.json()["error"]["code"] == "origin_not_allowed"
+    evil = {"Origin": "https://evil.example.com"}
+    assert httpx.get(router.url + "/api/pool", headers=evil, timeout=10).status_code == 403
+    assert node.stats()["completed"] == 3
+
+
+def test_a_batch_key_cannot_raise_itself_to_interactive(rig: Rig, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-nightly-batch-key name=nightly priority=batch\nsk-interactive-key-1 name=dev\n")
+    node = rig.node("prio", cap=1, speed=2.0)
+    # batch never queues (its share of the queue is 0): a batch request finds a full pool shed at once
+    router = rig.router("--api-keys-file", str(keys), "--batch-queue-share", "0", "--queue-size", "4",
+                        "--queue-timeout", "30")
+    rig.wait_ready(router, nodes=1)
+    url = router.url + "/v1/chat/completions"
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(httpx.post, url, json=chat("", 600, False), timeout=120,
+                           headers={"Authorization": "Bearer sk-interactive-key-1"})
+        wait_until(lambda: node.stats()["processing"] == 1, 10, "the node's one slot busy")
+        raised = httpx.post(url, json=chat("", 2, False), timeout=30, headers={
+            "Authorization": "Bearer sk-nightly-batch-key", "X-Macpool-Priority": "interactive"})
+        assert raised.status_code == 503 and raised.json()["error"]["code"] == "batch_shed", raised.text
+        # the header still lowers: an interactive key's request asking for batch is shed the same way
+        lowered = httpx.post(url, json=chat("", 2, False), timeout=30, headers={
+            "Authorization": "Bearer sk-interactive-key-1", "X-Macpool-Priority": "batch"})
+        assert lowered.status_code == 503 and lowered.json()["error"]["code"] == "batch_shed"
+        assert not busy.done()  # (both found the slot taken)
+        assert busy.result(timeout=120).status_code == 200
+
+
+def test_top_shows_what_redis_says_as_text_not_markup() -> None:
+    forged = "[link=http://evil.example][bold red]mac-1[/bold red][/link]"
+    view = {"router_id": "r", "redis_ok": True, "pool": {},
+            "nodes": [{"node_id": forged, "models": ["[blink]m[/blink]"], "reason": "[red]x[/red]"}]}
+    console = Console(width=400, record=True)
+    console.print(TopView().render(view, "http://router", 0.0, 400))
+    text = console.export_text()
+    assert forged in text and "[blink]m[/blink]" in text and "[red]x[/red]" in text

@@ -133,7 +133,8 @@ def test_errors_reach_anthropic_clients_as_anthropic_documents(pool: Pool, tmp_p
         assert missing.json()["type"] == "error" and missing.json()["error"]["type"] == "authentication_error"
         headers = {"x-api-key": "sk-team"}  # what Anthropic clients send
         assert client.post("/v1/messages", json=_messages(model), headers=headers).status_code == 200
-        malformed = client.post("/v1/messages", content=b"{", headers=headers)
+        typed = {**headers, "content-type": "application/json"}
+        malformed = client.post("/v1/messages", content=b"{", headers=typed)
         assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"
         unknown = client.post("/v1/messages", json=_messages("no-such-model"), headers=headers)
         assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"

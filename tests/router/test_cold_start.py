@@ -138,3 +138,41 @@ def test_a_model_still_loading_past_the_timeout_is_a_503_model_loading(
     assert answer.json()["error"]["code"] == "model_loading"
     assert answer.headers["X-Macpool-Reason"] == "model_loading" and int(answer.headers["Retry-After"]) >= 1
     wait_until(state_is(redis_url, "loading"), what="the node loading the model it was asked for")
+
+
+def _chat(model: str) -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def _waiting(redis_url: str) -> int:
+    with sync_redis(redis_url) as store:
+        return int(store.zcard(Keys().queue))
+
+
+def test_requests_waiting_for_a_load_count_against_the_queue_and_the_key_limit(
+        stack: Stack, redis_url: str, tmp_path: Path) -> None:
+    model = standby_node(stack, redis_url)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-cold-start-one-0001 name=one max_concurrency=1\nsk-cold-start-two-0002 name=two\n")
+    # nothing loads the model (no autoscaler, no load on demand): whoever waits, waits the whole timeout
+    front = router(stack, redis_url, "8", "--no-load-on-demand", "--queue-size", "2", "--api-keys-file",
+                   str(keys))
+    one, two = ({"Authorization": f"Bearer sk-cold-start-{k}"} for k in ("one-0001", "two-0002"))
+    url = front.url + "/v1/chat/completions"
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, url, json=_chat(model), headers=one, timeout=60)
+        wait_until(lambda: _waiting(redis_url) == 1, what="the first request waiting for the load")
+        # the key's limit holds for a request waiting on a load: 429, as for one waiting for a slot
+        limited = httpx.post(url, json=_chat(model), headers=one, timeout=30)
+        assert limited.status_code == 429, limited.text
+        assert limited.json()["error"]["code"] == "key_limit" and int(limited.headers["Retry-After"]) >= 1
+        second = pool.submit(httpx.post, url, json=_chat(model), headers=two, timeout=60)
+        wait_until(lambda: _waiting(redis_url) == 2, what="the second request waiting for the load")
+        # the queue's bound too: a third waiter finds no room, 503 pool_full at once
+        full = httpx.post(url, json=_chat(model), headers=two, timeout=30)
+        assert full.status_code == 503, full.text
+        assert full.json()["error"]["code"] == "pool_full" and full.headers["X-Macpool-Reason"] == "pool_full"
+        waited = [first.result(timeout=60), second.result(timeout=60)]
+    # those that found room waited for the load until the timeout
+    assert [(a.status_code, a.json()["error"]["code"]) for a in waited] == [(503, "cold_start")] * 2
+    assert _waiting(redis_url) == 0

@@ -1,6 +1,6 @@
 """CORS: with ``--cors-origins`` a browser application on those origins can call the router - preflights are
 answered and every answer (a stream, a refusal, an auth error) carries the headers that let the page read it;
-without it the router answers no preflight and adds nothing."""
+without it the router refuses every request a page on another origin sends (403), and adds nothing."""
 
 from __future__ import annotations
 
@@ -76,16 +76,22 @@ def test_a_browser_on_an_allowed_origin_can_call_the_router_and_read_every_answe
             assert plain.status_code == 503 and "access-control-allow-origin" not in plain.headers
 
 
-def test_without_cors_origins_no_preflight_is_answered(pool: Pool) -> None:
+def test_without_cors_origins_a_browser_origin_is_refused(pool: Pool) -> None:
     pool.node("n1", cap=1)
     router = pool.router()
     pool.wait_ready(router, 1)
     answer = preflight(router.url, ORIGIN)
-    assert answer.status_code == 405
+    assert answer.status_code == 403 and answer.json()["error"]["code"] == "origin_not_allowed"
     assert not any(name.startswith("access-control-") for name in answer.headers)
-    ok = httpx.post(router.url + "/v1/chat/completions", json=chat(pool.model(router), stream=False),
-                    headers={"Origin": ORIGIN}, timeout=30)
-    assert ok.status_code == 200 and "access-control-allow-origin" not in ok.headers
+    body = chat(pool.model(router), stream=False)
+    url = router.url + "/v1/chat/completions"
+    refused = httpx.post(url, json=body, headers={"Origin": ORIGIN}, timeout=30)
+    assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+    assert refused.json()["error"] == {"message": refused.json()["error"]["message"],
+                                       "type": "permission_error", "code": "origin_not_allowed"}
+    # a client that is not a browser sends no Origin; the router's own pages send its own
+    assert httpx.post(url, json=body, timeout=30).status_code == 200
+    assert httpx.post(url, json=body, headers={"Origin": router.url}, timeout=30).status_code == 200
 
 
 def test_an_origin_with_a_path_or_trailing_slash_is_refused_at_start() -> None:

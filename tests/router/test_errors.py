@@ -13,7 +13,7 @@ from tests.conftest import metric
 from tests.router.conftest import Pool, wait_until
 
 API_KEY = "client-secret"
-ADMIN_KEY = "admin-secret"
+ADMIN_KEY = "admin-secret-for-tests"
 
 
 pytestmark = pytest.mark.in_process  # none of these tests is about a process
@@ -79,10 +79,11 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
         assert ok.headers["x-request-id"] == "req-123"
 
         # input
-        _error(client.post("/v1/chat/completions", content=b"{not json", headers=auth), 400, "invalid_json")
-        _error(client.post("/v1/chat/completions", content=b"[1, 2]", headers=auth), 400, "invalid_request")
+        typed = {**auth, "Content-Type": "application/json"}
+        _error(client.post("/v1/chat/completions", content=b"{not json", headers=typed), 400, "invalid_json")
+        _error(client.post("/v1/chat/completions", content=b"[1, 2]", headers=typed), 400, "invalid_request")
         _error(
-            client.post("/v1/chat/completions", content=b" " * 3000, headers=auth), 413, "request_too_large"
+            client.post("/v1/chat/completions", content=b" " * 3000, headers=typed), 413, "request_too_large"
         )
         _error(
             client.post("/v1/chat/completions", json={**body, "model": "no-such-model"}, headers=auth),
@@ -158,7 +159,8 @@ def test_odd_bodies_and_answers_relayed_as_they_are(pool: Pool) -> None:
     model = pool.model(router)
     chat = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     lone = b'{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "\\ud800 hi"}]}'
-    with httpx.Client(base_url=router.url, timeout=30) as client:
+    typed = {"Content-Type": "application/json"}
+    with httpx.Client(base_url=router.url, timeout=30, headers=typed) as client:
         # a lone surrogate is a valid JSON escape: forwarded as sent (the prompt-prefix hash copes)
         assert client.post("/v1/chat/completions", content=lone % model.encode()).status_code == 200
         _error(client.post("/v1/chat/completions", content=b'{"model": "\\udc80"}'), 400, "invalid_model")

@@ -115,7 +115,7 @@ def test_the_pool_view_follows_events_again_and_rereads_the_pool_after_redis_res
                 await _heard(view, publisher, "before", freed)
                 server.kill()
                 restarted = RedisServer(port=server.port).start()
-                doc = NodeDoc(node_id="b", url="http://b", updated_at_ms=now_ms())
+                doc = NodeDoc(node_id="b", url="http://127.0.0.1:9", updated_at_ms=now_ms())
                 with redis.Redis.from_url(server.url) as store:  # written without an event
                     store.zadd(Keys().nodes, {"b": now_ms()})
                     store.hset(Keys().node("b"), "doc", doc.encode())
