@@ -5,6 +5,8 @@ the node; a client certificate of another CA that the agent refuses."""
 
 from __future__ import annotations
 
+import re
+import ssl
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -61,9 +63,10 @@ def tls_pool(stack: Stack, redis_url: str, tmp_path: Path) -> Iterator[TlsPool]:
     yield TlsPool(pki, other, redis_url, agent, router)
 
 
-def _chat(url: str, verify: object) -> httpx.Response:
+def _chat(url: str, verify: ssl.SSLContext | bool | None) -> httpx.Response:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=30, verify=verify)  # type: ignore[arg-type]
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=30,
+                      verify=True if verify is None else verify)
 
 
 def test_a_request_over_https_to_an_agent_that_requires_the_pool_ca(tls_pool: TlsPool, stack: Stack) -> None:
@@ -155,4 +158,6 @@ def test_a_router_with_a_certificate_of_another_ca_is_refused_by_the_agent(tls_p
     answer = _chat(router.url, True)
     assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_unavailable", answer.text
     logged = router.log_path.read_text() if router.log_path else ""
-    assert "node mac-1: RemoteProtocolError before an answer" in logged, logged[-2000:]
+    # (the alert may come before the request is written, or after: a closed or a reset connection)
+    assert re.search(r"node mac-1: (RemoteProtocolError|ReadError|WriteError) before an answer", logged), \
+        logged[-2000:]
