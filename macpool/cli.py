@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "autoscale": ("macpool.autoscale.cli", "act on demand: standby Macs, Wake-on-LAN, scale to zero"),
     "pool": ("macpool.pool", "the operator's tasks: invite a Mac to join"),
     "demo": ("macpool.demo", "start a whole simulated pool with a dashboard in one command"),
+    "models": ("macpool.models_cli", "the models the pool serves, from Hugging Face, on how many Macs"),
     "top": ("router.top", "live terminal view of the pool"),
     "node": ("macpool.node_cli", "node identity: the pool secret, a node's credential, revoking one"),
     "dev": ("macpool.dev.cli", "developer tasks: build llama-server, generate a tiny model, run the tests"),

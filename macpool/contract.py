@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 NodeState = Literal[
     "starting", "ready", "draining", "unhealthy", "paging",
@@ -18,10 +19,18 @@ NodeState = Literal[
     # controller's word, finishing its requests before going back to standby; "asleep" and "waking" are
     # the autoscaler's records of a Mac whose agent does not beat (macpool/autoscale/controller.py)
     "standby", "loading", "draining-to-standby", "asleep", "waking",
+    # a model the pool declared (``macpool models add``) that this Mac took and is downloading from the hub
+    # (node_agent/pool_models.py): in standby once it is on the Mac and verified
+    "downloading",
 ]
 NODE_STATES: tuple[NodeState, ...] = get_args(NodeState)  # every state, for metrics that show each one
 MemoryState = Literal["healthy", "near_ceiling", "paging", "collapsed"]
 Priority = Literal["interactive", "batch"]
+
+
+# a model's name on a Mac of several (--models) or in the pool's declarations (`macpool models`): its
+# llama-server model id, and part of its node id and URL
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][\w.:-]*$")
 
 
 def now_ms() -> int:
@@ -54,16 +63,29 @@ LoadCost = Literal["free", "evict", "full"]
 LOAD_COST_ORDER: dict[str, int] = {"free": 0, "evict": 1, "full": 2}
 
 
+class Download(BaseModel):
+    """How far a model's download from the hub is: bytes over all its files."""
+
+    done_bytes: int = 0
+    total_bytes: int = 0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def percent(self) -> float:
+        return round(100.0 * self.done_bytes / self.total_bytes, 1) if self.total_bytes else 0.0
+
+
 class ModelState(BaseModel):
     """What a node says of one model it serves, or would serve once loaded (``NodeDoc.model_states``)."""
 
     name: str
-    state: Literal["loaded", "loading", "loadable"]
+    state: Literal["loaded", "loading", "loadable", "downloading"]
     capacity: int = 0  # requests it takes at once, when loaded
     in_flight: int = 0
     # what it holds loaded, in GB (10**9 bytes): weights and the KV cache of every slot (None: not known)
     memory_gb: float | None = None
     load_s: float | None = None  # how long its last load took on this node (None: not seen yet)
+    download: Download | None = None  # while it downloads: how far
 
 
 class NodeDoc(BaseModel):
@@ -126,6 +148,22 @@ class NodeDoc(BaseModel):
         return cls.model_validate_json(raw)
 
 
+class DeclaredModel(BaseModel):
+    """A model the pool serves (``macpool models add``): the agents started with ``--from-pool`` take it,
+    ``replicas`` Macs at most, each one whose memory budget holds it (macpool/store/models.py)."""
+
+    name: str
+    ref: str  # a Hugging Face reference (org/repo:QUANT, org/repo/file.gguf), or a GGUF path every Mac has
+    replicas: int = Field(default=1, ge=1)
+    removing: bool = False  # `macpool models rm`: drained, then unloaded, then forgotten
+    added_at_ms: int = 0
+
+    def encode(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> DeclaredModel:
+        return cls.model_validate_json(raw)
 # what a signature covers: who the node is, where routers reach it, which process, when, and every figure
 # placement, admission and the autoscaler act on. The rest (memory figures, reasons, versions) is for people
 # to read and can be altered by whoever writes Redis without moving a request.

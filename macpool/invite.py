@@ -16,7 +16,9 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import SettingsConfigDict
 
-from macpool.settings import CommandSettings, ConfigError, RedisUrl
+from macpool.contract import now_ms
+from macpool.identity import IdentityError, check_node_id, issue, load_secret
+from macpool.settings import CommandSettings, ConfigError, RedisUrl, UserPath
 from macpool.store import DEFAULT_PREFIX
 from macpool.store.connect import parse
 
@@ -36,6 +38,8 @@ class Invitation(BaseModel):
     key_prefix: str = DEFAULT_PREFIX
     node_id: str = Field(pattern=r"^\S+$")
     token: str | None = None  # the agent token the routers send; None on a pool without one
+    # this node's credential (`macpool node add`'s line) when the pool has node identity: instead of a token
+    credential: str | None = None
 
     def encode(self) -> str:
         raw = json.dumps(self.model_dump(exclude_none=True), separators=(",", ":")).encode()
@@ -75,6 +79,11 @@ class InviteSettings(CommandSettings):
     agent_token: str | None = Field(
         default=None, description="the token the routers send to agents (as the routers' --agent-token)"
     )
+    pool_secret_file: UserPath | None = Field(
+        default=None,
+        description="the pool secret (`macpool node init`): the line then carries a credential issued for "
+        "this node, and no shared token (docs/security.md, Node identity)",
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -89,7 +98,15 @@ def main(argv: list[str]) -> int:
     if host in ("127.0.0.1", "localhost", "::1", "a local socket"):
         print(f"macpool pool invite: warning: the Redis URL names {host}: another Mac reaches this host by "
               "its LAN address (--redis-url)", file=sys.stderr)
+    credential, token = None, settings.agent_token
+    if settings.pool_secret_file is not None:
+        try:
+            issued = issue(load_secret(settings.pool_secret_file), check_node_id(settings.node_id), now_ms())
+        except IdentityError as exc:
+            print(f"macpool pool invite: error: {exc}", file=sys.stderr)
+            return 2
+        credential, token = issued.encode(), None
     line = Invitation(redis_url=settings.redis_url, key_prefix=settings.key_prefix, node_id=settings.node_id,
-                      token=settings.agent_token).encode()
+                      token=token, credential=credential).encode()
     print(f"macpool agent join {line}")
     return 0

@@ -27,6 +27,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from macpool.hub import parse_ref
 from macpool.store.connect import parse, redact
 
 S = TypeVar("S", bound=BaseSettings)
@@ -189,27 +190,42 @@ def read_toml_table(path: Path, table: str) -> dict[str, Any]:
 
 
 def _anchored(cls: type[BaseSettings], values: dict[str, Any], config_file: Path) -> dict[str, Any]:
-    """``values`` with each relative path made relative to ``config_file``'s folder."""
-    def resolved(value: str) -> str:
+    """``values`` with each relative path made relative to ``config_file``'s folder (a Hugging Face
+    reference where a model's file may be given is left as it is)."""
+    def resolved(value: str, source: bool) -> str:
+        if source and not value.startswith(".") and parse_ref(value) is not None:
+            return value
         path = Path(value).expanduser()
         return str(path if path.is_absolute() else config_file.parent / path)
 
-    paths = {key for name, field in cls.model_fields.items() if _is_path(field.annotation)
-             for key in (name, field.validation_alias) if isinstance(key, str)}
+    def keys(marker: object) -> set[str]:
+        return {key for name, field in cls.model_fields.items() if _marked(field.annotation, marker)
+                for key in (name, field.validation_alias) if isinstance(key, str)}
+
+    paths, sources = keys(Path), keys(PATH_OR_REF)
     out = dict(values)
     for key, value in values.items():
-        if key not in paths:
+        if key not in paths | sources:
             continue
         if isinstance(value, str) and value:
-            out[key] = resolved(value)
+            out[key] = resolved(value, key in sources)
         elif isinstance(value, dict):  # a table of paths (the agent's models)
-            out[key] = {name: resolved(v) if isinstance(v, str) and v else v for name, v in value.items()}
+            out[key] = {name: resolved(v, key in sources) if isinstance(v, str) and v else v
+                        for name, v in value.items()}
     return out
 
 
-def _is_path(annotation: Any) -> bool:
-    """Whether a field's type is a path (Path, UserPath, either or None, a table of them)."""
-    return annotation is Path or any(_is_path(arg) for arg in get_args(annotation))
+def _marked(annotation: Any, marker: object) -> bool:
+    """Whether a field's type is ``marker`` (Path; a model's source), either or None, a table of them."""
+    return annotation is marker or any(_marked(arg, marker) for arg in get_args(annotation))
+
+
+class _PathOrRef:
+    """Marks a setting holding a model's GGUF file or its Hugging Face reference (macpool/hub.py), as text:
+    a path in a config file is the file's, like any path; a reference is left as it is."""
+
+
+PATH_OR_REF = _PathOrRef()
 
 
 _SECRET_WORDS = ("token", "key", "password", "secret")

@@ -30,11 +30,14 @@ from macpool.settings import ConfigError
 from macpool.store import Keys
 from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.elastic import ElasticStore
+from macpool.store.models import ModelStore
 
 from . import kv, models, sizing
 from .gateway import create_app, create_models_app
 from .heartbeat import Heartbeat
+from .hub import fetch_models
 from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, SharedProbe, make_probe
+from .pool_models import PoolModels
 from .runtime import Runtime
 from .settings import AgentSettings
 from .standby import Standby
@@ -71,10 +74,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def load_model_shape(settings: AgentSettings) -> tuple[ModelShape | None, int | None]:
     """The GGUF's attention shape and KV bytes per token; a non-GGUF model file just means no estimate."""
-    if settings.model is None:
+    if settings.model_file is None:
         return None, None
     try:
-        shape = read_shape(settings.model)
+        shape = read_shape(settings.model_file)
         return shape, shape.kv_bytes_per_token(*cache_types(settings.llama_args))
     except GGUFError as exc:
         log.warning("no KV estimate from the model file: %s", exc)
@@ -117,6 +120,11 @@ class Agent:
         self.models: models.ModelHost | None = None
         self.preset_dir: tempfile.TemporaryDirectory[str] | None = None
         self.shape: ModelShape | None = None
+        self.runtimes: dict[str, Runtime] = {}  # each model's node (several models): the gateway's table
+        self.preset = Path()
+        self.wired_limit: float | None = None
+        self.shared_probe: SharedProbe | None = None
+        self.pool_models: PoolModels | None = None
         self.kv_per_token: int | None = None
         self.prepared = False
 
@@ -149,7 +157,7 @@ class Agent:
             return
         self.prepared = True
         settings = self.settings
-        if settings.models:
+        if settings.multi_model:
             return
         self.shape, self.kv_per_token = shape, kv_per_token = load_model_shape(settings)
         if not settings.supervise:
@@ -184,7 +192,7 @@ class Agent:
         self.connection = connect(settings.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0,
                                   health_check_interval=10)
         self.redis = self.connection.client
-        app = await self._start_models() if settings.models else await self._start_one()
+        app = await self._start_models() if settings.multi_model else await self._start_one()
         if self.connection.sentinel is not None:  # a failover, logged when the sentinels name a new primary
             watch = functools.partial(self.connection.check_primary, log)
             self.tasks.append(asyncio.create_task(every(1.0, watch, "redis primary", log, first_now=True),
@@ -216,7 +224,7 @@ class Agent:
         assert redis is not None
         shape, kv_per_token = self.shape, self.kv_per_token
         self.runtime.details["model"] = {
-            "path": str(settings.model) if settings.model else None,
+            "path": str(settings.model_file) if settings.model_file else None,
             "kv_bytes_per_token": kv_per_token,
             "weights_gb": shape.weights_gb if shape else None,
         }
@@ -242,32 +250,95 @@ class Agent:
         return create_app(self.runtime)
 
     async def _start_models(self) -> ASGIApp:
-        """Several models (node_agent/models.py): llama-server's router mode, and a node per model."""
+        """Several models (node_agent/models.py): llama-server's router mode, and a node per model; with
+        --from-pool, the models the pool declares come and go while it runs (node_agent/pool_models.py)."""
         settings, redis = self.settings, self.redis
         assert redis is not None
-        wired_limit = settings.wired_limit_gb or await probed_wired_limit(settings)
+        wired_limit = self.wired_limit = settings.wired_limit_gb or await probed_wired_limit(settings)
         specs = models.plan_models(settings, wired_limit)
         budget = models.Budget(None if wired_limit is None else wired_limit - settings.headroom_gb)
         if budget.limit_gb is None:
             log.warning("no wired limit known (--wired-limit-gb): models are loaded with no memory budget")
         self.preset_dir = models.preset_dir()
-        preset = Path(self.preset_dir.name) / "models.ini"
-        models.write_preset(preset, specs)
+        self.preset = Path(self.preset_dir.name) / "models.ini"
+        models.write_preset(self.preset, specs)
         store = ElasticStore(redis, Keys(settings.key_prefix))
         host = self.models = models.ModelHost(settings, self.runtime, store, budget)
-        self._start_llama_server(preset)
+        self._start_llama_server(self.preset)
         # one memory sample per heartbeat interval for the whole Mac, read by every model's heartbeat
-        probe = SharedProbe(make_probe(settings.memory_probe, self.runtime.client(),
-                                       lambda: host.runtime.upstream_url), settings.heartbeat_interval / 2)
+        self.shared_probe = SharedProbe(make_probe(settings.memory_probe, self.runtime.client(),
+                                                   lambda: host.runtime.upstream_url),
+                                        settings.heartbeat_interval / 2)
         for spec in specs:
-            unit = host.add(spec, models.unit_settings(settings, spec))
-            heartbeat = Heartbeat(unit.runtime, redis, probe, None, None, host.relieve_pressure,
-                                  model=spec.name, model_memory_gb=spec.memory_gb,
-                                  load_cost=functools.partial(host.load_cost, unit))
-            heartbeat.before_beat = host.standby_for(unit).follow
-            heartbeat.kv_source = functools.partial(_preset_args, spec, settings.llama_args)
-            self._beat(heartbeat)
-        return create_models_app({name: unit.runtime for name, unit in host.units.items()}, self.runtime)
+            self._beat_model(spec)
+        if settings.from_pool:
+            self.pool_models = PoolModels(settings, ModelStore(redis, Keys(settings.key_prefix)), redis, self)
+            self.tasks.append(asyncio.create_task(self.pool_models.run(), name="pool models"))
+        return create_models_app(self.runtimes, self.runtime)
+
+    def _beat_model(self, spec: models.ModelSpec) -> None:
+        """``spec``'s node: a unit of the model host, its heartbeat and standby follower."""
+        host, redis, probe = self.models, self.redis, self.shared_probe
+        assert host is not None and redis is not None and probe is not None
+        unit = host.add(spec, models.unit_settings(self.settings, spec))
+        self.runtimes[spec.name] = unit.runtime
+        heartbeat = Heartbeat(unit.runtime, redis, probe, None, None, host.relieve_pressure,
+                              model=spec.name, model_memory_gb=spec.memory_gb,
+                              load_cost=functools.partial(host.load_cost, unit))
+        heartbeat.before_beat = host.standby_for(unit).follow
+        heartbeat.kv_source = functools.partial(_preset_args, spec, self.settings.llama_args)
+        self._beat(heartbeat)
+
+    # --- models the pool declares (node_agent/pool_models.py) ----------------------------------------
+    def plan(self, name: str, path: Path) -> tuple[models.ModelSpec, str | None]:
+        """A downloaded model's slots and memory, and why the Mac cannot hold it (None: it can)."""
+        spec = models.plan_model(self.settings, name, path, self.wired_limit)
+        return spec, models.cannot_hold(self.settings, spec, self.wired_limit)
+
+    @property
+    def budget_gb(self) -> float | None:
+        return self.models.budget.limit_gb if self.models is not None else None
+
+    def hosts(self, name: str) -> bool:
+        return self.models is not None and name in self.models.units
+
+    async def add_model(self, spec: models.ModelSpec) -> None:
+        """Serve ``spec`` from now on: in llama-server's presets, and a node of the pool (in standby)."""
+        host = self.models
+        assert host is not None
+        specs = [u.spec for u in host.units.values()] + [spec]
+        models.write_preset(self.preset, specs)
+        await host.reload()
+        self._beat_model(spec)
+
+    async def remove_model(self, name: str) -> None:
+        """Stop serving ``name``: its node admits nothing new and finishes what it holds (up to
+        --drain-timeout), then its model is unloaded, its node leaves the pool, and llama-server forgets
+        it."""
+        host = self.models
+        assert host is not None
+        unit = host.units[name]
+        unit.runtime.begin_standby_drain()
+        deadline = asyncio.get_running_loop().time() + self.settings.drain_timeout
+        while unit.runtime.in_flight + unit.runtime.light_in_flight > 0:
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("model %s: %d requests still in flight after the drain timeout", name,
+                            unit.runtime.in_flight)
+                break
+            await asyncio.sleep(0.05)
+        if unit.held:
+            await host.unload(unit)
+        heartbeat = next(h for h in self.heartbeats if h.runtime is unit.runtime)
+        self.heartbeats.remove(heartbeat)
+        task = next(t for t in self.tasks if t.get_name() == f"heartbeat {unit.settings.node_id}")
+        self.tasks.remove(task)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await heartbeat.remove()
+        del host.units[name]
+        self.runtimes.pop(name, None)
+        models.write_preset(self.preset, [u.spec for u in host.units.values()])
+        await host.reload()
 
     def _beat(self, heartbeat: Heartbeat) -> None:
         self.heartbeats.append(heartbeat)
@@ -283,7 +354,7 @@ class Agent:
         host = self.models
         self.supervisor = Supervisor(
             settings.llama_command,
-            settings.model,
+            settings.model_file,
             self.runtime.sizing.parallel if self.runtime.sizing else 1,
             self.runtime.sizing.ctx_per_slot if self.runtime.sizing else settings.ctx_per_slot,
             settings.llama_args,
@@ -433,7 +504,8 @@ async def _preset_args(spec: models.ModelSpec, llama_args: list[str], slots: int
 
 
 def run_agent(settings: AgentSettings) -> int:
-    """Bind, then run the agent's event loop until it stops."""
+    """Download the Hugging Face models it names, bind, then run the agent's event loop until it stops."""
+    settings = fetch_models(settings)
     sock = bind_socket(settings.host, settings.port)
     if settings.port == 0:
         settings = settings.model_copy(update={"port": sock.getsockname()[1]})

@@ -37,7 +37,7 @@ def build_settings(argv: list[str]) -> AgentSettings:
             # one choice: --upstream or --llama-server on the command line sets aside the other's setting in
             # the environment or the file (attaching to a test server with the Mac's usual config file)
             init[other] = None
-    return calibrated(AgentSettings.from_argv(own, flags, **init), given)
+    return calibrated(AgentSettings.from_argv(own, flags, **init), given).with_token_read()
 
 
 def run(argv: list[str]) -> int:
@@ -122,12 +122,43 @@ def join(argv: list[str]) -> int:
     return joining.main(argv)
 
 
-COMMANDS = {"run": run, "calibrate": calibrate, "join": join}
+def fetch(argv: list[str]) -> int:
+    """``macpool agent fetch REF``: download a model from Hugging Face into this Mac's cache, verified."""
+    import argparse
+
+    from . import hub
+
+    parser = argparse.ArgumentParser(
+        prog=f"{PROG} fetch",
+        description="Download a model from Hugging Face into this Mac's Hugging Face cache (HF_HOME), verify "
+        "it against the hub's SHA-256, and print the path of its GGUF. HF_ENDPOINT, HF_TOKEN and "
+        "HF_HUB_OFFLINE apply. Exits 1 when it cannot.",
+    )
+    parser.add_argument("ref", help="org/repo:QUANT (as llama.cpp's -hf; every part of a split GGUF) or "
+                        "org/repo/file.gguf")
+    text = parser.parse_args(argv).ref
+    ref = hub.parse_ref(text)
+    if ref is None:
+        raise ConfigError(f"{text!r} is not a Hugging Face reference (org/repo:QUANT or org/repo/file.gguf)")
+    logs.configure("info", "text")
+    try:
+        resolved = hub.resolve(ref)
+        print(f"{ref}: {', '.join(f.name for f in resolved.files)} at {resolved.revision[:12]}, "
+              f"{resolved.size / 1e9:.2f} GB", file=sys.stderr, flush=True)
+        path = hub.download(resolved)
+    except hub.HubError as exc:
+        print(f"{PROG} fetch: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+COMMANDS = {"run": run, "calibrate": calibrate, "join": join, "fetch": fetch}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(f"usage: {PROG} {{run,calibrate,join}} [options]   ({PROG} run --help)", file=sys.stderr)
+        print(f"usage: {PROG} {{run,calibrate,join,fetch}} [options]   ({PROG} run --help)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         return COMMANDS[argv[0]](argv[1:])

@@ -457,8 +457,9 @@ class _ByModel(Collector):
 def create_models_app(runtimes: dict[str, Runtime], agent: Runtime) -> ASGIApp:
     """Several models on one Mac (node_agent/models.py): each model's gateway under ``/m/<name>`` (its
     node's URL), and the agent's own ``/health``, ``/status`` (every model's) and ``/metrics`` (every
-    model's, labelled ``model``)."""
-    apps = {name: create_app(runtime) for name, runtime in runtimes.items()}
+    model's, labelled ``model``). ``runtimes`` may change while it serves (models the pool declares come and
+    go: node_agent/pool_models.py): each model's gateway is built at its first request."""
+    apps: dict[str, ASGIApp] = {}
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_ByModel(runtimes))
 
@@ -481,7 +482,12 @@ def create_models_app(runtimes: dict[str, Runtime], agent: Runtime) -> ASGIApp:
         path: str = scope.get("path", "")
         if scope["type"] == "http" and path.startswith("/m/"):
             name, slash, rest = path[len("/m/"):].partition("/")
-            model_app = apps.get(name)
+            runtime = runtimes.get(name)
+            model_app = apps.get(name) if runtime is not None else None
+            if runtime is not None and model_app is None:
+                model_app = apps[name] = create_app(runtime)
+            if runtime is None:
+                apps.pop(name, None)
             if model_app is None:
                 response = error_response(404, f"no model {name!r} on this agent", "model_not_found")
                 await response(scope, receive, send)

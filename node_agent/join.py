@@ -23,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from macpool.identity import write_private
 from macpool.invite import Invitation, InvitationError
 from macpool.store import Keys, Store
 from macpool.store.connect import connect
@@ -52,6 +53,10 @@ def write_config(invitation: Invitation, folder: Path) -> Path:
     ]
     if invitation.token is not None:
         lines.append(f"token = {_toml(invitation.token)}")
+    if invitation.credential is not None:  # this node's own, issued by the pool: signs its heartbeats
+        credential = folder / "node.credential"
+        write_private(credential, invitation.credential, replace=True)
+        lines.append(f"node_credential = {_toml(str(credential))}")
     path.unlink(missing_ok=True)
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "w") as out:

@@ -69,38 +69,51 @@ class ModelSpec:
 def plan_models(settings: AgentSettings, wired_limit_gb: float | None) -> list[ModelSpec]:
     """Each model's slots, chosen as for one model (node_agent/sizing.py) but at most ``DEFAULT_SLOTS``
     unless ``--parallel`` says: a model sized to the whole Mac would leave no room for another."""
-    specs = []
-    for name, path in settings.models.items():
-        try:
-            shape = read_shape(path)
-            kv_per_token: int | None = shape.kv_bytes_per_token(*cache_types(settings.llama_args))
-            weights: float | None = shape.weights_gb
-            n_ctx_train: int | None = shape.n_ctx_train
-        except GGUFError as exc:
-            log.warning("model %s: no memory estimate from its file (%s); the budget counts it as 0",
-                        name, exc)
-            kv_per_token = weights = n_ctx_train = None
-        chosen = sizing.choose(
-            parallel=settings.parallel, ctx_per_slot=settings.ctx_per_slot, wired_limit_gb=wired_limit_gb,
-            weights_gb=weights, headroom_gb=settings.headroom_gb, kv_bytes_per_token=kv_per_token,
-            calibrated_cap=settings.calibrated_cap, n_ctx_train=n_ctx_train,
-        )
-        if chosen.chosen_by == "memory" and chosen.parallel > sizing.DEFAULT_SLOTS:
-            chosen = replace(chosen, parallel=sizing.DEFAULT_SLOTS,
-                             reason=f"{sizing.DEFAULT_SLOTS} slots x {chosen.ctx_per_slot} tokens: at most "
-                                    f"{sizing.DEFAULT_SLOTS} for one model of several ({chosen.fits} would "
-                                    "fit alone; --parallel to choose)")
-        if wired_limit_gb is not None and kv_per_token:
-            refusal = sizing.cannot_hold(chosen, weights, settings.headroom_gb, wired_limit_gb, kv_per_token)
-            if refusal is not None:  # (the others may still serve: this one will not load)
-                log.warning("model %s: %s", name, refusal)
-        memory = None
-        if weights is not None and kv_per_token is not None:
-            memory = weights + chosen.parallel * kv_per_token * chosen.ctx_per_slot / GB
-        specs.append(ModelSpec(name, path, chosen, memory))
-        log.info("model %s: %s; holds %s GB loaded", name, chosen.reason,
-                 "?" if memory is None else f"{memory:.2f}")
-    return specs
+    return [plan_model(settings, name, path, wired_limit_gb) for name, path in settings.model_files.items()]
+
+
+def plan_model(settings: AgentSettings, name: str, path: Path, wired_limit_gb: float | None) -> ModelSpec:
+    """One model's slots and memory (``plan_models``); ``cannot_hold`` says whether the Mac holds it."""
+    spec, refusal = _plan(settings, name, path, wired_limit_gb)
+    if refusal is not None:  # (the others may still serve: this one will not load)
+        log.warning("model %s: %s", name, refusal)
+    log.info("model %s: %s; holds %s GB loaded", name, spec.sizing.reason,
+             "?" if spec.memory_gb is None else f"{spec.memory_gb:.2f}")
+    return spec
+
+
+def cannot_hold(settings: AgentSettings, spec: ModelSpec, wired_limit_gb: float | None) -> str | None:
+    """Why the Mac cannot hold one request of ``spec`` at its context beside its headroom (None: it can)."""
+    return _plan(settings, spec.name, spec.path, wired_limit_gb)[1]
+
+
+def _plan(settings: AgentSettings, name: str, path: Path, wired_limit_gb: float | None
+          ) -> tuple[ModelSpec, str | None]:
+    try:
+        shape = read_shape(path)
+        kv_per_token: int | None = shape.kv_bytes_per_token(*cache_types(settings.llama_args))
+        weights: float | None = shape.weights_gb
+        n_ctx_train: int | None = shape.n_ctx_train
+    except GGUFError as exc:
+        log.warning("model %s: no memory estimate from its file (%s); the budget counts it as 0", name, exc)
+        kv_per_token = weights = n_ctx_train = None
+    chosen = sizing.choose(
+        parallel=settings.parallel, ctx_per_slot=settings.ctx_per_slot, wired_limit_gb=wired_limit_gb,
+        weights_gb=weights, headroom_gb=settings.headroom_gb, kv_bytes_per_token=kv_per_token,
+        calibrated_cap=settings.calibrated_cap, n_ctx_train=n_ctx_train,
+    )
+    if chosen.chosen_by == "memory" and chosen.parallel > sizing.DEFAULT_SLOTS:
+        chosen = replace(chosen, parallel=sizing.DEFAULT_SLOTS,
+                         reason=f"{sizing.DEFAULT_SLOTS} slots x {chosen.ctx_per_slot} tokens: at most "
+                                f"{sizing.DEFAULT_SLOTS} for one model of several ({chosen.fits} would "
+                                "fit alone; --parallel to choose)")
+    refusal = None
+    if wired_limit_gb is not None and kv_per_token:
+        refusal = sizing.cannot_hold(chosen, weights, settings.headroom_gb, wired_limit_gb, kv_per_token)
+    memory = None
+    if weights is not None and kv_per_token is not None:
+        memory = weights + chosen.parallel * kv_per_token * chosen.ctx_per_slot / GB
+    return ModelSpec(name, path, chosen, memory), refusal
 
 
 PRESET_DIR_PREFIX = "macpool-models-"
@@ -332,6 +345,15 @@ class ModelHost:
         unit.held = False
         log.info("model %s unloaded", unit.name)
 
+    async def reload(self) -> None:
+        """Have llama-server read its preset file again (models added or removed), keeping what runs."""
+        try:
+            await self.runtime.client().get(self.runtime.upstream_url + "/models", params={"reload": "1"},
+                                            timeout=30.0)
+        except httpx.HTTPError as exc:  # (down: a restarted llama-server reads the file anyway)
+            log.warning("llama-server did not reread its models (%s); it does at its next start",
+                        type(exc).__name__)
+
     async def _listed(self, unit: Unit) -> str | None:
         """``unit``'s status in llama-server's ``GET /models`` (httpx's errors, or ValueError, when it does
         not answer it)."""
@@ -364,7 +386,7 @@ def unit_settings(settings: AgentSettings, spec: ModelSpec) -> AgentSettings:
     return settings.model_copy(update={
         "node_id": f"{settings.node_id}/{spec.name}",
         "advertise_url": f"{settings.public_url}/m/{spec.name}",
-        "model": spec.path,
+        "model": str(spec.path),
         "models": {},
         "parallel": spec.sizing.parallel,
         "elastic": True,

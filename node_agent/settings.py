@@ -6,12 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
 import shutil
 import socket
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
@@ -24,16 +23,16 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from macpool.contract import MODEL_NAME
 from macpool.credentials import SecretError, check_secret, exposed_without_auth, read_secret
+from macpool.hub import HubRef, model_source
 from macpool.identity import IdentityError, NodeCredential, load_credential
 from macpool.serving import check_tls_files
-from macpool.settings import CommandSettings, ConfigError, RedisUrl, UserPath, first_error
+from macpool.settings import PATH_OR_REF, CommandSettings, ConfigError, RedisUrl, UserPath, first_error
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import normalize_mac
 
 ProbeKind = Literal["auto", "macos", "linux", "sim"]
-# a model's name on a Mac of several (--models): its llama-server model id, and part of its node id and URL
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][\w.:-]*$")
 
 
 def _http_url(url: str) -> str:
@@ -67,8 +66,20 @@ def _model_name(name: str) -> str:
     return name
 
 
+def _source(text: str) -> str:
+    """A GGUF file that is there (``~`` is the home directory) or a Hugging Face reference (macpool/hub.py),
+    as text: the path, or the reference as the hub module writes it."""
+    source = model_source(text)
+    if isinstance(source, HubRef):
+        return str(source)
+    if not source.is_file():
+        raise ValueError("no such file (nor a Hugging Face reference: org/repo:QUANT or org/repo/file.gguf)")
+    return str(source)
+
+
 def _model_files(value: object) -> object:
-    """``NAME=FILE[,NAME=FILE...]`` (a flag, or MACPOOL_MODELS) -> {name: file}; a mapping passes as it is."""
+    """``NAME=SOURCE[,NAME=SOURCE...]`` (a flag, or MACPOOL_MODELS) -> {name: source}; a mapping passes as it
+    is."""
     if not isinstance(value, str):
         return value
     out: dict[str, str] = {}
@@ -92,8 +103,12 @@ HttpUrl = Annotated[str, AfterValidator(_http_url)]
 LlamaServer = Annotated[str, AfterValidator(os.path.expanduser), AfterValidator(_executable)]
 # a file that must be there: ``~`` is the home directory, and a config file's relative path is the file's
 ExistingFile = Annotated[UserPath, AfterValidator(_a_file)]
+# where a model comes from: a GGUF file, or a model on Hugging Face, downloaded before it is served; text,
+# so that the command line takes it as one value
+ModelSource = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, PurePath) else v),
+                        AfterValidator(_source), PATH_OR_REF]
 ModelFiles = Annotated[
-    dict[Annotated[str, AfterValidator(_model_name)], ExistingFile], NoDecode, BeforeValidator(_model_files)
+    dict[Annotated[str, AfterValidator(_model_name)], ModelSource], NoDecode, BeforeValidator(_model_files)
 ]
 
 
@@ -115,14 +130,22 @@ class AgentSettings(CommandSettings):
     llama_server: LlamaServer | None = Field(
         default=None, description="supervise: llama-server's path or command line (split as a shell would)"
     )
-    model: ExistingFile | None = Field(
-        default=None, description="the GGUF file (required to supervise; sizes the KV cache)"
+    model: ModelSource | None = Field(
+        default=None,
+        description="the GGUF file, or a Hugging Face model (org/repo:QUANT as llama.cpp's -hf, or "
+        "org/repo/file.gguf), downloaded into the Hugging Face cache before llama-server starts (required "
+        "to supervise; sizes the KV cache)",
     )
     models: ModelFiles = Field(
         default={},
-        description="several models on this Mac instead of --model: NAME=FILE.gguf[,NAME=FILE.gguf...] (a "
-        "table in TOML), served by llama-server's router mode, loaded on demand under one memory budget "
-        "(each is a pool node <node-id>/<NAME>)",
+        description="several models on this Mac instead of --model: NAME=SOURCE[,NAME=SOURCE...] (a table in "
+        "TOML), each SOURCE a GGUF file or a Hugging Face model, served by llama-server's router mode, "
+        "loaded on demand under one memory budget (each is a pool node <node-id>/<NAME>)",
+    )
+    from_pool: bool = Field(
+        default=False,
+        description="also serve the models the pool declares (`macpool models add`) that fit this Mac's "
+        "memory budget: downloaded from Hugging Face, served as with --models (docs/models.md)",
     )
     parallel: int | None = Field(
         default=None, ge=1,
@@ -277,14 +300,16 @@ class AgentSettings(CommandSettings):
         """A llama-server to attach to or one to supervise, with what supervising it needs."""
         if (self.upstream is None) == (self.llama_server is None):
             raise ValueError("give exactly one of --upstream URL (attach) or --llama-server CMD (supervise)")
-        if self.models and not self.supervise:
-            raise ValueError("--models needs --llama-server: the agent runs llama-server's router mode")
+        if self.multi_model and not self.supervise:
+            flag = "--models" if self.models else "--from-pool"
+            raise ValueError(f"{flag} needs --llama-server: the agent runs llama-server's router mode")
         if not self.supervise:
             return self
-        if self.model is None and not self.models:
-            raise ValueError("--model FILE.gguf (or --models NAME=FILE,...) is required with --llama-server")
-        if self.model is not None and self.models:
-            raise ValueError("give --model FILE.gguf or --models NAME=FILE,..., not both")
+        if self.model is None and not self.multi_model:
+            raise ValueError("--model FILE.gguf|org/repo:QUANT (or --models NAME=SOURCE,..., or --from-pool) "
+                             "is required with --llama-server")
+        if self.model is not None and self.multi_model:
+            raise ValueError("give --model, or --models NAME=SOURCE,... and/or --from-pool, not both")
         for arg in self.llama_args:
             # llama-server takes the last --host/--port it is given, and these come after the agent's: one
             # would open it to the network past the cap and token, the other hide it from the agent
@@ -322,19 +347,14 @@ class AgentSettings(CommandSettings):
     def _one_way_to_authenticate(self) -> Self:
         """A shared token (given, or read from its file) or this node's own credential, the credential issued
         for this node; and one of them unless the agent serves loopback only or a trusted network."""
-        if self.token_file is not None:
-            if self.token is not None:
-                raise ValueError("give --token or --token-file, not both")
-            try:
-                self.token = read_secret(self.token_file, "--token-file")
-            except SecretError as exc:
-                raise ValueError(str(exc)) from None
+        if self.token_file is not None and self.token is not None:
+            raise ValueError("give --token or --token-file, not both")
         if self.token is not None:
             try:
                 check_secret(self.token, "--token")
             except SecretError as exc:
                 raise ValueError(str(exc)) from None
-        guarded = self.token is not None or self.node_credential is not None
+        guarded = self.token is not None or self.token_file is not None or self.node_credential is not None
         if exposed_without_auth(self.host, guarded, self.trusted_network):
             raise ValueError(
                 f"refusing to serve {self.host} without an agent token: give --token-file (the routers' "
@@ -354,6 +374,17 @@ class AgentSettings(CommandSettings):
                              f"{credential.node_id!r}")
         return self
 
+    def with_token_read(self) -> AgentSettings:
+        """These settings with ``--token-file``'s token read into ``token``: at start, not while settings are
+        only checked (a configuration names a file of the Mac it runs on)."""
+        if self.token_file is None:
+            return self
+        try:
+            token = check_secret(read_secret(self.token_file, "--token-file"), "--token-file")
+        except SecretError as exc:
+            raise ConfigError(str(exc)) from None
+        return self.model_copy(update={"token": token})
+
     def router_token(self) -> str | None:
         """What a router must send in X-Macpool-Token: this node's own token when it has a credential, else
         the shared one (None: nothing asked)."""
@@ -368,6 +399,22 @@ class AgentSettings(CommandSettings):
             return load_credential(self.node_credential)
         except IdentityError as exc:
             raise ConfigError(f"--node-credential: {exc}") from None
+
+    @property
+    def model_file(self) -> Path | None:
+        """``model`` as a file: a Hugging Face reference is downloaded before the agent starts
+        (node_agent/hub.py ``fetch_models``), so by then none is left."""
+        return None if self.model is None else _file(self.model)
+
+    @property
+    def model_files(self) -> dict[str, Path]:
+        """``models`` as files (``model_file``)."""
+        return {name: _file(source) for name, source in self.models.items()}
+
+    @property
+    def multi_model(self) -> bool:
+        """llama-server's router mode: several models (``--models``), or those of the pool."""
+        return bool(self.models) or self.from_pool
 
     @property
     def supervise(self) -> bool:
@@ -393,6 +440,13 @@ class AgentSettings(CommandSettings):
     @property
     def scheme(self) -> str:
         return "https" if self.tls_cert is not None else "http"
+
+
+def _file(source: str) -> Path:
+    found = model_source(source)
+    if isinstance(found, HubRef):
+        raise RuntimeError(f"model {found} was not downloaded")
+    return found
 
 
 def _writable(path: Path) -> Path:

@@ -85,11 +85,11 @@ class Standby:
 def standby_models(settings: AgentSettings) -> list[str]:
     """The model a supervised llama-server would serve, for the heartbeat while none runs: routers find a
     standby node by its model (scale to zero). Its ``--alias``, else the file name without ``.gguf``."""
-    if not settings.supervise or settings.model is None:
+    if not settings.supervise or settings.model_file is None:
         return []
     args = settings.llama_args
     for i, arg in enumerate(args):
         name, equals, value = arg.partition("=")
         if name in ("-a", "--alias"):
             return [value] if equals else args[i + 1:i + 2]
-    return [settings.model.name.removesuffix(".gguf")]
+    return [settings.model_file.name.removesuffix(".gguf")]

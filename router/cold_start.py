@@ -11,8 +11,11 @@ it.
 An ask is over once its node, seen loading or serving since, is back in standby (it unloaded the model when
 idle, or refused the load), or has stayed in standby for a few seconds: then the model is asked for again
 rather than waited for until the marker lapses.
-Past the timeout it is a 503 with a Retry-After: ``model_loading`` when a load was asked for (it is on its
-way), ``cold_start`` when only the autoscaler could act (Macs asleep, or load on demand off).
+A model the pool declares (``macpool models add``) that no Mac serves yet - one is downloading it, or is
+about to take it - is waited for the same way.
+Past the timeout it is a 503 with a Retry-After: ``model_loading`` when a load was asked for or the pool
+declares the model (it is on its way), ``cold_start`` when only the autoscaler could act (Macs asleep, or
+load on demand off).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from router.settings import Settings
 log = logging.getLogger("macpool.router")
 
 # the states of an elastic node that become "ready" without anyone but the autoscaler acting
-WARMING_STATES = ("standby", "asleep", "waking", "loading", "draining-to-standby", "starting")
+WARMING_STATES = ("standby", "asleep", "waking", "loading", "draining-to-standby", "starting", "downloading")
 POLL_S = 0.05  # the pool view is in memory: looking costs nothing
 RENEW_S = 1.0  # the queue place's lease is 3 s (macpool/store QUEUE_LEASE_MS)
 # how long an asked node may stay in standby before the ask counts as over (its heartbeats say it is
@@ -67,10 +70,16 @@ class ColdStart:
             return False
 
     def needed(self, model: str) -> bool:
-        """No node of ``model`` is ready, and an elastic one in the pool would be once loaded."""
+        """No node of ``model`` is ready, and an elastic one in the pool would be once loaded - or the pool
+        declares the model (``macpool models``): a Mac will take it, download it and load it."""
         if self.settings.cold_start_timeout <= 0 or self.ready(model):
             return False
-        return any(self._warms(doc, model) for doc in self.pool.fresh_nodes())
+        return self.declared(model) or any(self._warms(doc, model) for doc in self.pool.fresh_nodes())
+
+    def declared(self, model: str) -> bool:
+        """The pool declares ``model`` and is not removing it."""
+        declared = self.pool.snapshot.declared.get(model)
+        return declared is not None and not declared.removing
 
     @staticmethod
     def _warms(doc: NodeDoc, model: str) -> bool:
@@ -86,9 +95,12 @@ class ColdStart:
         renew_at = started
         log.info("no ready node serves %r: waiting up to %.0fs for one to load", ticket.model,
                  self.settings.cold_start_timeout)
-        asked = False  # a load of the model was asked for (by this request or another)
+        # a load of the model was asked for (by this request or another), or the pool declares it: it is on
+        # its way
+        asked = self.declared(ticket.model)
         try:
-            while not self.ready(ticket.model):
+            # (until ready, or until nothing would make it ready: its nodes gone, the pool not declaring it)
+            while self.needed(ticket.model):
                 now = time.monotonic()
                 if now >= deadline:
                     if asked:

@@ -351,23 +351,39 @@ class PoolView:
 
     def model_states(self) -> dict[str, dict[str, Any]]:
         """For each model a request can name (``models``): how many ready nodes serve it, how many elastic
-        nodes would once loaded, and the slots of the ready ones, free and in all."""
+        nodes would once loaded, how many are downloading it (and how far the furthest is), and the slots
+        of the ready ones, free and in all; a model the pool declares (``macpool models``) that no node
+        has yet is ``declared``, with its replicas."""
         out: dict[str, dict[str, Any]] = {}
+
+        def entry(model: str) -> dict[str, Any]:
+            return out.setdefault(model, {"loaded_on": 0, "loadable_on": 0, "downloading_on": 0, "slots": 0,
+                                          "free_slots": 0})
+
         for doc in self.fresh_nodes():
             ready = self.is_ready(doc)
             if not ready and not doc.elastic:
                 continue
             for model in doc.models:
-                state = out.setdefault(model, {"loaded_on": 0, "loadable_on": 0, "slots": 0, "free_slots": 0})
+                state = entry(model)
                 if ready:
                     held = self.snapshot.reservations.get(doc.node_id, 0)
                     state["loaded_on"] += 1
                     state["slots"] += doc.capacity
                     state["free_slots"] += max(doc.capacity - held, 0)
+                elif doc.state == "downloading":
+                    state["downloading_on"] += 1
+                    percent = max((m.download.percent for m in doc.model_states
+                                   if m.name == model and m.download is not None), default=0.0)
+                    state["download_percent"] = max(state.get("download_percent", 0.0), percent)
                 else:
                     state["loadable_on"] += 1
+        for name, declared in self.snapshot.declared.items():
+            if not declared.removing:
+                entry(name)["replicas"] = declared.replicas
         for state in out.values():
-            state["state"] = "loaded" if state["loaded_on"] else "loadable"
+            state["state"] = ("loaded" if state["loaded_on"] else "loadable" if state["loadable_on"]
+                              else "downloading" if state["downloading_on"] else "declared")
         return dict(sorted(out.items()))
 
     # --- passive health ----------------------------------------------------------------------------

@@ -28,6 +28,7 @@ STATE_STYLE = {
     "draining": "blue",
     "unhealthy": "red",
     "starting": "magenta",
+    "downloading": "cyan",
     "gone": "bright_black",
 }
 
@@ -44,8 +45,8 @@ def node_state(doc: dict[str, Any]) -> str:
         return "unhealthy"
     if doc.get("state") == "paging" or memory.get("state") in ("paging", "collapsed"):
         return "paging"
-    if doc.get("state") == "starting":
-        return "starting"
+    if doc.get("state") in ("starting", "downloading"):
+        return str(doc["state"])
     if memory.get("state") == "near_ceiling" or memory.get("pressure") in ("warning", "critical"):
         return "near ceiling"
     return "healthy"
@@ -74,6 +75,9 @@ def models_text(doc: dict[str, Any]) -> str:
     for model in states:
         memory = model.get("memory_gb")
         held = "" if memory is None else f" {memory:.1f}G"
+        download = model.get("download") or {}
+        if model.get("state") == "downloading":  # how far, and of how much
+            held = f" {download.get('percent', 0):.0f}% of {download.get('total_bytes', 0) / 1e9:.1f}G"
         out.append(f"{model.get('name')} {model.get('state')}{held}")
     return ", ".join(out)
 

@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "placement": ("placement", "a mixed pool of Macs at 0.5x-4x load: macpool vs LiteLLM vs nginx"),
     "models": ("models", "model A -> B -> A on Macs holding one at a time: cold starts, memory"),
     "prefill": ("prefill", "llama-server's prefill of a recorded Claude Code or Codex turn"),
+    "agents": ("agents", "coding-agent sessions on a mixed pool: macpool vs nginx vs LiteLLM"),
 }
 
 

@@ -27,7 +27,8 @@ the sum of the knees and to the best split, TTFT and latency p50/p99 (simulated 
 the clients never answered, 503s and other errors. Writes JSON (``--json``): ``knees`` (per Mac, tok/s),
 ``knee_sum_tok_s``, ``curves`` (per Mac: tok/s by concurrency, the cap's being the knee),
 ``ttft_p50_alone_s`` (per Mac, one client), ``levels`` (one per level: ``level``, ``clients``,
-``best_tok_s``, ``best_split`` (clients per Mac), ``runs`` by router).
+``best_tok_s``, ``best_split`` (clients per Mac), ``runs`` by router), and ``target``: macpool's goodput
+against the best split at each level (``best_ratio``), the target (0.98 at every level) and ``met``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from macpool.dev.stack import Proc, Stack
 MODEL = "sim"  # the one model name every simulator serves (--alias)
 PAUSE_ON = (429, 502, 503)  # answers after which a client waits a little before its next request
 ROUTER_FLAGS = ("--queue-size", "128", "--queue-timeout", "30")
+BEST_SPLIT_TARGET = 0.98  # macpool's goodput against the best split, at every level (issue 40)
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,7 @@ def run(
             out_levels.append({"level": level, "clients": clients, "best_tok_s": best, "best_split": split,
                                "runs": runs})
     return {
+        "target": check(out_levels),
         "macs": [asdict(mac) for mac in MACS],
         "capacity": CAPACITY,
         "knees": knee,
@@ -283,6 +286,23 @@ def run(
         "levels": out_levels,
         "conditions": asdict(c) | {"router_flags": list(ROUTER_FLAGS), "macs": sims_all},
     }
+
+
+def check(levels: list[dict[str, Any]], target: float = BEST_SPLIT_TARGET) -> dict[str, Any]:
+    """macpool's goodput against the best split at each level (``best_ratio``), and whether every level
+    reaches ``target``; a level macpool did not run fails it."""
+    ratios = {f"{level['level']:g}": (level["runs"].get("macpool") or {}).get("best_ratio")
+              for level in levels}
+    met = {name: ratio is not None and ratio >= target for name, ratio in ratios.items()}
+    return {"target": target, "best_ratio": ratios, "met_by_level": met,
+            "met": bool(met) and all(met.values())}
+
+
+def verdict(result: dict[str, Any]) -> str:
+    t = result["target"]
+    worst = min((r for r in t["best_ratio"].values() if r is not None), default=None)
+    return (f"macpool goodput / best split, by level: {t['best_ratio']} (target {t['target']} at every "
+            f"level; worst {worst}): {'met' if t['met'] else 'NOT MET'}")
 
 
 def table(result: dict[str, Any]) -> Table:
@@ -335,6 +355,7 @@ def main(argv: list[str]) -> int:
         print(f"macpool bench placement: {exc}", file=sys.stderr)
         return 1
     console.print(table(result))
+    console.print(verdict(result), markup=False)
     console.print(f"logs: {logs}")
     text = json.dumps(result, indent=2)
     if args.json:

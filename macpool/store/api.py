@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from redis.asyncio import RedisCluster
 from redis.asyncio.sentinel import SentinelConnectionPool
 
-from macpool.contract import NodeDoc, Priority, now_ms
+from macpool.contract import DeclaredModel, NodeDoc, Priority, now_ms
 from macpool.store.connect import AnyRedis
 from macpool.store.events import drain_message
 from macpool.store.keys import Keys
@@ -152,6 +152,7 @@ class PoolSnapshot(BaseModel):
     queued: dict[str, dict[str, int]] = Field(default_factory=dict)  # tenant -> priority -> waiting
     in_flight: dict[str, int] = Field(default_factory=dict)  # tenant -> requests in flight
     revocations: dict[str, str] = Field(default_factory=dict)  # node id -> its revocation record (JSON)
+    declared: dict[str, DeclaredModel] = Field(default_factory=dict)  # the models the pool serves, by name
 
 
 class Store:
@@ -314,13 +315,17 @@ class Store:
             pipe.zrangebyscore(keys.queue, now, "+inf")
             pipe.hgetall(keys.queue_meta)
             pipe.hgetall(keys.revoked)
+            pipe.hgetall(keys.models)
             if tenants:
                 pipe.hmget(keys.in_flight_count, list(tenants))
                 pipe.zrangebyscore(keys.in_flight, "-inf", f"({now}")  # expired, not yet pruned
-            ids_raw, drained_raw, waiting_raw, meta_raw, revoked_raw, *loads = await pipe.execute()
+            ids_raw, drained_raw, waiting_raw, meta_raw, revoked_raw, declared_raw, *loads = (
+                await pipe.execute())
+        declared = (DeclaredModel.decode(raw) for raw in declared_raw.values())
         snapshot = PoolSnapshot(drained={_text(d) for d in drained_raw},
                                 in_flight=_in_flight(tenants, *loads) if tenants else {},
-                                revocations={_text(k): _text(v) for k, v in revoked_raw.items()})
+                                revocations={_text(k): _text(v) for k, v in revoked_raw.items()},
+                                declared={model.name: model for model in declared})
         records = {_text(k): _QueueRecord.parse(v) for k, v in meta_raw.items()}
         for rid in waiting_raw:
             record = records.get(_text(rid))

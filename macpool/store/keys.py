@@ -34,6 +34,12 @@ cluster mode; a prefix without a tag (``macpool:``) works on a single Redis or b
 ``{p}autoscale:leader`` STRING, TTL = the lease: the id of the one ``macpool autoscale`` that acts.
 ``{p}autoscale:known``  HASH node id -> how to wake it (JSON: MAC, broadcast, models, standby capacity), kept
                       by the autoscaler from heartbeats, so a Mac asleep (its key expired) can be woken.
+``{p}models``         HASH model name -> its declaration (``DeclaredModel`` JSON): the models the pool serves
+                      and on how many Macs (``macpool models``; macpool/store/models.py).
+``{p}model:claims:{name}`` ZSET agent node id -> lease expiry (ms): the Macs holding a replica of the model,
+                      each renewing its lease while it has it (claim.lua: never more than its replicas).
+``{p}model:wants:{name}``  HASH agent node id -> ``{"load", "until"}`` (JSON): Macs that would take a replica,
+                      with how many declared models each holds already: the one holding fewest takes it.
 ``{p}revoked``        HASH node id -> the operator's signed word on it (macpool/identity.py ``Revocation``:
                       revoked or not, since when); routers remember every one they have seen.
 ``{p}events``         pub/sub channel: ``node <doc json>``, ``gone <id>``, ``freed <id>`` (one per slot),
@@ -66,6 +72,7 @@ class Keys:
         self.held = f"{prefix}held"
         self.autoscale_leader = f"{prefix}autoscale:leader"
         self.autoscale_known = f"{prefix}autoscale:known"
+        self.models = f"{prefix}models"
         self.revoked = f"{prefix}revoked"
 
     def node(self, node_id: str) -> str:
@@ -82,6 +89,12 @@ class Keys:
 
     def loading(self, model: str) -> str:
         return f"{self.prefix}loading:{model}"
+
+    def model_claims(self, name: str) -> str:
+        return f"{self.prefix}model:claims:{name}"
+
+    def model_wants(self, name: str) -> str:
+        return f"{self.prefix}model:wants:{name}"
 
     def pool_wide(self) -> list[str]:
         """The pool-wide KEYS of the admission scripts, in the order lib.lua reads them."""

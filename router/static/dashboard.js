@@ -27,12 +27,13 @@ function nodeState(doc) {
 }
 
 // the elastic pool's states (macpool autoscale): a standby Mac holds no model
-const ELASTIC_STATES = new Set(["standby", "asleep", "waking", "loading", "draining-to-standby"]);
+const ELASTIC_STATES = new Set(["standby", "asleep", "waking", "loading", "draining-to-standby", "downloading"]);
 
 const STATE_TEXT = {
   healthy: "healthy", near_ceiling: "near ceiling", paging: "paging", draining: "draining",
   unhealthy: "unhealthy", starting: "starting", gone: "gone",
   standby: "standby", asleep: "asleep", waking: "waking", loading: "loading", "draining-to-standby": "draining to standby",
+  downloading: "downloading",
 };
 
 function makeCard(id) {

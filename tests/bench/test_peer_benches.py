@@ -79,6 +79,9 @@ def test_placement(tmp_path: Path) -> None:
     assert set(data["ttft_p50_alone_s"]) == {mac["name"] for mac in data["macs"]}
     assert sum(level["best_split"].values()) <= level["clients"]
     assert 0 < level["best_tok_s"] <= sum(max(curve.values()) for curve in data["curves"].values())
+    mine, target = level["runs"]["macpool"]["best_ratio"], data["target"]
+    assert target["target"] == 0.98 and target["best_ratio"] == {"0.25": mine}
+    assert target["met"] == (mine >= 0.98)
 
 
 def test_best_split_is_the_best_placement_of_that_many_clients() -> None:

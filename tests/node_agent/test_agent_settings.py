@@ -29,7 +29,8 @@ def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.Mo
     assert settings.node_id == "from-env"  # env over file
     assert settings.headroom_gb == 4.0 and settings.upstream == "http://file:1"  # file
     assert settings.token == "env-token-of-16-chars"
-    assert build_settings(["--config", str(config), "--token", "flag-token-of-16-chars"]).token == "flag-token-of-16-chars"
+    flagged = build_settings(["--config", str(config), "--token", "flag-token-of-16-chars"])
+    assert flagged.token == "flag-token-of-16-chars"
 
 
 def test_the_token_goes_by_its_names_and_the_routers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,10 +40,11 @@ def test_the_token_goes_by_its_names_and_the_routers(tmp_path: Path, monkeypatch
         assert build_settings(["--config", str(config)]).token == "from-file-token-16"
     for flag in ("--token", "--agent-token"):
         assert build_settings([*ATTACH, flag, "from-flag-token-16"]).token == "from-flag-token-16"
-    monkeypatch.setenv("MACPOOL_TOKEN", "agent's own token-16")
-    assert build_settings(ATTACH).token == "agent's own token-16"
-    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "the router's token-16")  # named as the router names it: it wins
-    assert build_settings(ATTACH).token == "the router's token-16"
+    monkeypatch.setenv("MACPOOL_TOKEN", "agents-own-token-16")
+    assert build_settings(ATTACH).token == "agents-own-token-16"
+    # named as the router names it: it wins
+    monkeypatch.setenv("MACPOOL_AGENT_TOKEN", "the-routers-token-16")
+    assert build_settings(ATTACH).token == "the-routers-token-16"
 
 
 def test_the_mode_flag_wins_over_the_other_mode_from_the_file_or_environment(
@@ -81,7 +83,7 @@ def test_a_config_files_paths_are_relative_to_it_and_tilde_is_home(
                       'llama_log = "logs/llama-server.log"\n')
     settings = build_settings(["--config", str(config)])
     assert settings.llama_server == str(home / "llama.cpp" / "llama-server")
-    assert settings.model == home / "models" / "m.gguf"
+    assert settings.model_file == home / "models" / "m.gguf"
     assert settings.llama_log == etc / "logs" / "llama-server.log"
     # given as a flag, a relative path is the working directory's, as on any command line
     assert build_settings(["--config", str(config), "--llama-log", "x.log"]).llama_log == Path("x.log")
@@ -169,7 +171,8 @@ def test_one_line_errors_name_the_key(tmp_path: Path) -> None:
     ([*ATTACH, "--advertise-url", "h:1"], "advertise_url='h:1': expected http://host:port"),
     (["--llama-server", "no-such-llama", "-m", "a.gguf"], "'no-such-llama': no such executable"),
     (["--llama-server", " ", "-m", "a.gguf"], "llama_server=' ': empty"),
-    (["--llama-server", "true"], "--model FILE.gguf (or --models NAME=FILE,...) is required"),
+    (["--llama-server", "true"],
+     "--model FILE.gguf|org/repo:QUANT (or --models NAME=SOURCE,..., or --from-pool) is required"),
     (["--llama-server", "true", "-m", "missing.gguf"], "model='missing.gguf': no such file"),
     ([*ATTACH, "--calibration", "missing.json"], "calibration='missing.json': no such file"),
     ([*ATTACH, "--node-id", "a b"], "node_id='a b': String should match pattern"),
@@ -221,7 +224,7 @@ def test_several_models_from_a_flag_the_environment_or_a_table_relative_to_the_f
     config.write_text('llama_server = "true"\n[models]\nchat = "a.gguf"\ncoder = "b.gguf"\n')
     monkeypatch.chdir("/")
     settings = build_settings(["--config", str(config)])
-    assert settings.models == {"chat": tmp_path / "a.gguf", "coder": tmp_path / "b.gguf"}
+    assert settings.model_files == {"chat": tmp_path / "a.gguf", "coder": tmp_path / "b.gguf"}
     flag = f"chat={tmp_path / 'a.gguf'}, coder={tmp_path / 'b.gguf'}"
     assert list(build_settings(["--llama-server", "true", "--models", flag]).models) == ["chat", "coder"]
     monkeypatch.setenv("MACPOOL_MODELS", f"only={tmp_path / 'a.gguf'}")
@@ -267,3 +270,18 @@ def test_settings_built_in_code_are_checked_as_the_command_lines_are(tmp_path: P
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     assert AgentSettings(llama_server="true", model=model).supervise
+
+
+def test_a_model_may_be_a_hugging_face_reference_on_the_command_line_or_in_a_file(tmp_path: Path) -> None:
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    settings = build_settings(["--llama-server", "true", "-m", "Qwen/Qwen3-8B-GGUF:Q4_K_M"])
+    assert settings.model == "Qwen/Qwen3-8B-GGUF:Q4_K_M"
+    config = tmp_path / "agent.toml"
+    config.write_text('llama_server = "true"\n[models]\nchat = "org/chat-GGUF/chat-Q8_0.gguf"\n'
+                      'local = "a.gguf"\n')
+    from_file = build_settings(["--config", str(config)])
+    # the reference as it is; the file relative to the config file
+    assert from_file.models == {"chat": "org/chat-GGUF/chat-Q8_0.gguf", "local": str(tmp_path / "a.gguf")}
+    with pytest.raises(RuntimeError, match="not downloaded"):
+        _ = from_file.model_files
+    assert build_settings(["--llama-server", "true", "--from-pool"]).multi_model

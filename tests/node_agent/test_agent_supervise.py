@@ -236,9 +236,9 @@ def said(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 def test_bad_configuration_fails_before_start_with_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert "--model" in said(capsys, "--llama-server", SIM_COMMAND, "--model", str(tmp_path / "missing.gguf"))
+    assert "model=" in said(capsys, "--llama-server", SIM_COMMAND, "--model", str(tmp_path / "missing.gguf"))
     assert "no such executable" in said(capsys, "--llama-server", "/nope/llama-server", "--model", __file__)
-    assert "--upstream" in said(capsys, "--upstream", "not a url")
+    assert "upstream=" in said(capsys, "--upstream", "not a url")
     assert "redis_url=" in said(capsys, "--upstream", "http://127.0.0.1:1", "--redis-url", "http://x")
     assert "exactly one" in one_liner()
     for after_dashes in (["--host", "0.0.0.0"], ["--port=8080"]):

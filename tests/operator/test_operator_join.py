@@ -15,6 +15,7 @@ import pytest
 from macpool.dev.procs import macpool_argv
 from macpool.dev.redis_server import RedisServer, free_port
 from macpool.dev.stack import Stack
+from macpool.identity import PoolSecret, write_private
 from macpool.invite import Invitation, InvitationError
 
 TOKEN = "a-long-agent-token-for-the-pool"
@@ -68,6 +69,30 @@ def test_a_mac_joins_with_the_invited_line_and_serves(tmp_path: Path, stack: Sta
     # the agent holds the pool's token: a request that did not come through a router is refused
     direct = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
     assert direct.status_code == 401
+
+
+@pytest.mark.slow
+def test_with_node_identity_the_line_carries_the_macs_own_credential(tmp_path: Path, stack: Stack) -> None:
+    secret = tmp_path / "pool-secret"
+    write_private(secret, PoolSecret.generate().encode())
+    redis_url = stack.redis()
+    router = stack.router("router", redis_url, "--pool-secret-file", str(secret))
+    sim = stack.sim("sim", "--preset", "m2pro-32g-8b-q4", "--speed", "50")
+    line = _invite(redis_url, "mac-6", "--pool-secret-file", str(secret))
+    invitation = Invitation.decode(line)
+    assert invitation.token is None and invitation.credential is not None
+
+    env = _home(tmp_path, "mac-6")
+    port = free_port()
+    argv = macpool_argv("agent", "join", line, "--upstream", sim.url, "--port", str(port))
+    stack.spawn("joined-agent", argv, port, ready="/status", env=env, timeout=60)
+    stack.wait_nodes(router.url, 1)  # the router trusts it: its heartbeats are signed for mac-6
+    folder = Path(env["HOME"]) / ".config" / "macpool"
+    assert stat.S_IMODE((folder / "node.credential").stat().st_mode) == 0o600
+    assert "token" not in tomllib.loads((folder / "agent.toml").read_text())
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    answer = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60)
+    assert answer.status_code == 200 and answer.headers["x-macpool-node"] == "mac-6", answer.text
 
 
 def test_a_pool_out_of_reach_is_said_in_one_line(tmp_path: Path) -> None:

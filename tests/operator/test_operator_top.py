@@ -105,3 +105,20 @@ def test_top_shows_the_kv_cells_each_node_holds() -> None:
     assert "KV cells" in text
     assert "24K/64K shared" in lines["mac-1"]
     assert "shared" not in lines["mac-2"]
+
+
+def test_top_shows_a_model_downloading_and_how_far() -> None:
+    from rich.console import Console
+
+    from router.top import TopView
+
+    nodes = [{"node_id": "mac-1/qwen", "state": "downloading", "capacity": 0, "elastic": True,
+              "reason": "downloading Qwen/Qwen3-8B-GGUF:Q4_K_M: 42% of 5.03 GB",
+              "model_states": [{"name": "qwen", "state": "downloading",
+                                "download": {"done_bytes": 2_112_600_000, "total_bytes": 5_030_000_000,
+                                             "percent": 42.0}}]}]
+    console = Console(width=220, record=True)
+    console.print(TopView().render({"pool": {}, "nodes": nodes}, "http://router", now=0, width=220))
+    line = next(line for line in console.export_text().splitlines() if "mac-1/qwen" in line)
+    assert "downloading" in line.split("mac-1/qwen", 1)[1].split()[0]
+    assert "qwen downloading 42% of 5.0G" in line

@@ -254,13 +254,13 @@ def test_a_replayed_or_altered_heartbeat_is_refused(tmp_path: Path) -> None:
 
 
 def test_optional_identity_refuses_an_unsigned_heartbeat_for_a_node_that_signed(tmp_path: Path) -> None:
-    trust, secret = _trust(tmp_path, node_identity="optional", agent_token="shared")
+    trust, secret = _trust(tmp_path, node_identity="optional", agent_token="shared-token-of-16-chars")
     at = now_ms()
     doc = NodeDoc(node_id="mac-a", url="http://10.0.0.5:8090", updated_at_ms=at)
-    assert trust.refusal(doc, now=at) is None and trust.agent_token(doc) == "shared"
+    assert trust.refusal(doc, now=at) is None and trust.agent_token(doc) == "shared-token-of-16-chars"
     signed = issue(secret, "mac-b", at).sign(doc.model_copy(update={"node_id": "mac-b/model"}))
     assert trust.refusal(signed, now=at) is None
-    assert trust.agent_token(signed) == issue(secret, "mac-b", at).agent_token != "shared"
+    assert trust.agent_token(signed) == issue(secret, "mac-b", at).agent_token != "shared-token-of-16-chars"
     assert trust.refusal(doc.model_copy(update={"node_id": "mac-b"}), now=at) == \
         "unsigned heartbeat for a node id that signed before"
 

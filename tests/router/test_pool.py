@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from macpool.contract import NodeDoc, now_ms
+from macpool.contract import DeclaredModel, NodeDoc, now_ms
 from macpool.store import Store
 from router.pool import ModelNotFound, NoNodes, PoolView
 from router.settings import Settings
@@ -125,10 +125,19 @@ def test_models_say_where_they_are_loaded_and_where_they_could_be() -> None:
     _heartbeat(view, "b", capacity=2)
     _heartbeat(view, "c", models=["big"], state="standby", capacity=3, elastic=True)
     _heartbeat(view, "d", models=["never"], state="starting")  # not elastic, not ready: not servable
+    # a Mac downloading a model the pool declares (node_agent/pool_models.py), and one declared that no Mac
+    # has taken yet
+    _heartbeat(view, "e", models=["new"], state="downloading", elastic=True, model_states=[
+        {"name": "new", "state": "downloading", "download": {"done_bytes": 1, "total_bytes": 4}}])
+    view.snapshot.declared = {name: DeclaredModel(name=name, ref=f"org/{name}:Q4_K_M", replicas=2)
+                              for name in ("new", "later")}
     view.reserved("a", 3)
+    none = {"loaded_on": 0, "loadable_on": 0, "downloading_on": 0, "slots": 0, "free_slots": 0}
     assert view.model_states() == {
-        "big": {"loaded_on": 0, "loadable_on": 1, "slots": 0, "free_slots": 0, "state": "loadable"},
-        "coder": {"loaded_on": 1, "loadable_on": 0, "slots": 4, "free_slots": 1, "state": "loaded"},
-        "m": {"loaded_on": 2, "loadable_on": 0, "slots": 6, "free_slots": 3, "state": "loaded"},
+        "big": {**none, "loadable_on": 1, "state": "loadable"},
+        "coder": {**none, "loaded_on": 1, "slots": 4, "free_slots": 1, "state": "loaded"},
+        "later": {**none, "replicas": 2, "state": "declared"},
+        "m": {**none, "loaded_on": 2, "slots": 6, "free_slots": 3, "state": "loaded"},
+        "new": {**none, "downloading_on": 1, "download_percent": 25.0, "replicas": 2, "state": "downloading"},
     }
     assert list(view.model_states()) == view.models()
