@@ -59,6 +59,8 @@ def help_text(*subcommand: str) -> str:
 def unknown_flags(subcommand: tuple[str, ...], args: list[str]) -> list[str]:
     """The flags among ``args`` that ``macpool <subcommand> --help`` does not list."""
     text = help_text(*subcommand)
+    if subcommand == ("agent", "join"):  # the options join does not know are `agent run`'s
+        text += help_text("agent", "run")
     flags = [m.group() for m in map(FLAG.match, (arg.lstrip("[(") for arg in args)) if m]  # "[--port 8080]"
     return [flag for flag in flags if not re.search(rf"(^|\s|,){re.escape(flag)}\b", text)]
 
