@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from macpool import invite
+from macpool import invite, pki
 
 # task -> (its main, one-line help)
 TASKS = {
     "invite": (invite.main, "print the line a new Mac joins the pool with (`macpool agent join LINE`)"),
+    "certs": (pki.main, "make a pool CA and the routers', nodes' and Redis's TLS certificates"),
 }
 
 

@@ -13,6 +13,8 @@ What guards a request at which layer (docs/reliability.md, "Which layer guards w
 
 from __future__ import annotations
 
+import ssl
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -35,3 +37,38 @@ def server_config(app: ASGIApp, *, keep_alive: int, graceful_shutdown: int, **op
         log_config=None,  # uvicorn's loggers write through the root logger's format (macpool/logs.py)
         **options,
     )
+
+
+def tls_options(cert: Path | None, key: Path | None, client_ca: Path | None = None) -> dict[str, Any]:
+    """uvicorn's documented TLS options: serve HTTPS with ``cert`` and ``key`` (none: plain HTTP); with
+    ``client_ca``, every client must show a certificate of that CA (mutual TLS) or the handshake fails."""
+    if cert is None:
+        return {}
+    options: dict[str, Any] = {"ssl_certfile": str(cert), "ssl_keyfile": str(key) if key else None}
+    if client_ca is not None:
+        options |= {"ssl_ca_certs": str(client_ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return options
+
+
+def check_tls_files(
+    cert: Path | None, key: Path | None, ca: Path | None, names: tuple[str, str, str]
+) -> None:
+    """ValueError naming the flag of a TLS file that is missing or does not load, or of a key given without
+    its certificate; ``names`` are the flags of ``cert``, ``key`` and ``ca``."""
+    cert_flag, key_flag, ca_flag = names
+    for flag, path in zip(names, (cert, key, ca), strict=True):
+        if path is not None and not path.is_file():
+            raise ValueError(f"{flag} {str(path)!r}: no such file")
+    if key is not None and cert is None:
+        raise ValueError(f"{key_flag} without {cert_flag}: the key of which certificate?")
+    try:
+        if cert is not None:
+            ssl.create_default_context().load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"{cert_flag} {str(cert)!r} and {key_flag}: not a PEM certificate and its key "
+                         f"({exc.reason or exc})") from None
+    try:
+        if ca is not None:
+            ssl.create_default_context(cafile=str(ca))
+    except ssl.SSLError as exc:
+        raise ValueError(f"{ca_flag} {str(ca)!r}: not a PEM CA certificate ({exc.reason or exc})") from None

@@ -10,7 +10,6 @@ variable), reads the environment, and :class:`ConfigFile` reads the file the set
 from __future__ import annotations
 
 import ipaddress
-import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Self, TypeVar, get_args
@@ -29,7 +28,7 @@ from pydantic_settings import (
 )
 
 from macpool.hub import parse_ref
-from macpool.store.connect import parse
+from macpool.store.connect import parse, redact
 
 S = TypeVar("S", bound=BaseSettings)
 JSON_LIST = """'["-t", "4"]'"""  # how a list setting is written in the environment
@@ -244,6 +243,5 @@ def first_error(exc: ValidationError) -> str:
     if error["type"] == "extra_forbidden":
         return (f"unknown setting {key!r}: a misspelled key in the config file, or a "
                 f"MACPOOL_{key.upper()} environment variable this command does not read")
-    value = "***" if any(word in key.lower() for word in _SECRET_WORDS) else repr(error.get("input"))
-    value = re.sub(r"(//[^/@:]*:)[^@/]*@", r"\1***@", value)  # a URL's password
+    value = "***" if any(word in key.lower() for word in _SECRET_WORDS) else redact(repr(error.get("input")))
     return f"invalid {key}={value}: {message}"

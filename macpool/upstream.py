@@ -14,7 +14,9 @@ Both raise httpx's exceptions, so callers handle one set of errors whichever API
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 from types import TracebackType
 
 import aiohttp
@@ -116,15 +118,30 @@ class _Transport(AiohttpTransport):
             raise
 
 
+def client_tls(ca: Path | None, cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext | None:
+    """How https:// upstreams are checked: their certificate chains to ``ca`` (None: the system's CAs) and
+    names the host connected to; ``cert`` and ``key`` are shown to servers that ask for a client
+    certificate. None when nothing is given: aiohttp's own default, the system's CAs."""
+    if ca is None and cert is None:
+        return None
+    context = ssl.create_default_context(cafile=str(ca) if ca else None)
+    if cert is not None:
+        context.load_cert_chain(cert, key)
+    return context
+
+
 class Upstream(httpx.AsyncBaseTransport):
-    """A pooled client; an idle connection is given up after ``keepalive_expiry`` seconds.
+    """A pooled client; an idle connection is given up after ``keepalive_expiry`` seconds; https:// servers
+    are checked with ``tls`` (see :func:`client_tls`).
 
     No cookie jar: one upstream's cookies must never reach another caller's request.
     """
 
-    def __init__(self, keepalive_expiry: float, max_connections: int | None = None) -> None:
+    def __init__(self, keepalive_expiry: float, max_connections: int | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._keepalive_expiry = keepalive_expiry
         self._max_connections = max_connections or 0
+        self._tls = tls
         self._session: aiohttp.ClientSession | None = None
         self._transport = _Transport(client=self.session)
 
@@ -132,7 +149,8 @@ class Upstream(httpx.AsyncBaseTransport):
         """The session, made on first use (inside the running event loop)."""
         if self._session is None:
             expiry = self._keepalive_expiry
-            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=expiry)
+            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=expiry,
+                                             ssl=self._tls if self._tls is not None else True)
             self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar(),
                                                   skip_auto_headers=_NOT_ADDED, auto_decompress=False)
         return self._session

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp
 from macpool import upstream
 from macpool.gguf_info import GGUFError, ModelShape, cache_types, read_shape
 from macpool.loops import every
-from macpool.serving import server_config
+from macpool.serving import server_config, tls_options
 from macpool.settings import ConfigError
 from macpool.store import Keys
 from macpool.store.connect import AnyRedis, Connection, connect
@@ -207,6 +207,7 @@ class Agent:
             log_level="warning",
             access_log=False,
             proxy_headers=False,  # its clients are routers: X-Forwarded-* says nothing it uses
+            **tls_options(settings.tls_cert, settings.tls_key, settings.tls_client_ca),
         )
         self.server = server = _Server(config)
         self.server_task = asyncio.create_task(server.serve(sockets=[self.sock]))

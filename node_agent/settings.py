@@ -27,6 +27,7 @@ from macpool.contract import MODEL_NAME
 from macpool.credentials import SecretError, check_secret, exposed_without_auth, read_secret
 from macpool.hub import HubRef, model_source
 from macpool.identity import IdentityError, NodeCredential, load_credential
+from macpool.serving import check_tls_files
 from macpool.settings import PATH_OR_REF, CommandSettings, ConfigError, RedisUrl, UserPath, first_error
 from macpool.store import DEFAULT_PREFIX
 from macpool.wol import normalize_mac
@@ -173,7 +174,8 @@ class AgentSettings(CommandSettings):
         default_factory=socket.gethostname, pattern=r"^\S+$", description="the node's id in the pool"
     )
     advertise_url: HttpUrl | None = Field(
-        default=None, description="how routers reach this agent (unset: http://<host>:<port>)"
+        default=None,
+        description="how routers reach this agent (unset: http://<host>:<port>; https:// with --tls-cert)",
     )
     key_prefix: str = Field(default=DEFAULT_PREFIX, description="Redis key prefix (as the routers')")
     heartbeat_interval: float = Field(default=1.0, gt=0, description="seconds between heartbeats")
@@ -199,6 +201,17 @@ class AgentSettings(CommandSettings):
         default=None,
         description="this node's credential file (`macpool node add ID`, mode 600): signs the heartbeats and "
         "replaces --token with this node's own token; the node id is the credential's",
+    )
+    # HTTPS (docs/security.md, "TLS"); with tls_client_ca, mutual TLS: routers show a certificate of that CA
+    tls_cert: UserPath | None = Field(
+        default=None,
+        description="serve HTTPS with this certificate chain (PEM; with --tls-key): the node URL becomes "
+        "https://",
+    )
+    tls_key: UserPath | None = Field(default=None, description="the private key of --tls-cert (PEM)")
+    tls_client_ca: UserPath | None = Field(
+        default=None,
+        description="require every client (the routers) to show a certificate of this CA: mutual TLS",
     )
     connect_timeout: float = Field(default=5.0, gt=0, description="seconds to connect to llama-server")
     read_timeout: float = Field(
@@ -305,6 +318,21 @@ class AgentSettings(CommandSettings):
                                  "choosing")
         return self
 
+    @model_validator(mode="after")
+    def _tls_files(self) -> Self:
+        if self.tls_cert is not None and self.tls_key is None:
+            raise ValueError("--tls-cert needs --tls-key (the certificate's private key)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates are asked "
+                             "for over HTTPS")
+        check_tls_files(self.tls_cert, self.tls_key, self.tls_client_ca,
+                        ("--tls-cert", "--tls-key", "--tls-client-ca"))
+        if self.tls_cert is not None and self.advertise_url is not None \
+                and urlsplit(self.advertise_url).scheme != "https":
+            raise ValueError(f"--advertise-url {self.advertise_url!r}: the agent serves HTTPS (--tls-cert), "
+                             "so routers reach it at https://")
+        return self
+
     @model_validator(mode="before")
     @classmethod
     def _node_id_of_credential(cls, data: Any) -> Any:
@@ -407,7 +435,11 @@ class AgentSettings(CommandSettings):
         if self.advertise_url:
             return self.advertise_url.rstrip("/")
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert is not None else "http"
 
 
 def _file(source: str) -> Path:

@@ -33,7 +33,7 @@ from macpool.settings import origin_list
 from macpool.store import ANONYMOUS, Keys, Store
 from macpool.store.connect import AnyRedis, Connection, connect
 from macpool.store.events import drain_message
-from macpool.upstream import Upstream
+from macpool.upstream import Upstream, client_tls
 from router import tokens
 from router.admission import Admission, Ticket
 from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
@@ -99,7 +99,8 @@ class Router:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         connection = redis_connection(self.settings)
         redis = connection.client
-        client = new_upstream()
+        settings = self.settings
+        client = new_upstream(client_tls(settings.node_ca, settings.node_cert, settings.node_key))
         tenants = [key.tenant for key in self.api_keys.keys] or [ANONYMOUS]
         store = Store(redis, self.keys)
         pool = PoolView(self.settings, store, tenants)

@@ -11,7 +11,7 @@ import uvicorn
 
 from macpool import logs
 from macpool.credentials import warn_on_command_line
-from macpool.serving import server_config
+from macpool.serving import server_config, tls_options
 from router.settings import ConfigError, Settings
 
 
@@ -38,6 +38,7 @@ def serve(settings: Settings) -> None:
         proxy_headers=settings.access_log,  # a client's address (X-Forwarded-For) is for the access log
         log_level=settings.log_level,
         backlog=4096,
+        **tls_options(settings.tls_cert, settings.tls_key),
     )
     _Server(config, on_exit=app.state.begin_shutdown).run()
 

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import ssl
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -65,14 +66,15 @@ _CATCH_UP_WAIT = wait_exponential_jitter(multiplier=_CATCH_UP_PAUSE, max=_CATCH_
 IDLE_S = 30.0
 
 
-def new_upstream() -> http.Upstream:
-    """One pooled client for every call to an agent.
+def new_upstream(tls: ssl.SSLContext | None = None) -> http.Upstream:
+    """One pooled client for every call to an agent; https:// agents are checked with ``tls``
+    (``macpool.upstream.client_tls``).
 
     The forwarder sends through ``Upstream.send``: the router needs none of an ``httpx.AsyncClient``'s
     redirects, auth flows or cookie jar (which would even carry one agent's cookies into other clients'
     requests).
     """
-    return http.Upstream(IDLE_S, max_connections=4096)
+    return http.Upstream(IDLE_S, max_connections=4096, tls=tls)
 
 
 @dataclass
@@ -451,7 +453,8 @@ class Forwarder:
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self.pool.connect_failed(node.node_id)
             self._upstream_error(node.node_id, "connect")
-            log.warning("node %s: connect failed (%s)", node.node_id, type(exc).__name__,
+            # the reason in full: a refused certificate says which check failed
+            log.warning("node %s: connect failed (%s: %s)", node.node_id, type(exc).__name__, exc,
                         extra=_ids(node.node_id, call))
             raise _Retry("connect") from None
         except TimeoutError:

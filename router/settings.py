@@ -7,13 +7,14 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 from pydantic import AliasGenerator, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from macpool.credentials import check_secret, exposed_without_auth, is_loopback, read_secret
 from macpool.scaling import MinNodes, ScalePolicy
+from macpool.serving import check_tls_files
 from macpool.settings import CommandSettings, ConfigError, Networks, Origins, RedisUrl, UserPath
 from macpool.store import DEFAULT_PREFIX
 from router.aliases import AliasTable
@@ -202,6 +203,23 @@ class _Serving(CommandSettings):
         "(or resolves to) an address outside gets no traffic. Default: loopback, private and link-local",
     )
 
+    # TLS (docs/security.md, "TLS"): HTTPS to clients, and to agents whose node URLs are https://
+    tls_cert: UserPath | None = Field(
+        default=None, description="serve HTTPS with this certificate chain (PEM; with --tls-key)",
+    )
+    tls_key: UserPath | None = Field(default=None, description="the private key of --tls-cert (PEM)")
+    node_ca: UserPath | None = Field(
+        default=None,
+        description="an https:// node's certificate must chain to this CA (PEM: the pool CA of `macpool pool "
+        "certs`) and name the node URL's host (unset: the system's CAs)",
+    )
+    node_cert: UserPath | None = Field(
+        default=None,
+        description="client certificate shown to agents that require one (--tls-client-ca; PEM; with "
+        "--node-key)",
+    )
+    node_key: UserPath | None = Field(default=None, description="the private key of --node-cert (PEM)")
+
     # pool view and passive health
     refresh_interval: float = Field(default=1.0, gt=0, description="seconds between full reads of the pool")
     stale_after: float = Field(
@@ -251,6 +269,17 @@ class _Serving(CommandSettings):
         "or * for any (unset: no CORS); a request from any other browser origin but the router's own is "
         "refused (403)",
     )
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> Self:
+        if self.tls_cert is not None and self.tls_key is None:
+            raise ValueError("--tls-cert needs --tls-key (the certificate's private key)")
+        if self.node_cert is not None and self.node_key is None:
+            raise ValueError("--node-cert needs --node-key (the certificate's private key)")
+        check_tls_files(self.tls_cert, self.tls_key, None, ("--tls-cert", "--tls-key", ""))
+        check_tls_files(self.node_cert, self.node_key, self.node_ca,
+                        ("--node-cert", "--node-key", "--node-ca"))
+        return self
 
 
 class Settings(ScalePolicy, _Serving):

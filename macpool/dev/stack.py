@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import signal
+import ssl
 import tempfile
 import threading
 import time
@@ -39,6 +40,7 @@ class Proc:
     url: str
     port: int
     ready_url: str | None = None
+    verify: ssl.SSLContext | bool = True  # how an https:// process is checked (its CA, a client certificate)
 
     @property
     def name(self) -> str:
@@ -98,10 +100,11 @@ class Stack:
         env: dict[str, str] | None = None,
         host: str = LOOPBACK,
         log_path: Path | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> Proc:
-        """Start ``argv`` (which serves HTTP on ``host``:``port``); unless ``wait`` is false, return once
-        ``ready`` answers 200 (``ready=None``: do not wait at all). Its output goes to ``log_path``, by
-        default ``<name>.log`` in ``logs``."""
+        """Start ``argv`` (which serves HTTP on ``host``:``port``, or HTTPS checked with ``tls``); unless
+        ``wait`` is false, return once ``ready`` answers 200 (``ready=None``: do not wait at all). Its output
+        goes to ``log_path``, by default ``<name>.log`` in ``logs``."""
         with self._lock:
             self._check_open()
             log_path = log_path or self._log_path(name, port)
@@ -109,8 +112,9 @@ class Stack:
             if self.clean_env:
                 inherited = {k: v for k, v in os.environ.items() if not k.startswith("MACPOOL_")}
                 child.env = {**inherited, **(env or {})}
-            url = f"http://{host}:{port}"
-            proc = Proc(child, url, port, None if ready is None else url + ready)
+            url = f"{'http' if tls is None else 'https'}://{host}:{port}"
+            ready_url = None if ready is None else url + ready
+            proc = Proc(child, url, port, ready_url, True if tls is None else tls)
             self.procs.append(proc)
             child.start()
         if wait:
@@ -161,16 +165,16 @@ class Stack:
             if proc.ready_url is None:
                 continue
             try:
-                proc.child.wait_http(proc.ready_url, timeout=timeout)
+                proc.child.wait_http(proc.ready_url, timeout=timeout, verify=proc.verify)
             except ProcessError as exc:
                 raise ProcessError(f"{proc.name} did not start (log: {proc.log_path}): {exc}") from None
 
     def wait_nodes(
         self, router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False,
-        key: str | None = None,
+        key: str | None = None, verify: ssl.SSLContext | bool = True,
     ) -> dict[str, Any]:
         """``wait_nodes`` below, failing early when one of this stack's processes has exited."""
-        return wait_nodes(router_url, count, timeout=timeout, exact=exact, stack=self, key=key)
+        return wait_nodes(router_url, count, timeout=timeout, exact=exact, stack=self, key=key, verify=verify)
 
     @property
     def stopped(self) -> bool:
@@ -247,17 +251,19 @@ class Stack:
 
 def wait_nodes(
     router_url: str, count: int, *, timeout: float = 60.0, exact: bool = False, stack: Stack | None = None,
-    key: str | None = None,
+    key: str | None = None, verify: ssl.SSLContext | bool = True,
 ) -> dict[str, Any]:
     """Until the router at ``router_url`` sees ``count`` ready nodes (``exact``: exactly that many); returns
-    its ``/api/pool`` document (read with ``key``, the router's read or admin key, when given). With
-    ``stack``, fails early when one of its processes has exited and gives up when it is stopped."""
+    its ``/api/pool`` document (read with ``key``, the router's read or admin key, when given; an https://
+    router checked with ``verify``). With ``stack``, fails early when one of its processes has exited and
+    gives up when it is stopped."""
     headers = {"Authorization": f"Bearer {key}"} if key else None
     deadline = time.monotonic() + timeout
     seen: object = None
     while time.monotonic() < deadline and not (stack is not None and stack.stopped):
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-            doc: dict[str, Any] = httpx.get(router_url + "/api/pool", headers=headers, timeout=5).json()
+            doc: dict[str, Any] = httpx.get(router_url + "/api/pool", headers=headers, timeout=5,
+                                            verify=verify).json()
             seen = int(doc["pool"]["nodes_ready"])
             if seen == count or (seen > count and not exact):
                 return doc

@@ -61,6 +61,18 @@ def test_a_redis_url_redis_py_would_misread_is_refused_without_its_password() ->
         assert build_settings(["--redis-url", url]).redis_url == url
 
 
+@pytest.mark.parametrize("url", [
+    "redis+sentinel://:data-s3cret@s1/mymaster/x?sentinel_password=sentinel-s3cret",  # a bad database
+    "redis+sentinel://s1/mymaster?sentinel_password=sentinel-s3cret&sentinel_username=u&ssl_ca_certs=/ca",
+    "redis://user:data-s3cret#sentinel-s3cret@h:6379/0",  # an unencoded "#" cuts the password short
+    "rediss+cluster://:data-s3cret@c1:port?ssl_ca_certs=/no/ca.pem",
+])
+def test_the_error_line_of_a_bad_redis_url_has_no_password(url: str) -> None:
+    with pytest.raises(ConfigError, match="invalid redis_url=") as raised:
+        build_settings(["--redis-url", url])
+    assert "s3cret" not in str(raised.value)
+
+
 def test_cli_config_error_is_one_line_exit_2(tmp_path: Path) -> None:
     result = subprocess.run(
         macpool_argv("router", "--config", str(tmp_path / "missing.toml")), capture_output=True, timeout=60
