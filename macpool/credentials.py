@@ -7,10 +7,14 @@ docs/security.md says what each secret guards and where to keep it.
 from __future__ import annotations
 
 import ipaddress
+import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from macpool import logs
 
 MIN_SECRET_CHARS = 16
 # what an example file or a README tells its reader to replace; a secret that still says so was not replaced
@@ -69,8 +73,24 @@ def exposed_without_auth(host: str, guarded: bool, trusted_network: bool) -> boo
 
 
 def warn_on_command_line(prog: str, argv: Sequence[str], flags: Sequence[str]) -> None:
-    """One line on stderr for each secret given as a flag: any local user sees it in ``ps``."""
+    """One line on stderr for each secret given as a flag: any local user sees it in ``ps``. Written before
+    the settings are read (so a bad setting or ``--help`` still shows it), in the log format the command
+    line or the environment asks for: with ``--log-format json`` every line is a JSON object."""
     for flag in flags:
         if any(arg == flag or arg.startswith(flag + "=") for arg in argv):
-            print(f"{prog}: warning: {flag} on the command line is visible to every local user (ps); use "
-                  f"{flag}-file or the environment", file=sys.stderr)
+            message = (f"{flag} on the command line is visible to every local user (ps); use {flag}-file or "
+                       "the environment")
+            if _log_format(argv) == "json":  # as the process's own lines will be (logs.configure again later)
+                logs.configure("warning", "json")
+                logging.getLogger(prog.replace(" ", ".")).warning(message)
+            else:
+                print(f"{prog}: warning: {message}", file=sys.stderr)
+
+
+def _log_format(argv: Sequence[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--log-format="):
+            return arg.partition("=")[2]
+        if arg == "--log-format" and i + 1 < len(argv):
+            return argv[i + 1]
+    return os.environ.get("MACPOOL_LOG_FORMAT", "text")

@@ -446,12 +446,15 @@ def _usable_request_id(value: str | None) -> str | None:
 
 
 def _json_content(content_type: str | None) -> None:
-    """BadRequest 415 unless the body is declared JSON: a browser sends a body typed text/plain, a form or
-    none without asking first (no preflight), so only a JSON body shows a client that is not a page."""
-    media = (content_type or "").partition(";")[0].strip().lower()
+    """BadRequest 415 when the body is declared as something other than JSON: a page sends a body typed
+    text/plain or as a form without asking first (no preflight). A body with no type at all is taken as JSON,
+    as llama-server takes it: a page that sends one also sends its Origin, which router/origins.py refuses."""
+    if content_type is None:
+        return
+    media = content_type.partition(";")[0].strip().lower()
     if media != "application/json":
-        shown = f"{content_type[:100]!r}" if content_type else "none"
-        message = f"the request body must be JSON sent as Content-Type: application/json (got {shown})"
+        message = ("the request body must be JSON sent as Content-Type: application/json "
+                   f"(got {content_type[:100]!r})")
         raise BadRequest(415, message, "unsupported_media_type")
 
 

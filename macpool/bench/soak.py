@@ -40,8 +40,8 @@ from macpool.dev.stack import Proc, Stack, free_port
 from macpool.sim import tokens
 from macpool.store import Keys
 
-AGENT_TOKEN = "soak-agent-token"
-ADMIN_KEY = "soak-admin-key"
+AGENT_TOKEN = "soak-agent-token-of-the-pool"
+ADMIN_KEY = "soak-admin-key-of-the-pool"
 PRESET = "m5max-128g-14b-q4"
 
 

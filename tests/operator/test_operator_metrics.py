@@ -26,9 +26,11 @@ def test_the_router_exports_whether_it_reaches_redis(spawn: Callable[..., Any]) 
 
 def test_a_drain_while_redis_is_down_is_a_503_that_says_so(spawn: Callable[..., Any]) -> None:
     with RedisServer() as redis:
-        router = spawn("router", "--redis-url", redis.url, "--admin-key", "adm", name="router")
+        router = spawn("router", "--redis-url", redis.url, "--admin-key", "admin-key-of-16-chars",
+                       name="router")
     wait_until(lambda: metric(router.url, "macpool_redis_up") == 0, 10, "redis down")
-    answer = httpx.post(f"{router.url}/admin/nodes/mac-1/undrain", headers={"Authorization": "Bearer adm"})
+    admin = {"Authorization": "Bearer admin-key-of-16-chars"}
+    answer = httpx.post(f"{router.url}/admin/nodes/mac-1/undrain", headers=admin)
     assert answer.status_code == 503, answer.text
     assert answer.json()["error"]["code"] == "pool_unavailable"
     assert "mac-1" in answer.json()["error"]["message"] and answer.headers["retry-after"] == "1"

@@ -261,7 +261,7 @@ def test_error_bodies_carry_nothing_internal(rig: Rig, spawn: SpawnFactory) -> N
             client.post("/v1/chat/completions", content=b"{not json", headers=JSON),
             client.post("/v1/chat/completions", content=b"[1]", headers=JSON),
             client.post("/v1/chat/completions", content=b"x" * 5000, headers=JSON),
-            client.post("/v1/chat/completions", content=b"{}"),  # untyped: 415
+            client.post("/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"}),  # 415
             client.post("/v1/chat/completions", json=chat("no-such-model")),
             client.post("/v1/chat/completions", json={"model": 5}),
         ]
@@ -573,12 +573,15 @@ def test_a_browser_cannot_send_a_simple_cross_site_request(rig: Rig) -> None:
     rig.wait_ready(router, nodes=1)
     body = json.dumps(chat("", 2, False)).encode()
     url = router.url + "/v1/chat/completions"
-    # what a page can send without a preflight: a form, text/plain, or a Blob with no type at all
-    for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded", None):
-        headers = {"Content-Type": content_type} if content_type else {}
-        reply = httpx.post(url, content=body, headers=headers, timeout=10)
+    # what a page can send without a preflight: a form or text/plain (415), or a Blob with no type at all,
+    # which the page sends with its Origin (403)
+    for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
+        reply = httpx.post(url, content=body, headers={"Content-Type": content_type}, timeout=10)
         assert reply.status_code == 415, (content_type, reply.text)
         assert reply.json()["error"]["code"] == "unsupported_media_type"
+    untyped = httpx.post(url, content=body, headers={"Origin": "https://evil.example.com"}, timeout=10)
+    assert untyped.status_code == 403 and untyped.json()["error"]["code"] == "origin_not_allowed"
+    assert httpx.post(url, content=body, timeout=10).status_code == 200  # no browser: read as JSON
     messages = httpx.post(router.url + "/v1/messages", content=b"{}", timeout=10,
                           headers={"Content-Type": "text/plain"})
     assert messages.status_code == 415 and messages.json()["type"] == "error"  # Anthropic's document
@@ -594,7 +597,7 @@ def test_a_browser_cannot_send_a_simple_cross_site_request(rig: Rig) -> None:
             assert reply.json()["error"]["code"] == "origin_not_allowed"
     evil = {"Origin": "https://evil.example.com"}
     assert httpx.get(router.url + "/api/pool", headers=evil, timeout=10).status_code == 403
-    assert node.stats()["completed"] == 3
+    assert node.stats()["completed"] == 4  # the untyped one without an Origin, and the three allowed
 
 
 def test_a_batch_key_cannot_raise_itself_to_interactive(rig: Rig, tmp_path: Path) -> None:

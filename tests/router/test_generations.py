@@ -98,9 +98,9 @@ def test_a_full_answer_for_several_generations_does_not_refuse_the_others(pool: 
     # one, so the router must not refuse the model's other requests from its memory of that "full"
     big = pool.node("big", cap=3, parallel=8, speed=1.0)
     pool.node("small", cap=1, parallel=8, speed=20.0)
-    router = pool.router("--queue-size", "0", "--admin-key", "adm")
+    router = pool.router("--queue-size", "0", "--admin-key", "admin-key-of-16-chars")
     pool.wait_ready(router, 2)
-    admin = {"Authorization": "Bearer adm"}
+    admin = {"Authorization": "Bearer admin-key-of-16-chars"}
     url = router.url + "/v1/chat/completions"
     with httpx.Client(timeout=30) as client, contextlib.ExitStack() as held:
         assert client.post(router.url + "/admin/nodes/small/drain", headers=admin).status_code == 200
@@ -140,9 +140,9 @@ def test_a_request_only_a_node_away_for_now_could_run_is_a_503_not_a_400(pool: P
     # the big node drained (a restart, maintenance): the request is fine, the pool is short for now
     pool.node("big", cap=3, parallel=8, speed=20.0)
     pool.node("small", cap=1, parallel=8, speed=20.0)
-    router = pool.router("--queue-size", "0", "--admin-key", "adm")
+    router = pool.router("--queue-size", "0", "--admin-key", "admin-key-of-16-chars")
     pool.wait_ready(router, 2)
-    admin = {"Authorization": "Bearer adm"}
+    admin = {"Authorization": "Bearer admin-key-of-16-chars"}
     url = router.url + "/v1/chat/completions"
     with httpx.Client(timeout=30) as client:
         assert client.post(router.url + "/admin/nodes/big/drain", headers=admin).status_code == 200
