@@ -531,13 +531,22 @@ class Forwarder:
         again a few ms later, it takes the request. Only a refusal that lasts fails over to another node.
         """
         try:
-            return await self._ask(node_id, url, headers, body)
+            try:
+                return await self._ask(node_id, url, headers, body)
+            except _NodeFull:  # the retries are the rare path: tenacity's bookkeeping only for them
+                return await self._ask_again(node_id, url, headers, body)
         except _NodeFull:
             self._upstream_error(node_id, "node_full")
             raise _Retry("node_full") from None
 
     @retry(stop=stop_after_delay(_CATCH_UP_S), wait=_CATCH_UP_WAIT, retry=retry_if_exception_type(_NodeFull),
            reraise=True)
+    async def _ask_again(
+        self, node_id: str, url: http.URL, headers: list[tuple[str, str]], body: bytes
+    ) -> http.Response:
+        await asyncio.sleep(_CATCH_UP_PAUSE)  # a moment for the agent to see the request that ended
+        return await self._ask(node_id, url, headers, body)
+
     async def _ask(
         self, node_id: str, url: http.URL, headers: list[tuple[str, str]], body: bytes
     ) -> http.Response:
