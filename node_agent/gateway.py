@@ -462,12 +462,13 @@ def create_models_app(runtimes: dict[str, Runtime], agent: Runtime) -> ASGIApp:
     apps: dict[str, ASGIApp] = {}
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_ByModel(runtimes))
+    token = agent.settings.router_token()  # (a credential file is read once, not per request)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def status(request: Request) -> Response:
-        private = token_given(request, agent.settings.router_token())
+        private = token_given(request, token)
         models = {name: status_of(runtime, private) for name, runtime in runtimes.items()}
         return JSONResponse({"models": models, **details(agent, private)})
 
