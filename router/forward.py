@@ -705,8 +705,8 @@ class Relay(relay.Relay):
         metrics, call = self.forwarder.metrics, self.call
         metrics.requests.labels(model=call.model, node=self.node_id, status=self.outcome).inc()
         metrics.duration.observe(time.monotonic() - call.arrived)
-        if self.outcome != "200":
-            return
+        # an answer's usage comes with its last event: a client that leaves as soon as it has it (Codex does)
+        # still had the node process every token, so its outcome does not decide
         usage = call.dialect.usage(self.head, b"".join(self.tail))
         if usage is not None:
             metrics.count_usage(call.model, usage)
