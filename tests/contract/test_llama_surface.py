@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from node_agent.heartbeat import decoded_so_far
+from tests.conftest import wait_until
 from tests.contract.conftest import SLOW_REQUEST_S, Target
 
 METRIC_NAMES = [
@@ -234,6 +235,9 @@ def test_a_running_requests_tokens_are_in_its_slot_before_they_are_in_the_metric
     def predicted() -> float:
         return parse_metrics(get(target, "/metrics").text)["llamacpp:tokens_predicted_total"]
 
+    # idle first: a request of an earlier test still ending would add its tokens meanwhile
+    wait_until(lambda: not any(slot["is_processing"] for slot in get(target, "/slots").json()), 30,
+               "the slots to be idle")
     before = predicted()
     body = {"prompt": "Tell a long story.", "stream": True, **target.slow_request}
     with httpx.stream("POST", target.url + "/completion", json=body, timeout=120) as response:
