@@ -96,17 +96,21 @@ def _alike(value: Any) -> Any:
     return value
 
 
+# a probe waits as long as a loaded two-core CI machine may take to answer it (no time is measured here)
+PROBE_TIMEOUT = 30
+
+
 class Node:
     def __init__(self, agent_url: str, llama_url: str) -> None:
         self.agent_url = agent_url
         self.llama_url = llama_url
 
     def busy_slots(self) -> int:
-        slots: list[dict[str, Any]] = httpx.get(self.llama_url + "/slots", timeout=5).json()
+        slots: list[dict[str, Any]] = httpx.get(self.llama_url + "/slots", timeout=PROBE_TIMEOUT).json()
         return sum(1 for slot in slots if slot["is_processing"])
 
     def in_flight(self) -> tuple[int, int]:
-        status = httpx.get(self.agent_url + "/status", timeout=5).json()
+        status = httpx.get(self.agent_url + "/status", timeout=PROBE_TIMEOUT).json()
         return status["in_flight"], status["light_in_flight"]
 
 
