@@ -297,6 +297,7 @@ class Attempt:
     cached_tokens: int = 0
     retry_after_s: float = 0.0
     detail: str = ""
+    node: str = ""  # the Mac that answered, where the router names it (macpool's X-Macpool-Node)
 
 
 @dataclass
@@ -314,6 +315,7 @@ class TurnRecord:
     attempts: list[str] = field(default_factory=list)  # the kinds, in order
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    node: str = ""  # the Mac that answered it, where the router names it
     details: list[str] = field(default_factory=list)
     attempt: Attempt | None = None  # the request on its way (a turn cut at the deadline may have its token)
 
@@ -377,6 +379,7 @@ async def send(http: httpx.AsyncClient, request: Request, attempt: Attempt) -> A
                 kind = "out_of_cells" if "Context size has been exceeded" in text else "error"
                 return Attempt(kind, status, detail=f"{status} {text[:200]}")
             attempt.status, attempt.detail = status, "the stream ended before its last event"
+            attempt.node = response.headers.get("x-macpool-node", "")
             async for doc in Events(response):
                 kind = str(doc.get("type"))
                 failure = _failure(doc)
@@ -413,6 +416,7 @@ async def turn_of(http: httpx.AsyncClient, request: Request, record: TurnRecord,
             if attempt.first_token_at is not None:
                 record.ttft_s = attempt.first_token_at - started
             record.prompt_tokens, record.cached_tokens = attempt.prompt_tokens, attempt.cached_tokens
+            record.node = attempt.node
             return
         budget = "refused" if attempt.kind == "refused" else (
             "bad_request" if attempt.status in (400, 422) else "failed")
