@@ -11,6 +11,7 @@ answer router/full_memo.py, Retry-After router/retry_after.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import statistics
@@ -29,6 +30,7 @@ from macpool.contract import NodeDoc, Priority, slots_needed
 from macpool.loops import raise_if_cancelled, wait_event
 from macpool.store import (
     ANONYMOUS,
+    Candidate,
     Reservation,
     ReserveRequest,
     Store,
@@ -301,7 +303,7 @@ class Admission:
         # a prompt's prefill weighs on every candidate or on none: one node not measured yet would look free
         prompt = ticket.prompt_tokens if all(doc.prefill_tokens_per_s for doc in docs) else 0
         request = ReserveRequest(
-            request_id, [self.place(doc, settings.placement_tokens, prompt) for doc in docs],
+            request_id, [self._candidate(doc, prompt) for doc in docs],
             self.leases.lease_ms,
             queue_size=settings.queue_size, enqueue=True, dequeue=dequeue, priority=ticket.priority,
             tenant=ticket.tenant, model=ticket.model, key_limit=ticket.key_limit,
@@ -310,6 +312,7 @@ class Admission:
             prefix_shares=ticket.prefix_shares if settings.affinity else (),
             affinity_abs=settings.affinity_abs_threshold, affinity_rel=settings.affinity_rel_threshold,
             affinity_max_entries=settings.affinity_max_entries, excluded=self._excluded(tried),
+            session_window_ms=int(settings.session_ttl * 1000),
             generations=ticket.generations, router=settings.router_id, batch_cost=BATCH_COST,
             prompt_tokens=ticket.prompt_tokens, output_tokens=ticket.output_tokens,
         )
@@ -339,6 +342,15 @@ class Admission:
             self.metrics.affinity.labels(outcome=attempt.affinity).inc()
         return attempt
 
+    def _candidate(self, doc: NodeDoc, prompt_tokens: int) -> Candidate:
+        """``doc`` weighed as ``--placement`` says; where prompts count (their speed is known everywhere),
+        with the prompts this router sent it that it is still processing."""
+        candidate = self.place(doc, self.settings.placement_tokens, prompt_tokens)
+        if not prompt_tokens or not candidate.prefill_s:
+            return candidate
+        backlog = self.leases.backlog_s(doc.node_id, doc.prefill_tokens_per_s or 0.0)
+        return dataclasses.replace(candidate, backlog_s=backlog) if backlog else candidate
+
     def _excluded(self, tried: Collection[str]) -> list[str]:
         """The nodes a request is not sent to: those it failed on, and those whose circuit is open here."""
         circuits = self.pool.circuits
@@ -366,7 +378,8 @@ class Admission:
         node_id = attempt.node_id
         node = next(doc for doc in docs if doc.node_id == node_id)
         lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, slots=attempt.slots,
-                      tokens=attempt.tokens, affinity=attempt.affinity)
+                      tokens=attempt.tokens, affinity=attempt.affinity,
+                      prefill_tokens=round(ticket.prompt_tokens * (1 - attempt.cached)))
         self.leases.hold(lease)
         self.pool.reserved(node_id, attempt.count)
         return lease

@@ -648,6 +648,8 @@ class Relay(relay.Relay):
     def relayed(self, chunk: bytes) -> None:
         if not self.head and b"data:" in chunk:
             self.head = chunk
+            if isinstance(self.hold, Reserved):
+                self.hold.lease.prefill_tokens = 0  # the node has processed the prompt: it answers
         # a client closes the connection once it reads the stream's last event ([DONE], message_stop), often
         # before the node's end of the body reaches the router: that stream was served whole
         self.done = self.streaming and chunk.endswith(self.call.dialect.stream_end)

@@ -39,6 +39,9 @@ class Lease:
     queued_s: float = 0.0
     affinity: AffinityOutcome = ""
     local: bool = False  # taken while Redis was unreachable: counted by this router only
+    # the prompt tokens the node is expected to process for it (what its cache does not hold), until the
+    # answer's first event says it has: they weigh on where the next requests go (backlog_s)
+    prefill_tokens: int = 0
 
     def stored(self, router: str) -> StoredLease:
         """What this lease holds in Redis, for ``router``."""
@@ -76,6 +79,19 @@ class Leases:
         for task in list(self._undoing):  # (give-backs still waiting for Redis: their leases expire)
             task.cancel()
         await asyncio.gather(*self._undoing, return_exceptions=True)
+
+    def backlog_s(self, node_id: str, prefill_tokens_per_s: float) -> float:
+        """How long ``node_id`` should still take to process the prompts this router sent it that it has not
+        answered yet, at its measured prompt speed: their tokens' time, less the time since the first of them
+        was sent (the node has been at it since)."""
+        if prefill_tokens_per_s <= 0:
+            return 0.0
+        tokens, since = 0, time.monotonic()
+        for lease in self.active.values():
+            if lease.prefill_tokens and lease.node.node_id == node_id:
+                tokens += lease.prefill_tokens
+                since = min(since, lease.acquired_at)
+        return max(0.0, tokens / prefill_tokens_per_s - (time.monotonic() - since)) if tokens else 0.0
 
     def hold(self, lease: Lease) -> Lease:
         """A lease just taken: renewed from now on, until released."""

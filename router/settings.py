@@ -116,6 +116,11 @@ class _Serving(CommandSettings):
         default=100_000, ge=1,
         description="prompt-prefix entries remembered in Redis (least recently used dropped)",
     )
+    session_ttl: float = Field(
+        default=300.0, ge=0,
+        description="seconds a coding-agent session that sent no turn still counts as holding a slot's "
+        "cache on its Mac: a new session goes where it evicts none if it can (0: not counted)",
+    )
 
     # placement (router/placement.py)
     placement: Literal["fastest", "least-utilised"] = Field(

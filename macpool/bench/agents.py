@@ -6,7 +6,8 @@ The pool: three simulated Macs serving Qwen3-Coder-30B (docs/simulator.md, the c
 front of the same simulators, in turn and in one run:
 
 - ``macpool``: Redis, an agent per Mac (``--cap`` its slots) and a router (``--queue-size 256
-  --queue-timeout 120``, placement, sessions and token reservation as they are by default);
+  --queue-timeout 120``, ``--session-ttl`` its default in simulated seconds; placement, sessions and token
+  reservation as they are by default);
 - ``nginx-least-conn``: nginx, ``least_conn``, each Mac ``weight`` and ``max_conns`` its slots;
 - ``nginx-sticky``: the same, ``hash "$http_x_claude_code_session_id$http_session_id" consistent`` - each
   session on one Mac, the best a proxy that reads no body can do;
@@ -68,6 +69,7 @@ from macpool.sim.machine import load_preset
 MODEL = "qwen3-coder"
 N_PREDICT = 8192  # llama-server's -n: the answer a request without a limit may have (what macpool reserves)
 ROUTER_FLAGS = ("--queue-size", "256", "--queue-timeout", "120")
+SESSION_TTL_S = 300.0  # the router's --session-ttl default, in simulated seconds (the router keeps wall time)
 ROUTERS = ("macpool", "nginx-least-conn", "nginx-sticky", "litellm")
 LITELLM_STRATEGIES = ("simple-shuffle", "least-busy", "usage-based-routing-v2", "latency-based-routing")
 # macpool against the best peer: TTFT p50 and p99 this many times lower, turns a minute this many times more
@@ -120,12 +122,16 @@ def start_sims(stack: Stack, speed: float) -> list[Proc]:
     ]
 
 
-def start_macpool(stack: Stack, sims: list[Proc]) -> Proc:
+def router_flags(speed: float) -> tuple[str, ...]:
+    return (*ROUTER_FLAGS, "--session-ttl", f"{SESSION_TTL_S / speed:g}")
+
+
+def start_macpool(stack: Stack, sims: list[Proc], speed: float) -> Proc:
     redis_url = stack.redis()
     for mac, sim in zip(MACS, sims, strict=True):
         stack.agent(f"agent-{mac.name}", sim.url, redis_url, mac.name, "--cap", str(mac.slots),
                     "--log-level", "warning")
-    router = stack.router("router", redis_url, *ROUTER_FLAGS, "--log-level", "warning")
+    router = stack.router("router", redis_url, *router_flags(speed), "--log-level", "warning")
     stack.wait_nodes(router.url, len(MACS), timeout=60, exact=True)
     return router
 
@@ -322,7 +328,7 @@ def _turn(r: TurnRecord) -> dict[str, Any]:
     return {"lane": r.lane, "session": r.session, "turn": r.turn, "client": r.client,
             "start_s": rounded(r.started), "ttft_s": rounded(r.ttft_s), "end_s": rounded(r.ended), "ok": r.ok,
             "cut": r.cut, "attempts": r.attempts, "prompt_tokens": r.prompt_tokens,
-            "cached_tokens": r.cached_tokens}
+            "cached_tokens": r.cached_tokens, **({"node": r.node} if r.node else {})}
 
 
 @dataclass(frozen=True)
@@ -469,7 +475,7 @@ def run(c: Conditions, logs: Path, say: Say, install: bool = True) -> dict[str, 
         say(f"pool: {', '.join(f'{m.name} ({m.slots} slots, {m.context} tokens a request)' for m in MACS)}; "
             f"speed {c.speed:g}")
         targets_by_name: dict[str, str] = {}
-        macpool = start_macpool(stack, sims)
+        macpool = start_macpool(stack, sims, c.speed)
         agents = [p.url for p in stack.procs if p.name.startswith("agent-")]
         if "macpool" in c.routers:
             targets_by_name["macpool"] = macpool.url
@@ -500,7 +506,8 @@ def run(c: Conditions, logs: Path, say: Say, install: bool = True) -> dict[str, 
         "routers": routers,
         "targets": targets(routers, bound),
         "bounds": bound,
-        "conditions": asdict(c) | {"model": MODEL, "n_predict": N_PREDICT, "router_flags": list(ROUTER_FLAGS),
+        "conditions": asdict(c) | {"model": MODEL, "n_predict": N_PREDICT,
+                                   "router_flags": list(router_flags(c.speed)),
                                    "sessions_per_lane": c.sessions_per_lane},
         "versions": {"litellm": litellm_version() if litellm_bin else None,
                      "nginx": _nginx_version(nginx_bin)},

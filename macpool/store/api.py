@@ -46,6 +46,9 @@ class Candidate:
     # the request's own prompt processed there, none of it cached (0: not known): the expected answer time
     # adds it, less the share of it a prefix the node holds covers (affinity)
     prefill_s: float = 0.0
+    # the prompts already sent there that it has not finished processing: the expected answer time waits
+    # for them first
+    backlog_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class ReserveRequest:
     affinity_abs: int = 4
     affinity_rel: float = 1.5
     affinity_max_entries: int = 100_000
+    # how long a session (the first prefix, share -1) that sent nothing since still holds a slot's cache on
+    # the node it last ran on: a new session costs more where every slot holds another one (0: not counted)
+    session_window_ms: int = 0
     queue_lease_ms: int = QUEUE_LEASE_MS
     excluded: Collection[str] = ()
     generations: int = 1
@@ -102,7 +108,8 @@ class Reservation:
     (``ReserveRequest``: tokens 0 when it was not counted). ``queued``: ``count``
     requests wait, this one included. ``full``; ``shed`` (a batch request turned away, or a queued one whose
     place an interactive request took); ``limited`` (the tenant has ``count`` requests in flight and queued,
-    its limit). ``affinity``: "" (no prompt prefix), hit, miss or overridden.
+    its limit). ``affinity``: "" (no prompt prefix), hit, miss or overridden. ``cached``: the share of the
+    prompt a prefix the node holds was expected to cover (affinity's hit), 0 to 1.
     """
 
     status: ReserveStatus
@@ -111,6 +118,7 @@ class Reservation:
     affinity: AffinityOutcome = ""
     slots: int = 0
     tokens: int = 0
+    cached: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -205,8 +213,9 @@ class Store:
         if status not in get_args(ReserveStatus) or affinity not in get_args(AffinityOutcome):
             raise ValueError(f"reserve.lua answered {raw!r}")
         slots, tokens = (int(raw[4]), int(raw[5])) if len(raw) > 5 else (0, 0)
+        cached = int(raw[6]) / 1000 if len(raw) > 6 else 0.0
         return Reservation(cast(ReserveStatus, status), _text(raw[1]), int(raw[2]),
-                           cast(AffinityOutcome, affinity), slots, tokens)
+                           cast(AffinityOutcome, affinity), slots, tokens, cached)
 
     async def release(self, release: Release, now: int | None = None) -> int:
         """Give the slots back, handing them to waiting requests; the slots released."""
@@ -414,11 +423,13 @@ def _reserve_call(request: ReserveRequest) -> dict[str, Any]:
         "shares": list(request.prefix_shares) or [0] * len(request.prefixes),
         "affinity_abs": request.affinity_abs, "affinity_rel": request.affinity_rel,
         "affinity_max_entries": request.affinity_max_entries, "queue_lease": request.queue_lease_ms,
+        "session_window": request.session_window_ms,
         "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
         "batch_cost": request.batch_cost, "prompt_tokens": request.prompt_tokens,
         "output_tokens": request.output_tokens,
         "candidates": [{"id": c.node_id, "tokens_per_s": c.tokens_per_s, "tie": random.random(),
-                        "ttft": c.ttft_s, "decode": c.decode_s, "prefill": c.prefill_s}
+                        "ttft": c.ttft_s, "decode": c.decode_s, "prefill": c.prefill_s,
+                        "backlog": c.backlog_s}
                        for c in request.candidates],
     }
 

@@ -84,6 +84,9 @@ class Keys:
     def tokens(self, node_id: str) -> str:
         return f"{self.prefix}tokens:{node_id}"
 
+    def sessions(self, node_id: str) -> str:
+        return f"{self.prefix}sessions:{node_id}"
+
     def desired(self, node_id: str) -> str:
         return f"{self.prefix}desired:{node_id}"
 
@@ -103,9 +106,10 @@ class Keys:
 
     def admission(self, nodes: Iterable[str] = ()) -> tuple[list[str], str]:
         """The KEYS and the first ARGV of an admission script: the pool-wide keys, then each of ``nodes``'
-        heartbeat, reservations and tokens; ARGV[1] names those nodes, one per line. A script touches no
-        other key: a node not declared is one it cannot see (lib.lua)."""
+        heartbeat, reservations, tokens and sessions; ARGV[1] names those nodes, one per line. A script
+        touches no other key: a node not declared is one it cannot see (lib.lua)."""
         declared = list(dict.fromkeys(nodes))
         per_node = [key for node_id in declared
-                    for key in (self.node(node_id), self.reservations(node_id), self.tokens(node_id))]
+                    for key in (self.node(node_id), self.reservations(node_id), self.tokens(node_id),
+                                self.sessions(node_id))]
         return [*self.pool_wide(), *per_node], "\n".join(declared)

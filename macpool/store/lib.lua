@@ -2,26 +2,28 @@
 -- followed by their own text (macpool/store/scripts.py).
 --
 -- Every key a script touches is in KEYS (Keys.admission): the pool-wide keys, in Keys.pool_wide() order,
--- then the heartbeat, reservations and tokens of each node the call declares, whose ids ARGV[1] lists one per
--- line. No key name is built here: a node not declared is one this call cannot see (node_key, resv_key and
--- toks_key answer nil), and each use of them says what that means. ARGV[2] is the events channel, ARGV[3]
+-- then the heartbeat, reservations, tokens and sessions of each node the call declares, whose ids ARGV[1]
+-- lists one per line. No key name is built here: a node not declared is one this call cannot see (node_key,
+-- resv_key, toks_key and sess_key answer nil), and each use of them says what that means. ARGV[2] is the events channel, ARGV[3]
 -- the time (ms), ARGV[4] the call's own arguments, one JSON document of named fields (ARGS;
 -- macpool/store/api.py writes it and each script's header names its fields).
 local K = {queue = KEYS[1], qmeta = KEYS[2], drained = KEYS[3], affinity = KEYS[4], lru = KEYS[5],
            routers = KEYS[6], inflight = KEYS[7], counts = KEYS[8], held = KEYS[9], events = ARGV[2]}
 local NOW = tonumber(ARGV[3])
 local ARGS = cjson.decode(ARGV[4])
-local NODE, RESV, TOKS = {}, {}, {}  -- declared node id -> its heartbeat, reservations and tokens keys
+-- declared node id -> its heartbeat, reservations, tokens and sessions keys
+local NODE, RESV, TOKS, SESS = {}, {}, {}, {}
 do
   local i = 10
   for id in string.gmatch(ARGV[1], '[^\n]+') do
-    NODE[id], RESV[id], TOKS[id] = KEYS[i], KEYS[i + 1], KEYS[i + 2]
-    i = i + 3
+    NODE[id], RESV[id], TOKS[id], SESS[id] = KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3]
+    i = i + 4
   end
 end
 local function node_key(id) return NODE[id] end
 local function resv_key(id) return RESV[id] end
 local function toks_key(id) return TOKS[id] end
+local function sess_key(id) return SESS[id] end
 
 -- The records the scripts keep are JSON documents; these are the only places that name their fields
 -- (macpool/store/api.py reads the few it needs by the same names).

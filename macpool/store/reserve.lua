@@ -1,9 +1,10 @@
 -- Reserve slots for one request on the best candidate node, or queue it, or say why not (Store.reserve).
 -- ARGS: the request (ReserveRequest in macpool/store/api.py, by the same names; each candidate
--- {id, tokens_per_s, tie (a random number: the last tie-break), ttft, decode, prefill}).
--- Returns {status, node, count, affinity[, slots, tokens]}: status reserved (node, its reservations now, the
--- affinity outcome, the slots and the tokens it holds), queued (count: the requests waiting), full, shed or
--- limited (count: what the tenant has in flight and queued).
+-- {id, tokens_per_s, tie (a random number: the last tie-break), ttft, decode, prefill, backlog}).
+-- Returns {status, node, count, affinity[, slots, tokens, cached]}: status reserved (node, its reservations
+-- now, the affinity outcome, the slots and the tokens it holds, the share of the prompt its cache was expected
+-- to hold there, in thousandths), queued (count: the requests waiting), full, shed or limited (count: what
+-- the tenant has in flight and queued).
 local req = ARGS
 local now, rid, lease, gens = NOW, req.rid, req.lease, req.generations
 local prio, tenant, model = req.priority, req.tenant, req.model
@@ -12,6 +13,10 @@ local queue_lease = req.queue_lease  -- waiters renew their place every attempt,
 local excluded = req.excluded  -- nodes its router no longer sends it to
 local prefixes = req.prefixes  -- prompt-prefix hashes, longest first (a session's first)
 local shares = req.shares  -- the share of the prompt each covers (-1: a session)
+-- the session the client named (its hash: the first prefix), and how long a session that sent nothing since
+-- still holds a slot's cache where it ran (ms; 0: sessions are not counted)
+local session = (#prefixes > 0 and shares[1] == -1) and prefixes[1] or nil
+local session_window = req.session_window or 0
 local nodes = {}  -- every candidate's id, as given
 for i, c in ipairs(req.candidates) do nodes[i] = c.id end
 
@@ -37,6 +42,12 @@ local function remember(node)
   end
   redis.call('HSET', K.affinity, unpack(pairs_))
   redis.call('ZADD', K.lru, unpack(scores))
+  if session and session_window > 0 then
+    local skey = sess_key(node)
+    redis.call('ZADD', skey, now, session)
+    redis.call('ZREMRANGEBYSCORE', skey, '-inf', now - session_window)
+    redis.call('PEXPIRE', skey, session_window * 2)
+  end
   -- at most 1,000 of the oldest per call (Lua's unpack has a limit; a lowered bound converges over calls)
   local over = math.min(redis.call('ZCARD', K.lru) - req.affinity_max_entries, 1000)
   if over > 0 then
@@ -124,9 +135,22 @@ local function scan_queue(entries, me)
 end
 
 -- the candidates that take requests now: candidate c is node at[c] (usable and tallied: lib.lua), with
--- tps[c] / rnd[c] to break ties and ttft[c] / decode[c] / prefill[c] for the time it would take to answer
--- (Candidate in api.py; decode 0: not measured; prefill 0: not known)
-local at, tps, rnd, ttft, decode, prefill, known = {}, {}, {}, {}, {}, {}, {}
+-- tps[c] / rnd[c] to break ties and ttft[c] / decode[c] / prefill[c] / backlog[c] for the time it would take
+-- to answer (Candidate in api.py; decode 0: not measured; prefill 0: not known; backlog: the prompts sent
+-- there that it has not finished processing, in seconds)
+local at, tps, rnd, ttft, decode, prefill, backlog, known = {}, {}, {}, {}, {}, {}, {}, {}
+-- evicts[c]: this request opens a session on candidate c, whose slots all hold other live sessions' caches:
+-- one of them loses its cache to it (and processes its whole prompt again on its next turn)
+local evicts = {}
+
+local function other_sessions_fill(node)
+  local skey, since = sess_key(node.id), now - session_window
+  local others = redis.call('ZCOUNT', skey, since, '+inf')
+  local mine = tonumber(redis.call('ZSCORE', skey, session))
+  if mine and mine >= since then others = others - 1 end
+  return others >= (node.slots > 0 and node.slots or node.cap)
+end
+
 local function read_candidates()
   for _, cand in ipairs(req.candidates) do
     known[cand.id] = true
@@ -135,7 +159,8 @@ local function read_candidates()
       local c = #at + 1
       at[c] = tally(node, now)
       tps[c], rnd[c], ttft[c], decode[c] = cand.tokens_per_s, cand.tie, cand.ttft, cand.decode
-      prefill[c] = cand.prefill or 0
+      prefill[c], backlog[c] = cand.prefill or 0, cand.backlog or 0
+      evicts[c] = session ~= nil and session_window > 0 and other_sessions_fill(at[c])
     end
   end
 end
@@ -215,18 +240,22 @@ end
 -- `best` placed on candidate c
 local function place(best, c)
   local node = at[c]
-  best.c, best.id, best.n = c, node.id, node.n
+  best.c, best.id, best.n, best.cached = c, node.id, node.n, 0
   best.k, best.t = need(gens, node.slots), tokens_on(prompt, output, node)
   return best
 end
 
--- the answer expected on candidate c, with the m = n + k requests running there this one included: each of
--- them processes its prompt about once meanwhile (a step processing a prompt holds every stream on the node
--- for that time, which the first token measures), this one's own prompt (less the `cached` share of it the
--- node holds), then its tokens are decoded beside the others
+-- the answer expected on candidate c, with the m = n + k requests running there this one included: the
+-- prompts sent there before it still being processed (their backlog), each of the m processing its prompt
+-- about once meanwhile (a step processing a prompt holds every stream on the node for that time, which the
+-- first token measures), this one's own prompt (less the `cached` share of it the node holds), then its
+-- tokens are decoded beside the others. A session it would evict from the node's slots costs about as much
+-- prompt processing again, later: counted as this prompt's.
 local function expected(c, cached)
   local m = at[c].n + need(gens, at[c].slots)
-  return m * ttft[c] + prefill[c] * (1 - cached) + decode[c] * (1 + req.batch_cost * m)
+  local evicted = evicts[c] and prefill[c] or 0
+  return backlog[c] + m * ttft[c] + prefill[c] * (1 - cached) + evicted
+    + decode[c] * (1 + req.batch_cost * m)
 end
 
 -- the candidate with the free slots (and cells) this request needs that would answer it soonest - the
@@ -300,6 +329,7 @@ local function apply_affinity(best, open)
         break
       else
         place(best, o)
+        best.cached = cached_share(i, owner, owners)
         outcome = 'hit'
         break
       end
@@ -395,7 +425,7 @@ local function main()
     track(req.router, rid, best.id, tenant, best.k)
     if me then dequeue(me) end
     remember(best.id)
-    return {'reserved', best.id, best.n + best.k, outcome, best.k, best.t}
+    return {'reserved', best.id, best.n + best.k, outcome, best.k, best.t, math.floor(best.cached * 1000)}
   end
   if not req.enqueue then return {'full', '', q.waiting, ''} end
   if me then return renew_place(me, q) end

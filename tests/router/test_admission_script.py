@@ -155,6 +155,63 @@ def test_a_much_busier_prefix_holder_keeps_a_long_prompt_its_cache_makes_quicker
     assert placed(lost) == ("reserved", "b") and lost.affinity == "overridden"
 
 
+def test_a_reservation_says_what_share_of_its_prompt_the_node_was_expected_to_hold(store: Store) -> None:
+    store.node("a", 8)
+    store.node("b", 8)
+    store.r.hset(KEYS.affinity, mapping={"turn1": "a"})
+    hit = store.ask("hit", ["a", "b"], prefixes=("turn2", "turn1"), prefix_shares=(1.0, 0.9))
+    assert placed(hit) == ("reserved", "a") and hit.affinity == "hit" and hit.cached == 0.9
+    miss = store.ask("miss", ["a", "b"], prefixes=("other",), prefix_shares=(1.0,))
+    assert miss.affinity == "miss" and miss.cached == 0.0
+
+
+def test_prompts_a_node_is_still_processing_send_the_next_one_elsewhere(store: Store) -> None:
+    def ask(rid: str, backlog_on_a: float) -> Reservation:
+        # a is the faster Mac (8 s for this prompt there, 12 s on b), both idle by their reservations
+        candidates = [Candidate("a", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=8.0, backlog_s=backlog_on_a),
+                      Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=12.0)]
+        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
+                                 queue_lease_ms=QUEUE_LEASE, batch_cost=0.175)
+        return store.api.run(store.api.store.reserve(request, store.now))
+
+    store.node("a", 8)
+    store.node("b", 8)
+    assert ask("idle", backlog_on_a=0.0).node_id == "a"
+    store.release("idle", "a")
+    # a's router still waits for a 26K-token prompt's first token there: 10 s of it left
+    assert ask("behind", backlog_on_a=10.0).node_id == "b"
+
+
+def test_a_new_session_goes_where_it_evicts_no_other_sessions_cache(store: Store) -> None:
+    window = 300_000
+
+    def ask(rid: str, session: str) -> Reservation:
+        # a (2 slots) is the faster Mac: this prompt takes 10 s there, 14 s on b (4 slots)
+        candidates = [Candidate("a", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=10.0),
+                      Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=14.0)]
+        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
+                                 queue_lease_ms=QUEUE_LEASE, prefixes=(f"s-{session}", f"{session}-1"),
+                                 prefix_shares=(-1.0, 1.0), batch_cost=0.175, session_window_ms=window)
+        answer = store.api.run(store.api.store.reserve(request, store.now))
+        store.release(rid, answer.node_id)  # its turn is over: the session thinks, its cache stays
+        store.tick()
+        return answer
+
+    store.node("a", 8, slots=2)
+    store.node("b", 8, slots=4)
+    assert ask("one", "one").node_id == "a"
+    assert ask("two", "two").node_id == "a"
+    assert store.r.zcard(KEYS.sessions("a")) == 2
+    # both of a's slots hold a session's cache: a third session would evict one, which costs its prompt again
+    assert ask("three", "three").node_id == "b"
+    # a session already there keeps its place
+    assert ask("one-again", "one").node_id == "a"
+    # sessions that sent nothing for the window hold no slot any more
+    store.tick(window + 1)
+    assert ask("four", "four").node_id == "a"
+    assert store.r.zrange(KEYS.sessions("a"), 0, -1) == ["s-four"]
+
+
 def test_affinity_memory_is_bounded_least_recently_used_first(store: Store) -> None:
     store.node("a", 100)
     for i in range(10):

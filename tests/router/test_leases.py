@@ -92,3 +92,28 @@ def test_a_client_leaving_after_done_was_served(pool: Pool, local_stack: LocalSt
     wait_until(lambda: metric(router.url, served) == 2, timeout=5)
     closed = 'macpool_requests_total{model="lingering",node="n1",status="client_closed"}'
     assert metric(router.url, closed) == 0
+
+
+def test_a_nodes_backlog_is_the_prompts_it_has_not_answered_yet_less_the_time_it_has_had() -> None:
+    from typing import Any, cast
+
+    from macpool.contract import NodeDoc
+    from router.leases import Lease, Leases
+    from router.settings import Settings
+
+    # only the leases held are read: no store, pool or Retry-After is reached
+    unused = cast(Any, None)
+    leases = Leases(Settings(redis_url="redis://127.0.0.1:9"), unused, unused, unused)
+    a, b = (NodeDoc(node_id=n, url="http://127.0.0.1:9", capacity=4, state="ready", models=["m"])
+            for n in "ab")
+    assert leases.backlog_s("a", 1000.0) == 0.0
+    now = time.monotonic()
+    leases.hold(Lease("r1", a, prefill_tokens=20_000, acquired_at=now - 4.0))  # sent 4 s ago
+    leases.hold(Lease("r2", a, prefill_tokens=10_000, acquired_at=now))
+    leases.hold(Lease("r3", b, prefill_tokens=50_000, acquired_at=now))
+    leases.hold(Lease("r4", a, prefill_tokens=0, acquired_at=now - 100.0))  # answers already
+    # 30,000 tokens at 1,000 a second, of which the node has had 4 s since the first was sent
+    assert 25.5 < leases.backlog_s("a", 1000.0) <= 26.0
+    assert leases.backlog_s("a", 0.0) == 0.0  # prompt speed not known: nothing counted
+    leases.active.clear()
+    assert leases.backlog_s("b", 1000.0) == 0.0
