@@ -54,7 +54,7 @@ def _start_sim(servers: LocalStack) -> Target:
     """The simulator in this process: the contract is its HTTP surface, not its process."""
     server = servers.sim(
         "sim", "--preset", "m5max-128g-14b-q4", "--parallel", str(PARALLEL), "--ctx-size", str(CTX_SIZE),
-        "--speed", "20", "--metrics", "--model", "tiny.gguf",
+        "--speed", "5", "--metrics", "--model", "tiny.gguf",
     )
     return Target("sim", server.url, server, model="tiny.gguf", slow_request={"max_tokens": 900})
 
