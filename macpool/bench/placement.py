@@ -284,7 +284,7 @@ def run(
                    for name, points in curve.items()},
         "ttft_p50_alone_s": alone,
         "levels": out_levels,
-        "conditions": asdict(c) | {"router_flags": list(ROUTER_FLAGS), "macs": sims_all},
+        "conditions": asdict(c) | {"levels": levels, "router_flags": list(ROUTER_FLAGS), "macs": sims_all},
     }
 
 
