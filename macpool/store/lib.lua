@@ -4,9 +4,9 @@
 -- Every key a script touches is in KEYS (Keys.admission): the pool-wide keys, in Keys.pool_wide() order,
 -- then the heartbeat, reservations, tokens and sessions of each node the call declares, whose ids ARGV[1]
 -- lists one per line. No key name is built here: a node not declared is one this call cannot see (node_key,
--- resv_key, toks_key and sess_key answer nil), and each use of them says what that means. ARGV[2] is the events channel, ARGV[3]
--- the time (ms), ARGV[4] the call's own arguments, one JSON document of named fields (ARGS;
--- macpool/store/api.py writes it and each script's header names its fields).
+-- resv_key, toks_key and sess_key answer nil), and each use of them says what that means. ARGV[2] is the
+-- events channel, ARGV[3] the time (ms), ARGV[4] the call's own arguments, one JSON document of named fields
+-- (ARGS; macpool/store/api.py writes it and each script's header names its fields).
 local K = {queue = KEYS[1], qmeta = KEYS[2], drained = KEYS[3], affinity = KEYS[4], lru = KEYS[5],
            routers = KEYS[6], inflight = KEYS[7], counts = KEYS[8], held = KEYS[9], events = ARGV[2]}
 local NOW = tonumber(ARGV[3])

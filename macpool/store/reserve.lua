@@ -2,9 +2,9 @@
 -- ARGS: the request (ReserveRequest in macpool/store/api.py, by the same names; each candidate
 -- {id, tokens_per_s, tie (a random number: the last tie-break), ttft, decode, prefill, backlog}).
 -- Returns {status, node, count, affinity[, slots, tokens, cached]}: status reserved (node, its reservations
--- now, the affinity outcome, the slots and the tokens it holds, the share of the prompt its cache was expected
--- to hold there, in thousandths), queued (count: the requests waiting), full, shed or limited (count: what
--- the tenant has in flight and queued).
+-- now, the affinity outcome, the slots and the tokens it holds, the share of the prompt its cache was
+-- expected to hold there, in thousandths), queued (count: the requests waiting), full, shed or limited
+-- (count: what the tenant has in flight and queued).
 local req = ARGS
 local now, rid, lease, gens = NOW, req.rid, req.lease, req.generations
 local prio, tenant, model = req.priority, req.tenant, req.model
