@@ -274,7 +274,8 @@ class Admission:
     # --- reporting ---------------------------------------------------------------------------------
 
     def summary(self) -> dict[str, Any]:
-        """This replica's affinity hit rate and recent queue waits by priority and tenant (for /api/pool)."""
+        """This replica's affinity hit rate, recent queue waits by priority and tenant, and the prompts it
+        sent each node that the node should still be processing, in seconds (for /api/pool)."""
         counts = self.affinity_counts
         looked_up = sum(counts.values())
         waits: dict[str, dict[str, list[float]]] = {"priority": {}, "tenant": {}}
@@ -290,6 +291,10 @@ class Admission:
             "queue_wait_p50_ms": {
                 group: {name: round(statistics.median(values) * 1000, 1) for name, values in by.items()}
                 for group, by in waits.items()
+            },
+            "prefill_backlog_s": {
+                doc.node_id: round(seconds, 1) for doc in self.pool.fresh_nodes()
+                if (seconds := self.leases.backlog_s(doc.node_id, doc.prefill_tokens_per_s or 0.0))
             },
         }
 

@@ -32,12 +32,14 @@ class Pool:
 
     def node(
         self, node_id: str, cap: int, *, parallel: int = 8, speed: float = 50.0, preset: str = PRESET,
-        alias: str | None = None, ctx_size: int | None = None,
+        alias: str | None = None, ctx_size: int | None = None, metrics: bool = False,
     ) -> Node:
         """A simulated Mac (``alias``: the model name it serves, instead of its preset's; ``ctx_size``: its
-        whole context, split across its slots) and its agent."""
+        whole context, split across its slots; ``metrics``: it serves /metrics, which the agent measures its
+        prompt speed by) and its agent."""
         named = ("--alias", alias) if alias else ()
         named += ("--ctx-size", str(ctx_size)) if ctx_size else ()
+        named += ("--metrics",) if metrics else ()
         sim = self.stack.sim(
             f"sim-{node_id}", "--preset", preset, "--parallel", str(parallel), "--speed", str(speed), *named,
             timeout=START_TIMEOUT_S,

@@ -131,3 +131,41 @@ def test_a_nodes_own_context_refusal_moves_the_request_to_one_with_room(pool: Po
         moved = answer.result(timeout=30)
     assert moved.status_code == 200, moved.text
     assert moved.headers["x-macpool-node"] == "big"
+
+
+def test_a_prompt_a_mac_is_still_processing_is_its_backlog_until_the_answer_starts(pool: Pool) -> None:
+    # a slow Mac (300 prompt tokens a second), its prompt speed measured on a first answer; no affinity, so
+    # the router expects every prompt processed whole (the simulator's cache makes a repeated one quick)
+    node = pool.node("slow", cap=2, parallel=2, speed=2, preset="m4max-64g-32b-q4", metrics=True)
+    router = pool.router("--no-affinity")
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+    repeated = _chat(model, "word " * 1200, max_tokens=3000, stream=True, ignore_eos=True)
+    first = {**repeated, "stream": False, "max_tokens": 4}
+    assert httpx.post(router.url + "/v1/chat/completions", json=first, timeout=120).status_code == 200
+
+    def pool_doc() -> dict[str, Any]:
+        document: dict[str, Any] = httpx.get(router.url + "/api/pool", timeout=5).json()
+        return document
+
+    wait_until(lambda: pool_doc()["nodes"][0].get("prefill_tokens_per_s"), timeout=30, what="prompt speed")
+
+    def backlog() -> float:
+        return float(pool_doc()["prefill_backlog_s"].get("slow", 0))
+
+    assert backlog() == 0
+    with ThreadPoolExecutor(1) as waiting:
+        # a new long prompt: its seconds wait on the Mac until its answer starts
+        fresh = waiting.submit(httpx.post, router.url + "/v1/chat/completions",
+                               json=_chat(model, "other " * 1000), timeout=120)
+        wait_until(lambda: backlog() > 0, timeout=10, what="the prompt's backlog")
+        assert fresh.result().status_code == 200
+    assert backlog() == 0  # answered: its lease, and its backlog, are gone
+    with httpx.Client(base_url=router.url, timeout=120) as client, client.stream(
+        "POST", "/v1/chat/completions", json=repeated
+    ) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # (a reference: a collected iterator closes the stream)
+        assert next(lines).startswith("data:")
+        # its prompt processed, still answering (3,000 tokens to go): no backlog, whatever was expected of it
+        assert node.stats()["processing"] == 1 and backlog() == 0
