@@ -108,7 +108,7 @@ def test_error_paths_auth_and_admin(pool: Pool, tmp_path: Path) -> None:
 
         view = client.get("/api/pool").json()
         assert set(view) == {"ts_ms", "router_id", "redis_ok", "pool", "nodes", "tenants", "affinity",
-                             "queue_wait_p50_ms", "autoscale", "untrusted"}
+                             "queue_wait_p50_ms", "prefill_backlog_s", "autoscale", "untrusted"}
         assert set(view["pool"]) == {
             "capacity",
             "busy",
