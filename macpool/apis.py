@@ -24,16 +24,19 @@ Dialect = Literal[
 class Api:
     dialect: Dialect
     light: bool = False  # no generation slot: answered from the tokenizer or the template
+    # llama-server reads ``id_slot`` from its body (Messages' conversion drops it; embeddings run no
+    # completion task): the agent may name the slot (node_agent/slots.py)
+    names_slot: bool = False
 
 
 APIS: dict[str, Api] = {
     # generation: a slot each (several prompts or n > 1: a slot per generation)
-    "/v1/chat/completions": Api("chat"),
-    "/chat/completions": Api("chat"),
-    "/v1/completions": Api("completions"),
-    "/completion": Api("completion"),
-    "/completions": Api("completion"),
-    "/infill": Api("infill"),
+    "/v1/chat/completions": Api("chat", names_slot=True),
+    "/chat/completions": Api("chat", names_slot=True),
+    "/v1/completions": Api("completions", names_slot=True),
+    "/completion": Api("completion", names_slot=True),
+    "/completions": Api("completion", names_slot=True),
+    "/infill": Api("infill", names_slot=True),
     "/v1/embeddings": Api("embeddings"),
     "/embeddings": Api("embeddings"),
     "/embedding": Api("embeddings"),
@@ -42,8 +45,8 @@ APIS: dict[str, Api] = {
     "/rerank": Api("rerank"),
     "/reranking": Api("rerank"),
     "/v1/messages": Api("messages"),
-    "/v1/responses": Api("responses"),
-    "/responses": Api("responses"),
+    "/v1/responses": Api("responses", names_slot=True),
+    "/responses": Api("responses", names_slot=True),
     # light: token counts, templates
     "/v1/messages/count_tokens": Api("messages", light=True),
     "/v1/responses/input_tokens": Api("responses", light=True),

@@ -25,3 +25,5 @@ def connection_listed(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes
 # it the agent looks for itself.
 TOKEN_HEADER = "x-macpool-token"
 STREAM_HEADER = "x-macpool-stream"
+# the session a request names (a digest of it): the agent keeps a session in one slot (node_agent/slots.py)
+SESSION_HEADER = "x-macpool-session"

@@ -14,7 +14,6 @@ import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
-from functools import partial
 from typing import Any
 
 import httpx
@@ -34,10 +33,11 @@ from macpool.apis import APIS, GENERATION_PATHS, LIGHT_PATHS
 from macpool.asgi import Guard, ShutdownAnswering, TrailingSlash
 from macpool.contract import slots_needed
 from macpool.errors import error_response, exception_handlers
-from macpool.headers import HOP_BY_HOP, STREAM_HEADER, TOKEN_HEADER, connection_listed
+from macpool.headers import HOP_BY_HOP, SESSION_HEADER, STREAM_HEADER, TOKEN_HEADER, connection_listed
 
 from . import unstream
 from .runtime import AnswerClock, Runtime
+from .slots import UNNAMED, SlotNames, with_slot
 
 # never forwarded upstream: hop-by-hop (RFC 9110 7.6.1), what httpx recomputes, and X-Conversation-Id
 # (llama-server keeps generating after a disconnect when it is present)
@@ -132,6 +132,7 @@ class Gateway:
         settings = runtime.settings  # as the agent's httpx client: --read-timeout bounds each wait
         self._timeouts = http.timeouts(settings.connect_timeout, settings.read_timeout, settings.read_timeout)
         self._token = settings.router_token()
+        self._slots = SlotNames(settings.session_ttl)
 
     def _authorized(self, request: Request) -> bool:
         return token_given(request, self._token)
@@ -204,7 +205,26 @@ class Gateway:
         if refusal is not None:
             return refusal
         self.runtime.hold(slots)  # checked and taken with no await in between: atomic on one event loop
-        return await self._relay(request, body, parsed, partial(self.runtime.release, slots))
+        slot = self._slot(request, endpoint, body, wanted)
+
+        def release() -> None:
+            self.runtime.release(slots)
+            self._slots.give_back(slot)
+
+        return await self._relay(request, body, parsed, release, slot)
+
+    def _slot(self, request: Request, endpoint: str, body: bytes, generations: int) -> int:
+        """The llama-server slot the request runs in (node_agent/slots.py), ``UNNAMED`` where llama-server
+        chooses; given back as the request ends."""
+        session = request.headers.get(SESSION_HEADER, "")
+        doc = self.runtime.doc
+        if (not APIS[endpoint].names_slot or generations != 1 or doc is None or doc.kv_unified
+                or b'"id_slot"' in body):
+            session = ""  # (the client's own id_slot is passed on as it is)
+        slot, why = self._slots.take(session, self.runtime.total_slots)
+        if session:
+            self.runtime.metrics.slot_choices.labels(why).inc()
+        return slot
 
     async def light(self, request: Request) -> Response:
         """A light request (token counts, templates, tokenize): holds no generation slot, counts against the
@@ -228,7 +248,8 @@ class Gateway:
         return await self._relay(request, body, None, self.runtime.release_light)
 
     async def _relay(
-        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None]
+        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None],
+        slot: int = UNNAMED,
     ) -> Response:
         """The answer to an admitted request; ``release`` gives back what it holds, once, when it ends."""
         # llama-server sends its response head only with the first token, so the wait for it covers the
@@ -236,7 +257,7 @@ class Gateway:
         guard = Guard(request.receive)
         response: Response | None = None
         try:
-            response = await guard.run(self._forward(request, body, parsed, release))
+            response = await guard.run(self._forward(request, body, parsed, release, slot))
             if response is None:
                 response = self._client_gone(request)  # cancelled, the upstream connection is closed
         finally:
@@ -248,13 +269,17 @@ class Gateway:
         return response
 
     async def _forward(
-        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None]
+        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None],
+        slot: int,
     ) -> Response:
         """The upstream's answer to the request: relayed, or assembled from a stream asked for instead."""
         started = time.perf_counter()  # TTFT counts from here: llama-server's head comes with the first token
         endpoint: str = request.scope["path"]
         streamed = unstream.streamed(endpoint, parsed)
-        upstream = await self._send(request, streamed or body)
+        sent = streamed or body
+        if slot != UNNAMED:
+            sent = with_slot(sent, slot) or sent
+        upstream = await self._send(request, sent)
         if isinstance(upstream, Response):
             return upstream
         if streamed is not None and _is_stream(upstream):

@@ -76,6 +76,13 @@ class AgentMetrics:
             ["reason"],
             registry=r,
         )
+        self.slot_choices = Counter(
+            "macpool_agent_slot_choices_total",
+            "Requests of a named session by the slot the gateway chose for them (node_agent/slots.py): own, "
+            "ended, free, evicted, or unnamed (llama-server chose)",
+            ["choice"],
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "macpool_agent_upstream_errors_total", "Upstream connection failures", ["kind"], registry=r
         )

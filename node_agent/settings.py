@@ -231,6 +231,11 @@ class AgentSettings(CommandSettings):
         default=8, ge=1,
         description="token counts, templates and tokenizations in flight at once, 503 node_full above",
     )
+    session_ttl: float = Field(
+        default=300.0, ge=0,
+        description="seconds a coding-agent session that sent no turn still owns its llama-server slot: a "
+        "new session takes an ended session's slot before a live one's (node_agent/slots.py)",
+    )
 
     # honest capacity
     cap: int | None = Field(

@@ -62,3 +62,9 @@ def prefix_hashes(
         hashes.insert(0, "s" + key.hexdigest())
         shares.insert(0, SESSION_SHARE)
     return tuple(hashes), tuple(shares)
+
+
+def session_digest(session: str) -> str:
+    """What a node is told of a session the client names (``X-Macpool-Session``): enough to tell sessions
+    apart, not the client's own id."""
+    return hashlib.blake2b(session.encode(errors="surrogatepass"), digest_size=8).hexdigest()

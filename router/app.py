@@ -36,7 +36,7 @@ from macpool.store.events import drain_message
 from macpool.upstream import Upstream, client_tls
 from router import tokens
 from router.admission import Admission, Ticket
-from router.affinity import MIN_PREFIX_BYTES, prefix_hashes
+from router.affinity import MIN_PREFIX_BYTES, prefix_hashes, session_digest
 from router.aliases import Aliases
 from router.auth import PRIORITIES, ApiKey, KeyRing, bearer_token, digest, load_api_keys, presented_key
 from router.dialects import Dialect, api_of
@@ -202,8 +202,9 @@ class Router:
         hashed = affinity and len(body) >= MIN_PREFIX_BYTES
         limit = key.max_concurrency if key and key.max_concurrency else self.settings.key_max_concurrency
         counted = dialect.in_context and not light
-        session = dialect.session(Headers(raw=headers), payload) if affinity else ""
-        prefixes, shares = prefix_hashes(dialect.prefix_parts(payload) if hashed else [], model, session)
+        session = dialect.session(Headers(raw=headers), payload) if not light else ""
+        prefixes, shares = prefix_hashes(dialect.prefix_parts(payload) if hashed else [], model,
+                                          session if affinity else "")
         ticket = Ticket(
             tenant=key.tenant if key else ANONYMOUS,
             priority=priority,
@@ -226,6 +227,7 @@ class Router:
             ticket=ticket,
             dialect=dialect,
             count_body=dialect.count_body(payload, body) if counted and dialect.count_path else None,
+            session=session_digest(session) if session else "",
         )
 
     def shutdown_answer(self, request: Request) -> Response:

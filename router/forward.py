@@ -23,7 +23,7 @@ from macpool import relay
 from macpool import upstream as http
 from macpool.asgi import Guard
 from macpool.contract import NodeDoc, slots_needed
-from macpool.headers import HOP_BY_HOP_RAW, STREAM_HEADER, TOKEN_HEADER, connection_listed
+from macpool.headers import HOP_BY_HOP_RAW, SESSION_HEADER, STREAM_HEADER, TOKEN_HEADER, connection_listed
 from router import tokens
 from router.admission import FULL_MESSAGE, Admission, Lease, Limited, Rejected, Ticket, prefill_seconds
 from router.cold_start import ColdStart
@@ -95,6 +95,7 @@ class Call:
     exact: bool = False  # ticket.prompt_tokens is a node's count, not the router's bound
     too_long: Response | None = None  # the last node's answer that the prompt is over its context
     node: str = ""  # the node it is sent to, while it is
+    session: str = ""  # a digest of the session the client names: its node keeps it in one slot
 
     @property
     def generations(self) -> int:
@@ -593,6 +594,8 @@ class Forwarder:
         headers.append(("x-request-id", call.request_id))
         if call.stream and call.generations == 1:  # else the agent parses the body to count them
             headers.append(_STREAMED)
+        if call.session:
+            headers.append((SESSION_HEADER, call.session))
         token = self.pool.trust.agent_token(node)  # the node's own when it signs, else the shared one
         if token:
             headers.append((TOKEN_HEADER, token))

@@ -69,7 +69,8 @@ from macpool.sim.machine import load_preset
 MODEL = "qwen3-coder"
 N_PREDICT = 8192  # llama-server's -n: the answer a request without a limit may have (what macpool reserves)
 ROUTER_FLAGS = ("--queue-size", "256", "--queue-timeout", "120")
-SESSION_TTL_S = 300.0  # the router's --session-ttl default, in simulated seconds (the router keeps wall time)
+# the router's and the agents' --session-ttl default, in simulated seconds (they keep wall time)
+SESSION_TTL_S = 300.0
 ROUTERS = ("macpool", "nginx-least-conn", "nginx-sticky", "litellm")
 LITELLM_STRATEGIES = ("simple-shuffle", "least-busy", "usage-based-routing-v2", "latency-based-routing")
 # macpool against the best peer: TTFT p50 and p99 this many times lower, turns a minute this many times more
@@ -130,7 +131,7 @@ def start_macpool(stack: Stack, sims: list[Proc], speed: float) -> Proc:
     redis_url = stack.redis()
     for mac, sim in zip(MACS, sims, strict=True):
         stack.agent(f"agent-{mac.name}", sim.url, redis_url, mac.name, "--cap", str(mac.slots),
-                    "--log-level", "warning")
+                    "--session-ttl", f"{SESSION_TTL_S / speed:g}", "--log-level", "warning")
     router = stack.router("router", redis_url, *router_flags(speed), "--log-level", "warning")
     stack.wait_nodes(router.url, len(MACS), timeout=60, exact=True)
     return router

@@ -462,6 +462,11 @@ class SimServer:
 
     def new_task(self, body: dict[str, Any], prompt: str) -> Task:
         """One generation's task, checked (BadRequest) but not submitted."""
+        task = self._new_task(body, prompt)
+        task.id_slot = named_slot(body)
+        return task
+
+    def _new_task(self, body: dict[str, Any], prompt: str) -> Task:
         n_prompt = tokens.count(prompt)
         n_ctx = self.resolved.n_ctx_slot
         self.check_fits(n_prompt)
@@ -829,3 +834,12 @@ def create_app(settings: SimSettings, machine: Machine | None = None) -> ASGIApp
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
     return LlamaHeaders(app)
+
+
+def named_slot(body: dict[str, Any]) -> int:
+    """The slot a body names (``id_slot``, as llama-server's json_value reads it: a number taken as an
+    integer; anything else, or none, -1: any slot; a negative one finds no slot there either)."""
+    value = body.get("id_slot")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return -1
+    return max(-1, int(value))

@@ -81,6 +81,7 @@ class Task:
     parent: Task | None = field(default=None, repr=False)
     # an embedding or rerank task (llama-server's stateless tasks): its prompt from scratch, no token after it
     pooled: bool = False
+    id_slot: int = -1  # the slot the request names (its body's ``id_slot``; -1: any)
 
     @property
     def prefilling(self) -> bool:
@@ -203,7 +204,7 @@ class Engine:
             self._undefer(task)
         else:
             self._release(task)
-            self._pop_deferred()
+            self._pop_deferred(task.slot)
         self.counters.cancelled += 1
 
     def abort_all(self) -> list[Task]:
@@ -298,7 +299,7 @@ class Engine:
         self._observe_memory()
         for task in progressed:
             if task.finished:  # a slot released: llama-server offers the deferred queue one task per release
-                self._pop_deferred()
+                self._pop_deferred(task.slot)
         return progressed
 
     def _advance(self, decode: list[Task], prefill: list[tuple[Task, int]]) -> None:
@@ -336,8 +337,8 @@ class Engine:
         for task in failed:
             self._fail(task, CONTEXT_EXCEEDED)
         self._observe_memory()
-        for _ in failed:
-            self._pop_deferred()
+        for task in failed:
+            self._pop_deferred(task.slot)
         return failed
 
     def _fail(self, task: Task, message: str) -> None:
@@ -408,6 +409,9 @@ class Engine:
             return
         parent, *children = group
         first = self._available_slot(parent)
+        if first.task is not None:  # the slot it names is busy: it waits for that one
+            self.deferred.append(group)
+            return
         # the children take the lowest-numbered other idle slots (get_free_slots) and wait there
         others = [s for s in self.slots if s.task is None and s is not first][: len(children)]
         if len(others) < len(children):
@@ -433,6 +437,8 @@ class Engine:
         whose prompt the new one keeps less than half of, first saves its prompt to the prompt cache and
         takes the best one saved there for the new prompt."""
         chosen, update, kept = None, False, 1.0
+        if task.id_slot != -1:
+            return self._named_slot(task)
         if self.options.slot_prompt_similarity:
             best = 0.0
             for slot in self.slots:
@@ -450,6 +456,28 @@ class Engine:
             update = True
         assert chosen is not None  # the caller checked that a slot is idle
         if update and self.prompt_cache is not None and not task.pooled:  # only completions use the cache
+            self._save(chosen)
+            self._restore(chosen, task.prompt)
+            self.prompt_cache.update()
+        return chosen
+
+    def _named_slot(self, task: Task) -> Slot:
+        """get_available_slot for a task that names its slot (``id_slot``, wrapped around the slots): that
+        slot, idle or not (the caller defers it while busy). Idle, and holding a prompt that the new one
+        shares too little of (not over ``slot_prompt_similarity``, or keeping less than half of it), the slot
+        saves its prompt to the prompt cache and takes the best one saved there; an empty slot takes none (in
+        llama-server its share kept is 0/0, which is not under a half). llama-server also saves and loads
+        the cache of a busy named slot, over its running request: the agent never names a busy slot, and
+        this does not model it."""
+        chosen = self.slots[task.id_slot % len(self.slots)]
+        if chosen.task is not None or not chosen.cached or not self.options.slot_prompt_similarity:
+            return chosen
+        shared = tokens.common_prefix_tokens(chosen.cached, task.prompt)
+        # (its similarity loop looks for the slot by the id as given, not wrapped)
+        threshold = self.options.slot_prompt_similarity
+        similar = task.id_slot == chosen.id and shared / max(1, task.n_prompt) > threshold
+        kept = shared / tokens.count(chosen.cached) if similar else 0.0
+        if kept < MIN_KEEP and self.prompt_cache is not None and not task.pooled:
             self._save(chosen)
             self._restore(chosen, task.prompt)
             self.prompt_cache.update()
@@ -488,12 +516,19 @@ class Engine:
                 if self.options.kv_unified:
                     slot.cached = ""
 
-    def _pop_deferred(self) -> None:
-        # llama-server's server_queue::pop_deferred_task, called as a slot is released: only the deferred
-        # queue's front task is offered again; one still short of slots goes to the back, so a single request
-        # behind it can wait beside an idle slot until the next release
-        if self.deferred:
-            self._launch(self.deferred.popleft())
+    def _pop_deferred(self, released: Slot | None) -> None:
+        # llama-server's server_queue::pop_deferred_task, called as a slot is released: the first deferred
+        # task that names the released slot, else the queue's front task, is offered again; one still short of
+        # slots goes to the back, so a single request behind it can wait beside an idle slot until the next
+        # release
+        if not self.deferred:
+            return
+        for i, group in enumerate(self.deferred):
+            if released is not None and group[0].id_slot == released.id:
+                del self.deferred[i]
+                self._launch(group)
+                return
+        self._launch(self.deferred.popleft())
 
     def _orphan(self, parent: Task) -> None:
         # a parent cancelled before its prompt is done: its first child prefills the prompt for the others

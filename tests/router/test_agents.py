@@ -169,3 +169,30 @@ def test_a_prompt_a_mac_is_still_processing_is_its_backlog_until_the_answer_star
         assert next(lines).startswith("data:")
         # its prompt processed, still answering (3,000 tokens to go): no backlog, whatever was expected of it
         assert node.stats()["processing"] == 1 and backlog() == 0
+
+
+def test_a_new_session_sharing_a_prefix_leaves_a_live_sessions_slot_alone(pool: Pool) -> None:
+    # Codex's sessions share their instructions and tools; llama-server would give a new session the idle
+    # slot most like its prompt: the slot of a live session between two turns. Its agent names the slots.
+    node = pool.node("mac", cap=4, parallel=4)
+    router = pool.router()
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+    instructions = "You are a coding agent; these are your tools and rules. " * 120
+
+    def turn(session: str, task: str) -> dict[str, Any]:
+        body = {"model": model, "max_tokens": 4, "messages": [
+            {"role": "system", "content": instructions}, {"role": "user", "content": task}]}
+        answer = httpx.post(router.url + "/v1/chat/completions", json=body, headers={"session-id": session},
+                            timeout=60)
+        assert answer.status_code == 200, answer.text
+        usage: dict[str, Any] = answer.json()["usage"]
+        return usage
+
+    first = turn("a", "Fix the build. " + "a's history so far. " * 200)
+    turn("b", "Write the docs.")  # a new session, while a is between turns
+    again = turn("a", "Fix the build. " + "a's history so far. " * 200 + "And the tests.")
+    # all of a's history (its last message's end aside) still in its slot, not the shared part alone
+    assert again["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 20
+    choices = 'macpool_agent_slot_choices_total{choice="%s"}'
+    assert metric(node.agent.url, choices % "free") == 2 and metric(node.agent.url, choices % "own") == 1

@@ -231,3 +231,67 @@ def test_a_messages_stream_out_of_cells_ends_with_an_error_event(sim: Callable[.
     assert stats["failed"] == 2 and (memory["kv_unified"], memory["kv_cells"], memory["kv_cells_used"]) == (
         True, 2048, 0
     )
+
+
+def named(text: str, slot: int, n_predict: int = 4) -> Task:
+    t = task(text, n_predict)
+    t.id_slot = slot
+    return t
+
+
+def test_a_new_session_takes_the_most_similar_idle_slot_unless_it_names_one() -> None:
+    # two sessions of one coding agent share a long prefix (its instructions and tools); a third, new one
+    # takes the idle slot most like it - a live session's, between turns - unless its request names a slot
+    shared = tokens.make_prompt(6_000, salt="instructions")
+    for name_slots in (False, True):
+        e = served(ULTRA, parallel=4, ctx_size=4 * 16_384)
+        a = task(shared + tokens.make_prompt(2_000, salt="a"))
+        run(e, a)
+        assert a.slot is not None
+        new = task(shared + tokens.make_prompt(200, salt="new"))
+        if name_slots:
+            new.id_slot = (a.slot.id + 1) % 4
+        run(e, new)
+        again = task(a.prompt + tokens.filler(4) + tokens.make_prompt(500, salt="a's next turn"))
+        if name_slots:
+            again.id_slot = a.slot.id
+        run(e, again)
+        if name_slots:
+            assert new.slot is not a.slot and again.slot is a.slot
+            assert again.n_cache >= a.n_prompt  # its history still there
+        else:
+            assert new.slot is a.slot and new.n_cache >= 5_900  # it took a's slot for the prefix
+            assert again.n_cache < a.n_prompt - 1_500  # a's history is gone: processed again
+
+
+def test_a_named_busy_slot_defers_the_request_while_others_are_idle() -> None:
+    e = served(ULTRA, parallel=4, ctx_size=4 * 8_192)
+    long = named(tokens.make_prompt(1_000, salt="long"), 2, n_predict=200)
+    e.submit(long)
+    e.step()
+    assert long.slot is not None and long.slot.id == 2
+    waiting = named(tokens.make_prompt(500, salt="waiting"), 6)  # 6 wraps around to slot 2
+    other = named(tokens.make_prompt(500, salt="other"), 1)
+    e.submit(waiting)
+    e.submit(other)  # a request behind it that names an idle slot starts at once
+    assert waiting.slot is None and [waiting] in e.deferred
+    assert other.slot is not None and other.slot.id == 1
+    run(e, long)
+    # the slot it named freed: it is the deferred task llama-server offers that slot first
+    assert waiting.slot is not None and waiting.slot.id == 2
+
+
+def test_a_named_slot_saves_a_prompt_it_does_not_share_and_takes_the_best_saved() -> None:
+    e = served(ULTRA, parallel=2, ctx_size=2 * 16_384, cache_idle_slots=False)
+    a = named(tokens.make_prompt(3_000, salt="a"), 0)
+    b = named(tokens.make_prompt(3_000, salt="b"), 0)  # a's slot: a's prompt goes to the prompt cache
+    run(e, a)
+    run(e, b)
+    again = named(a.prompt + " and more", 0)  # a again in the same slot: b's saved, a's restored
+    run(e, again)
+    assert again.slot is a.slot and again.n_cache >= a.n_prompt - 1
+    assert e.counters.prompt_cache_restores == 1
+    # an empty named slot takes nothing from the prompt cache (llama-server's share kept is 0/0 there)
+    fresh = named(a.prompt + " once more", 1)
+    run(e, fresh)
+    assert fresh.slot is not None and fresh.slot.id == 1 and fresh.n_cache == 0
