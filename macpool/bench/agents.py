@@ -118,7 +118,7 @@ class Conditions:
 def start_sims(stack: Stack, speed: float) -> list[Proc]:
     return [
         stack.sim(f"sim-{mac.name}", "--preset", mac.preset, *mac.args, "--alias", MODEL,
-                  "--speed", str(speed), "--metrics", "-n", str(N_PREDICT))
+                  "--speed", str(speed), "--metrics", "--metrics-clock", "wall", "-n", str(N_PREDICT))
         for mac in MACS
     ]
 

@@ -337,10 +337,11 @@ class SimServer:
             message = "This server does not support metrics endpoint. Start it with `--metrics`"
             return json_response(shapes.error(501, message, "not_supported_error"), 501)
         c = self.engine.counters
-        prompt_rate = c.bucket_prompt_tokens / c.bucket_prompt_seconds if c.bucket_prompt_seconds else 0.0
-        predicted_rate = (
-            c.bucket_predicted_tokens / c.bucket_predicted_seconds if c.bucket_predicted_seconds else 0.0
-        )
+        # seconds of /metrics' clock per simulated second
+        clock = 1 / self.runner.speed if self.settings.metrics_clock == "wall" else 1.0
+        prompt_s, predicted_s = c.bucket_prompt_seconds * clock, c.bucket_predicted_seconds * clock
+        prompt_rate = c.bucket_prompt_tokens / prompt_s if prompt_s else 0.0
+        predicted_rate = c.bucket_predicted_tokens / predicted_s if predicted_s else 0.0
         c.bucket_prompt_tokens = c.bucket_predicted_tokens = 0
         c.bucket_prompt_seconds = c.bucket_predicted_seconds = 0.0
         busy_per_decode = c.n_busy_slots_total / c.n_decode_total if c.n_decode_total else 0.0
@@ -350,11 +351,11 @@ class SimServer:
             ("counter", "prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
              c.prompt_tokens_cached_total),
             ("counter", "prompt_seconds_total", "Total time spent processing prompts",
-             c.prompt_seconds_total),
+             c.prompt_seconds_total * clock),
             ("counter", "tokens_predicted_total", "Number of generation tokens processed",
              c.tokens_predicted_total),
             ("counter", "tokens_predicted_seconds_total", "Total time spent generating tokens",
-             c.tokens_predicted_seconds_total),
+             c.tokens_predicted_seconds_total * clock),
             ("counter", "n_decode_total",
              "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
              c.n_decode_total),

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", help="model path or name (reported as llama-server does)")
     p.add_argument("-a", "--alias", help="model alias")
     p.add_argument("--metrics", action="store_true", default=None, help="enable /metrics")
+    p.add_argument("--metrics-clock", choices=("simulated", "wall"),
+                   help="the clock of /metrics' prompt and generation seconds: simulated (default), or wall "
+                   "(as agents and routers in front of a sped-up simulator time the rest)")
     p.add_argument("--speed", type=float,
                    help=f"simulated seconds per wall second (default {_default('speed')})")
     p.add_argument("--load-seconds", type=float,
@@ -116,7 +119,8 @@ def parse_settings(argv: list[str]) -> tuple[SimSettings, str]:
         "kv_unified_per_slot": args.kv_unified_per_slot, "cache_ram": args.cache_ram,
         "cache_idle_slots": args.cache_idle_slots, "slot_prompt_similarity": args.slot_prompt_similarity,
         "model": args.model, "alias": args.alias,
-        "metrics": args.metrics, "speed": args.speed, "load_seconds": args.load_seconds,
+        "metrics": args.metrics, "metrics_clock": args.metrics_clock, "speed": args.speed,
+        "load_seconds": args.load_seconds,
         "models": args.models, "models_preset": args.models_preset, "models_max": args.models_max,
         "models_autoload": args.models_autoload,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,6 +44,10 @@ class SimSettings(BaseSettings):
     model: str | None = Field(None, description="-m: the model's path or name, reported like llama-server")
     alias: str | None = None
     metrics: bool = False
+    # simulated: every time figure of /metrics in simulated seconds, as the rest of the simulator reports;
+    # wall: its prompt and generation seconds (and their rates) in wall seconds, as agents and routers in
+    # front of a simulator run faster than real time measure everything else of it (first tokens, decode)
+    metrics_clock: Literal["simulated", "wall"] = "simulated"
     speed: float = Field(1.0, gt=0)
     load_seconds: float = Field(0.0, ge=0)
     # router mode (macpool/sim/router_mode.py): several models served on this Mac, loaded on demand

@@ -132,6 +132,25 @@ def test_speed_compresses_time(sim: SimFactory) -> None:
     assert simulated_ms > 5 * wall_ms  # 50x nominal; generous for a loaded machine
 
 
+@pytest.mark.in_process
+def test_metrics_may_keep_the_wall_clock(sim: SimFactory) -> None:
+    # agents time first tokens and decode on the wall clock: in front of a simulator at 10x, its prompt
+    # seconds must be wall seconds too, or a prompt would weigh ten times what it does on a Mac
+    def seconds(server: Server) -> tuple[float, float]:
+        result = chat(server.url, "a prompt to process " * 200, max_tokens=50)
+        simulated = result["timings"]["prompt_ms"] / 1000
+        lines = httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+        reported = next(float(line.split()[1]) for line in lines
+                        if line.startswith("llamacpp:prompt_seconds_total "))
+        return simulated, reported
+
+    simulated, reported = seconds(sim("--parallel", "1", "--speed", "10", "--metrics", name="simulated"))
+    assert reported == pytest.approx(simulated, rel=1e-3)
+    simulated, reported = seconds(sim("--parallel", "1", "--speed", "10", "--metrics", "--metrics-clock", "wall",
+                                      name="wall"))
+    assert reported == pytest.approx(simulated / 10, rel=1e-3)
+
+
 def test_loading_then_ready(local_stack: LocalStack) -> None:
     server = local_stack.sim("sim", "--preset", "m2pro-32g-8b-q4", "--load-seconds", "1.5", ready=None)
 
