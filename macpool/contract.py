@@ -109,6 +109,8 @@ class NodeDoc(BaseModel):
     slot_concurrency: float | None = None
     # prompt-processing speed, tokens/s (smoothed): what a request's prefill costs on this node
     prefill_tokens_per_s: float | None = None
+    # ... measured on tokens this deep in their prompts, on average (a deeper token costs more)
+    prefill_depth: float | None = None
     ctx_per_slot: int = 0
     # llama-server's KV cache, as admission counts it in tokens (0 / -1: unknown, and then only slots count):
     # the most tokens (prompt + output) one request may hold - its context per sequence, the whole context
@@ -170,8 +172,8 @@ class DeclaredModel(BaseModel):
 SIGNED_FIELDS: tuple[str, ...] = (
     "node_id", "url", "instance", "started_at_ms", "updated_at_ms", "signer", "signer_issued_ms", "state",
     "models", "capacity", "total_slots", "tokens_per_s", "ttft_p50_ms", "slot_tokens_per_s",
-    "slot_concurrency", "prefill_tokens_per_s", "ctx_per_slot", "seq_ctx", "kv_unified", "kv_cells",
-    "n_predict", "elastic", "standby_capacity", "wol_mac", "wol_broadcast", "load_cost",
+    "slot_concurrency", "prefill_tokens_per_s", "prefill_depth", "ctx_per_slot", "seq_ctx", "kv_unified",
+    "kv_cells", "n_predict", "elastic", "standby_capacity", "wol_mac", "wol_broadcast", "load_cost",
 )
 
 

@@ -105,8 +105,7 @@ class ProxyResponse(relay.Relay):
         if self.streaming:
             at = time.perf_counter()
             if self._clock.tick(at, chunk.count(b"data: "), self._runtime.in_flight):
-                self._runtime.ttft_samples.append(at - self._started)
-                self._runtime.metrics.ttft.observe(at - self._started)
+                self._runtime.note_ttft(at - self._started)
 
     def completed(self) -> None:
         if self.streaming and self.status_code == 200:
@@ -318,8 +317,7 @@ class Gateway:
                 if line.startswith("data: "):
                     at = time.perf_counter()
                     if clock.tick(at, 1, self.runtime.in_flight):
-                        self.runtime.ttft_samples.append(at - started)
-                        metrics.ttft.observe(at - started)
+                        self.runtime.note_ttft(at - started)
                 assembler.feed_line(line)
             assembler.end()
         except httpx.HTTPError:

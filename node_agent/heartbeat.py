@@ -82,7 +82,9 @@ class UpstreamView:
     # reading of them was taken
     prompt_tokens: float | None = None
     prompt_seconds: float | None = None
-    prefill_mark: tuple[float, float] | None = None
+    prompt_tokens_cached: float = 0.0  # prompt tokens read from a cache instead (0 where not reported)
+    # (prompt tokens, seconds, cached tokens, prompts the agent saw begin answering) at the last reading
+    prefill_mark: tuple[float, float, float, int] | None = None
     starts: int = 0  # times it turned healthy: each may be another llama-server, with other arguments
 
     @property
@@ -148,6 +150,7 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
         _update_rate(view, total)
         view.prompt_tokens = values.get("llamacpp:prompt_tokens_total")
         view.prompt_seconds = values.get("llamacpp:prompt_seconds_total")
+        view.prompt_tokens_cached = values.get("llamacpp:prompt_tokens_cached_total") or 0.0
 
 
 async def _model_loaded(client: httpx.AsyncClient, base: str, model: str) -> tuple[bool, str]:
@@ -205,20 +208,23 @@ def training_context(models: object) -> int:
     return 0
 
 
-def prefill_reading(view: UpstreamView) -> tuple[float, float] | None:
-    """Prompt tokens processed, and the seconds they took, since the last reading: once at least
-    ``PREFILL_MIN_TOKENS`` have been (fewer say more of a step's fixed cost than of the prompt's)."""
-    tokens, seconds = view.prompt_tokens, view.prompt_seconds
+def prefill_reading(view: UpstreamView, prompts: int) -> tuple[float, float, float] | None:
+    """Prompt tokens processed, the seconds they took, and the mean depth (tokens into their prompts) they
+    were processed at, since the last reading: once at least ``PREFILL_MIN_TOKENS`` have been (fewer say
+    more of a step's fixed cost than of the prompt's). ``prompts``: the answers the agent has seen begin so
+    far, each a prompt processed; a prompt's tokens sit after the part of it its cache held."""
+    tokens, seconds, cached = view.prompt_tokens, view.prompt_seconds, view.prompt_tokens_cached
     if tokens is None or seconds is None:
         return None
     mark = view.prefill_mark
-    if mark is None or tokens < mark[0] or seconds < mark[1]:  # the first reading, or a restarted counter
-        view.prefill_mark = (tokens, seconds)
+    if mark is None or tokens < mark[0] or seconds < mark[1] or cached < mark[2]:  # first, or restarted
+        view.prefill_mark = (tokens, seconds, cached, prompts)
         return None
     if tokens - mark[0] < PREFILL_MIN_TOKENS or seconds <= mark[1]:
         return None
-    view.prefill_mark = (tokens, seconds)
-    return tokens - mark[0], seconds - mark[1]
+    view.prefill_mark = (tokens, seconds, cached, prompts)
+    processed, began = tokens - mark[0], max(1, prompts - mark[3])
+    return processed, seconds - mark[1], ((cached - mark[2]) + processed / 2) / began
 
 
 def _describe(error: Exception) -> str:
@@ -388,7 +394,7 @@ class Heartbeat:
             runtime.metrics.pinned.set(sample.pinned_gb * GB)
             runtime.metrics.wired_limit.set(sample.wired_limit_gb * GB)
         self._log_upstream_change()
-        reading = prefill_reading(view)
+        reading = prefill_reading(view, runtime.prompts_begun)
         if reading is not None:
             runtime.note_prefill(*reading)
         slots = view.total_slots or None
@@ -421,6 +427,7 @@ class Heartbeat:
             slot_tokens_per_s=_rounded(runtime.slot_tokens_per_s),
             slot_concurrency=_rounded(runtime.slot_concurrency),
             prefill_tokens_per_s=_rounded(runtime.prefill_tokens_per_s),
+            prefill_depth=_rounded(runtime.prefill_depth, 0),
             ctx_per_slot=view.ctx_per_slot,
             seq_ctx=cache.seq_ctx,
             kv_unified=cache.unified,

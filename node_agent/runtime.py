@@ -135,6 +135,8 @@ class Runtime:
     slot_tokens_per_s: float | None = None  # smoothed decode speed of one answer (note_decode)
     slot_concurrency: float | None = None  # ... and the requests in flight while it was measured
     prefill_tokens_per_s: float | None = None  # smoothed prompt-processing speed (note_prefill)
+    prefill_depth: float | None = None  # ... and the mean depth, in tokens, it was measured at
+    prompts_begun: int = 0  # answers whose first token came: each a prompt processed (note_ttft)
     # set to publish a heartbeat now rather than at the next tick (llama-server found dead)
     beat_now: asyncio.Event = field(default_factory=asyncio.Event)
     _state: NodeState = field(default="starting", init=False)
@@ -345,17 +347,25 @@ class Runtime:
         self.slot_tokens_per_s += DECODE_EWMA * (rate - self.slot_tokens_per_s)
         self.slot_concurrency += DECODE_EWMA * (concurrency - self.slot_concurrency)
 
-    def note_prefill(self, tokens: float, seconds: float) -> None:
+    def note_prefill(self, tokens: float, seconds: float, depth: float = 0.0) -> None:
         """llama-server processed ``tokens`` prompt tokens (those its prompt cache held left out) in
-        ``seconds`` of prompt processing since the last reading: what a request's prefill costs here, which
-        routers weigh against the prompt they would send. Smoothed as the decode speed is."""
+        ``seconds`` of prompt processing since the last reading, ``depth`` tokens into their prompts on
+        average: what a request's prefill costs here, which routers weigh against the prompt they would send
+        (a token deep in a prompt costs more: router/placement.py). Smoothed as the decode speed is."""
         if tokens <= 0 or seconds <= 0:
             return
         rate = tokens / seconds
-        if self.prefill_tokens_per_s is None:
-            self.prefill_tokens_per_s = rate
+        if self.prefill_tokens_per_s is None or self.prefill_depth is None:
+            self.prefill_tokens_per_s, self.prefill_depth = rate, depth
             return
         self.prefill_tokens_per_s += DECODE_EWMA * (rate - self.prefill_tokens_per_s)
+        self.prefill_depth += DECODE_EWMA * (depth - self.prefill_depth)
+
+    def note_ttft(self, seconds: float) -> None:
+        """An answer's first token came ``seconds`` after its request was sent on: its prompt is processed."""
+        self.prompts_begun += 1
+        self.ttft_samples.append(seconds)
+        self.metrics.ttft.observe(seconds)
 
     def _set_state(self, state: NodeState) -> None:
         self._state = state

@@ -39,7 +39,7 @@ from router.full_memo import FullMemo
 from router.leases import Lease as Lease  # (callers take Lease from here, with Admission)
 from router.leases import Leases
 from router.metrics import RouterMetrics
-from router.placement import BATCH_COST, STRATEGIES
+from router.placement import BATCH_COST, PREFILL_HALVING_DEPTH, STRATEGIES
 from router.pool import PoolView
 from router.retry_after import RejectReason, RetryAfter
 from router.settings import Settings
@@ -294,7 +294,7 @@ class Admission:
             },
             "prefill_backlog_s": {
                 doc.node_id: round(seconds, 1) for doc in self.pool.fresh_nodes()
-                if (seconds := self.leases.backlog_s(doc.node_id, doc.prefill_tokens_per_s or 0.0))
+                if (seconds := self.leases.backlog_s(doc))
             },
         }
 
@@ -320,6 +320,7 @@ class Admission:
             session_window_ms=int(settings.session_ttl * 1000),
             generations=ticket.generations, router=settings.router_id, batch_cost=BATCH_COST,
             prompt_tokens=ticket.prompt_tokens, output_tokens=ticket.output_tokens,
+            prefill_halving=PREFILL_HALVING_DEPTH if prompt else 0.0,
         )
         try:
             attempt = await self.store.reserve(request)
@@ -353,7 +354,7 @@ class Admission:
         candidate = self.place(doc, self.settings.placement_tokens, prompt_tokens)
         if not prompt_tokens or not candidate.prefill_s:
             return candidate
-        backlog = self.leases.backlog_s(doc.node_id, doc.prefill_tokens_per_s or 0.0)
+        backlog = self.leases.backlog_s(doc)
         return dataclasses.replace(candidate, backlog_s=backlog) if backlog else candidate
 
     def _excluded(self, tried: Collection[str]) -> list[str]:
@@ -384,7 +385,8 @@ class Admission:
         node = next(doc for doc in docs if doc.node_id == node_id)
         lease = Lease(request_id=request_id, node=node, tenant=ticket.tenant, slots=attempt.slots,
                       tokens=attempt.tokens, affinity=attempt.affinity,
-                      prefill_tokens=round(ticket.prompt_tokens * (1 - attempt.cached)))
+                      prefill_tokens=round(ticket.prompt_tokens * (1 - attempt.cached)),
+                      prefill_from=round(ticket.prompt_tokens * attempt.cached))
         self.leases.hold(lease)
         self.pool.reserved(node_id, attempt.count)
         return lease

@@ -15,6 +15,7 @@ from macpool.contract import NodeDoc
 from macpool.loops import every
 from macpool.store import ANONYMOUS, AffinityOutcome, Release, Store
 from macpool.store import Lease as StoredLease
+from router.placement import prompt_seconds
 from router.pool import PoolView
 from router.retry_after import RetryAfter
 from router.settings import Settings
@@ -39,9 +40,11 @@ class Lease:
     queued_s: float = 0.0
     affinity: AffinityOutcome = ""
     local: bool = False  # taken while Redis was unreachable: counted by this router only
-    # the prompt tokens the node is expected to process for it (what its cache does not hold), until the
-    # answer's first event says it has: they weigh on where the next requests go (backlog_s)
+    # the prompt tokens the node is expected to process for it (what its cache does not hold), from
+    # ``prefill_from`` tokens into the prompt (what it holds), until the answer's first event says it has:
+    # they weigh on where the next requests go (backlog_s)
     prefill_tokens: int = 0
+    prefill_from: int = 0
 
     def stored(self, router: str) -> StoredLease:
         """What this lease holds in Redis, for ``router``."""
@@ -80,18 +83,19 @@ class Leases:
             task.cancel()
         await asyncio.gather(*self._undoing, return_exceptions=True)
 
-    def backlog_s(self, node_id: str, prefill_tokens_per_s: float) -> float:
-        """How long ``node_id`` should still take to process the prompts this router sent it that it has not
-        answered yet, at its measured prompt speed: their tokens' time, less the time since the first of them
-        was sent (the node has been at it since)."""
-        if prefill_tokens_per_s <= 0:
+    def backlog_s(self, node: NodeDoc) -> float:
+        """How long ``node`` should still take to process the prompts this router sent it that it has not
+        answered yet, at its measured prompt speed (router/placement.py ``prompt_seconds``): their time,
+        less the time since the first of them was sent (the node has been at it since)."""
+        rate = node.prefill_tokens_per_s or 0.0
+        if rate <= 0:
             return 0.0
-        tokens, since = 0, time.monotonic()
+        seconds, since = 0.0, time.monotonic()
         for lease in self.active.values():
-            if lease.prefill_tokens and lease.node.node_id == node_id:
-                tokens += lease.prefill_tokens
+            if lease.prefill_tokens and lease.node.node_id == node.node_id:
+                seconds += prompt_seconds(lease.prefill_tokens, rate, node.prefill_depth, lease.prefill_from)
                 since = min(since, lease.acquired_at)
-        return max(0.0, tokens / prefill_tokens_per_s - (time.monotonic() - since)) if tokens else 0.0
+        return max(0.0, seconds - (time.monotonic() - since)) if seconds else 0.0
 
     def hold(self, lease: Lease) -> Lease:
         """A lease just taken: renewed from now on, until released."""

@@ -12,11 +12,13 @@ says what the script weighs for each node:
   processes it in the steps that decode the others, and every stream on the node waits for it, about a
   first token's time. Each of the ``b`` requests processes its prompt about once while a new one runs (the
   new one's own is its first token), so the script expects ``b * ttft + tokens * t0 * (1 + BATCH_COST * b)``
-  seconds for a request that makes it ``b``. A Mac whose prompts are slow (a slow GPU, long prompts) grows
-  slow with every request it takes, as its measured curve does (docs/benchmarks.md, placement); a fast Mac
-  takes requests while it is still the quicker answer even busy; identical Macs fill evenly. Until every
-  node with room has been measured (a new Mac, a restart), the least-utilised one is chosen, so it gets
-  measured.
+  seconds for a request that makes it ``b``. Where every node's prompt speed is known, the request's own
+  prompt is added at that speed, brought to the depth its tokens sit at (``prompt_seconds``); the part a
+  node's cache holds is taken off in the script, the rest costing more a token. A Mac whose prompts are
+  slow (a slow GPU, long prompts) grows slow with every request it takes, as its measured curve does
+  (docs/benchmarks.md, placement); a fast Mac takes requests while it is still the quicker answer even
+  busy; identical Macs fill evenly. Until every node with room has been measured (a new Mac, a restart),
+  the least-utilised one is chosen, so it gets measured.
 - ``least-utilised``: the node with the smallest share of its capacity in use (ties: the faster node).
 """
 
@@ -30,6 +32,10 @@ from macpool.store import Candidate
 
 Placement = Literal["fastest", "least-utilised"]
 BATCH_COST = 0.175  # each request in a decode batch slows every slot's step by this share of a lone step
+# a prompt token this deep in its prompt costs twice one at its start: attention grows with the depth, the
+# weights do not (Qwen3-Coder-30B-A3B on Metal, docs/simulator.md; a dense model's is deeper, so this errs on
+# the side of deep prompts being slow)
+PREFILL_HALVING_DEPTH = 6000
 
 
 def fastest(doc: NodeDoc, expected_tokens: int, prompt_tokens: int = 0) -> Candidate:
@@ -43,9 +49,19 @@ def fastest(doc: NodeDoc, expected_tokens: int, prompt_tokens: int = 0) -> Candi
     lone_token_s = 1.0 / (speed * (1 + BATCH_COST * max(running, 1.0)))
     ttft_s = (doc.ttft_p50_ms or 0.0) / 1000
     prefill = doc.prefill_tokens_per_s
-    prefill_s = prompt_tokens / prefill if prefill and prefill > 0 else 0.0
+    prefill_s = prompt_seconds(prompt_tokens, prefill, doc.prefill_depth) if prefill and prefill > 0 else 0.0
     return Candidate(doc.node_id, doc.tokens_per_s, ttft_s=ttft_s, decode_s=expected_tokens * lone_token_s,
                      prefill_s=prefill_s)
+
+
+def prompt_seconds(tokens: int, measured_per_s: float, measured_depth: float | None, start: int = 0) -> float:
+    """``tokens`` of a prompt processed from ``start`` tokens into it (what a cache held before them), on a
+    node that processed prompt tokens at ``measured_per_s`` while they sat ``measured_depth`` tokens into
+    their prompts on average: a token at depth ``d`` costs ``1 + d / PREFILL_HALVING_DEPTH`` times one at
+    the start. A Mac measured on a coding agent's short turns deep in its history is faster than that for a
+    new session; one measured on short prompts is slower for a long one."""
+    at_start = measured_per_s * (1 + max(0.0, measured_depth or 0.0) / PREFILL_HALVING_DEPTH)
+    return tokens / at_start * (1 + (start + tokens / 2) / PREFILL_HALVING_DEPTH)
 
 
 def least_utilised(doc: NodeDoc, expected_tokens: int, prompt_tokens: int = 0) -> Candidate:

@@ -98,6 +98,10 @@ class ReserveRequest:
     batch_cost: float = 0.0  # how much each request running beside it slows a node's decode (Candidate)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    # the depth (tokens) at which a prompt token costs twice one at the start (0: depth not counted): a
+    # candidate's ``prefill_s`` is the whole prompt's, from depth 0; the part its cache does not hold starts
+    # deeper, and costs more a token (router/placement.py)
+    prefill_halving: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -426,7 +430,7 @@ def _reserve_call(request: ReserveRequest) -> dict[str, Any]:
         "session_window": request.session_window_ms,
         "excluded": list(request.excluded), "generations": request.generations, "router": request.router,
         "batch_cost": request.batch_cost, "prompt_tokens": request.prompt_tokens,
-        "output_tokens": request.output_tokens,
+        "output_tokens": request.output_tokens, "prefill_halving": request.prefill_halving,
         "candidates": [{"id": c.node_id, "tokens_per_s": c.tokens_per_s, "tie": random.random(),
                         "ttft": c.ttft_s, "decode": c.decode_s, "prefill": c.prefill_s,
                         "backlog": c.backlog_s}

@@ -245,6 +245,16 @@ local function place(best, c)
   return best
 end
 
+-- the time to process the part of the prompt candidate c's cache does not hold (`cached`: the share it
+-- holds): prefill[c] is the whole prompt's from depth 0; a token at depth d costs 1 + d / halving times one at
+-- the start (attention), so the uncached part, which starts at the cached share, costs more a token
+local function uncached_prefill(c, cached)
+  local halving = req.prefill_halving or 0
+  if halving <= 0 or prompt <= 0 then return prefill[c] * (1 - cached) end
+  local k = prompt / (2 * halving)
+  return prefill[c] * (1 - cached) * (1 + k * (1 + cached)) / (1 + k)
+end
+
 -- the answer expected on candidate c, with the m = n + k requests running there this one included: the
 -- prompts sent there before it still being processed (their backlog), each of the m processing its prompt
 -- about once meanwhile (a step processing a prompt holds every stream on the node for that time, which the
@@ -254,7 +264,7 @@ end
 local function expected(c, cached)
   local m = at[c].n + need(gens, at[c].slots)
   local evicted = evicts[c] and prefill[c] or 0
-  return backlog[c] + m * ttft[c] + prefill[c] * (1 - cached) + evicted
+  return backlog[c] + m * ttft[c] + uncached_prefill(c, cached) + evicted
     + decode[c] * (1 + req.batch_cost * m)
 end
 

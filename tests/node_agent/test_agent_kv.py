@@ -98,6 +98,20 @@ def test_heartbeat_carries_the_cache_what_it_holds_and_the_prefill_speed(
               if line.startswith(("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"))}
     rate = totals["llamacpp:prompt_tokens_total"] / totals["llamacpp:prompt_seconds_total"]
     assert doc.prefill_tokens_per_s == pytest.approx(rate, rel=0.01)
+    # one prompt from its start: its tokens sat half its length in, on average
+    first = totals["llamacpp:prompt_tokens_total"]
+    assert doc.prefill_depth == pytest.approx(first / 2, abs=2)
+    # the next turn: the prompt again, held in the slot, and as much again after it
+    more = prompt + " " + " ".join(f"more{i}" for i in range(800))
+    answer = httpx.post(gateway.url + "/v1/completions", json={"prompt": more, "max_tokens": 1}, timeout=60)
+    assert answer.status_code == 200
+    deeper = wait_until(
+        lambda: (d := read_node(redis_url, "n1")) and d.prefill_depth != doc.prefill_depth and d,
+        what="the next prefill reading",
+    )
+    # its tokens sat after the 1,573 its slot held: smoothed, the depth moves a share of the way there
+    assert doc.prefill_depth is not None and deeper.prefill_depth is not None
+    assert deeper.prefill_depth - doc.prefill_depth > 0.1 * (first + 400 - doc.prefill_depth)
 
 
 @pytest.mark.in_process

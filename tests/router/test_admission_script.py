@@ -155,6 +155,35 @@ def test_a_much_busier_prefix_holder_keeps_a_long_prompt_its_cache_makes_quicker
     assert placed(lost) == ("reserved", "b") and lost.affinity == "overridden"
 
 
+def test_the_part_of_a_prompt_a_cache_does_not_hold_costs_more_a_token_the_deeper_it_starts(
+    store: Store,
+) -> None:
+    def ask(rid: str, halving: float) -> Reservation:
+        # a holds 90 % of a 36K-token prompt and runs 3 requests; b, idle, processes prompts 3.75 x faster
+        candidates = [Candidate("a", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=30.0),
+                      Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=8.0)]
+        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
+                                 queue_lease_ms=QUEUE_LEASE, prefixes=("turn2", "turn1"),
+                                 prefix_shares=(1.0, 0.9), affinity_abs=2, affinity_rel=1.5, batch_cost=0.175,
+                                 prompt_tokens=36_000, prefill_halving=halving)
+        answer = store.api.run(store.api.store.reserve(request, store.now))
+        store.release(rid, answer.node_id)
+        return answer
+
+    store.node("a", 8)
+    store.node("b", 8)
+    for i in range(3):
+        store.ask(f"busy{i}", ["a"])
+    store.r.hset(KEYS.affinity, mapping={"turn1": "a"})
+    # the last 3,600 tokens as a tenth of the prompt's time: 4 + 3 + 3.4 = 10.4 s on a, 11.35 s on b
+    assert ask("flat", halving=0).node_id == "a"
+    store.r.delete(KEYS.affinity)  # a served the turn before, not this one
+    store.r.hset(KEYS.affinity, mapping={"turn1": "a"})
+    # 32,400 tokens in, each costs 6.7 times one at the start, where the prompt's average is 4 times:
+    # 4 + 5.0 + 3.4 = 12.4 s on a
+    assert ask("deep", halving=6_000).node_id == "b"
+
+
 def test_a_reservation_says_what_share_of_its_prompt_the_node_was_expected_to_hold(store: Store) -> None:
     store.node("a", 8)
     store.node("b", 8)

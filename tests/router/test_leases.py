@@ -99,21 +99,25 @@ def test_a_nodes_backlog_is_the_prompts_it_has_not_answered_yet_less_the_time_it
 
     from macpool.contract import NodeDoc
     from router.leases import Lease, Leases
+    from router.placement import PREFILL_HALVING_DEPTH as H
     from router.settings import Settings
 
     # only the leases held are read: no store, pool or Retry-After is reached
     unused = cast(Any, None)
     leases = Leases(Settings(redis_url="redis://127.0.0.1:9"), unused, unused, unused)
-    a, b = (NodeDoc(node_id=n, url="http://127.0.0.1:9", capacity=4, state="ready", models=["m"])
-            for n in "ab")
-    assert leases.backlog_s("a", 1000.0) == 0.0
+    # measured at 1,000 prompt tokens a second, on tokens at the start of their prompts
+    a, b, unmeasured = (NodeDoc(node_id=n, url="http://127.0.0.1:9", capacity=4, state="ready", models=["m"],
+                                prefill_tokens_per_s=1000.0, prefill_depth=0) for n in "ab?")
+    unmeasured.node_id, unmeasured.prefill_tokens_per_s = "a", None
+    assert leases.backlog_s(a) == 0.0
     now = time.monotonic()
-    leases.hold(Lease("r1", a, prefill_tokens=20_000, acquired_at=now - 4.0))  # sent 4 s ago
-    leases.hold(Lease("r2", a, prefill_tokens=10_000, acquired_at=now))
+    leases.hold(Lease("r1", a, prefill_tokens=2_000, acquired_at=now - 4.0))  # sent 4 s ago
+    leases.hold(Lease("r2", a, prefill_tokens=1_000, prefill_from=20_000, acquired_at=now))  # a later turn
     leases.hold(Lease("r3", b, prefill_tokens=50_000, acquired_at=now))
     leases.hold(Lease("r4", a, prefill_tokens=0, acquired_at=now - 100.0))  # answers already
-    # 30,000 tokens at 1,000 a second, of which the node has had 4 s since the first was sent
-    assert 25.5 < leases.backlog_s("a", 1000.0) <= 26.0
-    assert leases.backlog_s("a", 0.0) == 0.0  # prompt speed not known: nothing counted
+    # each token costs 1 + its depth / H a token at the start: 2,000 from the start, 1,000 after 20,000
+    expected = 2 * (1 + 1_000 / H) + 1 * (1 + 20_500 / H) - 4.0
+    assert expected - 0.5 < leases.backlog_s(a) <= expected
+    assert leases.backlog_s(unmeasured) == 0.0  # prompt speed not known: nothing counted
     leases.active.clear()
-    assert leases.backlog_s("b", 1000.0) == 0.0
+    assert leases.backlog_s(b) == 0.0

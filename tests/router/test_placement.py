@@ -240,3 +240,17 @@ def test_a_prompt_prefix_still_goes_where_it_is_cached(script: Script) -> None:
     assert script.ask("r1", "fastest", prefixes=("p1",), only="slow") == "slow"
     assert script.ask("r2", "fastest", prefixes=("p1",)) == "slow"  # affinity: its prefix is cached there
     assert script.ask("r3", "fastest", prefixes=("p2",)) == "fast"
+
+
+def test_a_prompts_time_counts_how_deep_its_tokens_sit() -> None:
+    from router.placement import PREFILL_HALVING_DEPTH as H
+    from router.placement import prompt_seconds
+
+    # two Macs that process 400 prompt tokens a second, one measured on a coding agent's turns 30K tokens
+    # into their history, one on short prompts (its tokens 300 in): at the start the first is 6x faster
+    deep, shallow = prompt_seconds(26_000, 400.0, 30_000), prompt_seconds(26_000, 400.0, 300)
+    assert deep == pytest.approx(shallow * (1 + 300 / H) / (1 + 30_000 / H))
+    # a new session's 26K-token prompt: slower a token than the short prompts, faster than the deep turns
+    assert shallow > 26_000 / 400 > deep
+    # the same tokens after 20K a cache holds cost more than from the start
+    assert prompt_seconds(2_000, 400.0, 0, start=20_000) > 2.5 * prompt_seconds(2_000, 400.0, 0)

@@ -146,8 +146,8 @@ def test_metrics_may_keep_the_wall_clock(sim: SimFactory) -> None:
 
     simulated, reported = seconds(sim("--parallel", "1", "--speed", "10", "--metrics", name="simulated"))
     assert reported == pytest.approx(simulated, rel=1e-3)
-    simulated, reported = seconds(sim("--parallel", "1", "--speed", "10", "--metrics", "--metrics-clock", "wall",
-                                      name="wall"))
+    wall = sim("--parallel", "1", "--speed", "10", "--metrics", "--metrics-clock", "wall", name="wall")
+    simulated, reported = seconds(wall)
     assert reported == pytest.approx(simulated / 10, rel=1e-3)
 
 
