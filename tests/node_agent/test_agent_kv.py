@@ -109,7 +109,7 @@ def test_heartbeat_carries_the_cache_what_it_holds_and_the_prefill_speed(
         lambda: (d := read_node(redis_url, "n1")) and d.prefill_depth != doc.prefill_depth and d,
         what="the next prefill reading",
     )
-    # its tokens sat after the 1,573 its slot held: smoothed, the depth moves a share of the way there
+    # its tokens sat after the prompt its slot held: smoothed, the depth moves a share of the way there
     assert doc.prefill_depth is not None and deeper.prefill_depth is not None
     assert deeper.prefill_depth - doc.prefill_depth > 0.1 * (first + 400 - doc.prefill_depth)
 
