@@ -63,9 +63,9 @@ class SlotNames:
         if slot == UNNAMED:
             self._unnamed = max(0, self._unnamed - 1)
             return
-        if slot < len(self._slots):  # (a resize since forgot it)
-            self._slots[slot].busy = False
-            self._slots[slot].last_used = self._clock()
+        # (the slots are only forgotten for others when none is busy: this one is still known)
+        self._slots[slot].busy = False
+        self._slots[slot].last_used = self._clock()
 
     @property
     def in_flight(self) -> int:
