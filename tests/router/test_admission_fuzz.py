@@ -843,6 +843,12 @@ def cluster_url() -> Iterator[str]:
         yield cluster.url
 
 
+# redis-py's synchronous cluster client (this test's own view of Redis) once left a socket for the garbage
+# collector on a loaded CI machine: never reproduced, and what this test checks is the scripts' invariants
+SOCKET_LEFT_TO_GC = "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
+
+
+@pytest.mark.filterwarnings(SOCKET_LEFT_TO_GC)
 @pytest.mark.parametrize("seed", range(max(SEEDS // 4, 1)))
 def test_the_admission_invariants_hold_on_a_three_primary_cluster(cluster_url: str, seed: int) -> None:
     """The same calls on Redis Cluster: every key of the pool shares the prefix's hash tag, so each script's
