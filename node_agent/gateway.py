@@ -244,19 +244,20 @@ class Gateway:
         if refusal is not None:
             return refusal
         self.runtime.hold_light()
-        return await self._relay(request, body, None, self.runtime.release_light)
+        return await self._relay(request, body, None, self.runtime.release_light, prompt=False)
 
     async def _relay(
         self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None],
-        slot: int = UNNAMED,
+        slot: int = UNNAMED, prompt: bool = True,
     ) -> Response:
-        """The answer to an admitted request; ``release`` gives back what it holds, once, when it ends."""
+        """The answer to an admitted request; ``release`` gives back what it holds, once, when it ends.
+        ``prompt``: a request llama-server processes a prompt for in a slot (not a light one)."""
         # llama-server sends its response head only with the first token, so the wait for it covers the
         # prefill (and, passed through, a whole non-streamed generation): the client is watched from here
         guard = Guard(request.receive)
         response: Response | None = None
         try:
-            response = await guard.run(self._forward(request, body, parsed, release, slot))
+            response = await guard.run(self._forward(request, body, parsed, release, slot, prompt))
             if response is None:
                 response = self._client_gone(request)  # cancelled, the upstream connection is closed
         finally:
@@ -269,7 +270,7 @@ class Gateway:
 
     async def _forward(
         self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None],
-        slot: int,
+        slot: int, prompt: bool,
     ) -> Response:
         """The upstream's answer to the request: relayed, or assembled from a stream asked for instead."""
         started = time.perf_counter()  # TTFT counts from here: llama-server's head comes with the first token
@@ -278,7 +279,13 @@ class Gateway:
         sent = streamed or body
         if slot != UNNAMED:
             sent = with_slot(sent, slot) or sent
-        upstream = await self._send(request, sent)
+        # llama-server sends its answer's head with the first token: until then it processes the prompt
+        since = self.runtime.prompt_sent() if prompt else None
+        try:
+            upstream = await self._send(request, sent)
+        finally:
+            if since is not None:
+                self.runtime.prompt_answered(since)
         if isinstance(upstream, Response):
             return upstream
         if streamed is not None and _is_stream(upstream):

@@ -83,8 +83,9 @@ class UpstreamView:
     prompt_tokens: float | None = None
     prompt_seconds: float | None = None
     prompt_tokens_cached: float = 0.0  # prompt tokens read from a cache instead (0 where not reported)
-    # (prompt tokens, seconds, cached tokens, prompts the agent saw begin answering) at the last reading
-    prefill_mark: tuple[float, float, float, int] | None = None
+    # (prompt tokens, seconds, cached tokens, prompts the agent saw begin answering, its seconds with a
+    # prompt in llama-server, its prompts' seconds added up) at the last reading
+    prefill_mark: tuple[float, float, float, int, float, float] | None = None
     starts: int = 0  # times it turned healthy: each may be another llama-server, with other arguments
 
     @property
@@ -208,23 +209,31 @@ def training_context(models: object) -> int:
     return 0
 
 
-def prefill_reading(view: UpstreamView, prompts: int) -> tuple[float, float, float] | None:
-    """Prompt tokens processed, the seconds they took, and the mean depth (tokens into their prompts) they
-    were processed at, since the last reading: once at least ``PREFILL_MIN_TOKENS`` have been (fewer say
-    more of a step's fixed cost than of the prompt's). ``prompts``: the answers the agent has seen begin so
-    far, each a prompt processed; a prompt's tokens sit after the part of it its cache held."""
+def prefill_reading(
+    view: UpstreamView, prompts: int, overlap: tuple[float, float]
+) -> tuple[float, float, float] | None:
+    """Prompt tokens processed, the seconds the Mac took for them, and the mean depth (tokens into their
+    prompts) they were processed at, since the last reading: once at least ``PREFILL_MIN_TOKENS`` have been
+    (fewer say more of a step's fixed cost than of the prompt's). ``prompts``: the answers the agent has
+    seen begin so far, each a prompt processed; a prompt's tokens sit after the part of it its cache held.
+    ``overlap``: ``Runtime.prompt_overlap``; where prompts were processed side by side, llama-server's
+    seconds (each slot's added) are brought to the Mac's by the share of their time the agent saw overlap."""
     tokens, seconds, cached = view.prompt_tokens, view.prompt_seconds, view.prompt_tokens_cached
     if tokens is None or seconds is None:
         return None
+    busy, summed = overlap
     mark = view.prefill_mark
     if mark is None or tokens < mark[0] or seconds < mark[1] or cached < mark[2]:  # first, or restarted
-        view.prefill_mark = (tokens, seconds, cached, prompts)
+        view.prefill_mark = (tokens, seconds, cached, prompts, busy, summed)
         return None
     if tokens - mark[0] < PREFILL_MIN_TOKENS or seconds <= mark[1]:
         return None
-    view.prefill_mark = (tokens, seconds, cached, prompts)
+    view.prefill_mark = (tokens, seconds, cached, prompts, busy, summed)
     processed, began = tokens - mark[0], max(1, prompts - mark[3])
-    return processed, seconds - mark[1], ((cached - mark[2]) + processed / 2) / began
+    took = seconds - mark[1]
+    if summed > mark[5]:
+        took *= min(1.0, (busy - mark[4]) / (summed - mark[5]))
+    return processed, took, ((cached - mark[2]) + processed / 2) / began
 
 
 def _describe(error: Exception) -> str:
@@ -394,7 +403,7 @@ class Heartbeat:
             runtime.metrics.pinned.set(sample.pinned_gb * GB)
             runtime.metrics.wired_limit.set(sample.wired_limit_gb * GB)
         self._log_upstream_change()
-        reading = prefill_reading(view, runtime.prompts_begun)
+        reading = prefill_reading(view, runtime.prompts_begun, runtime.prompt_overlap())
         if reading is not None:
             runtime.note_prefill(*reading)
         slots = view.total_slots or None

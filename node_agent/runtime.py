@@ -144,6 +144,12 @@ class Runtime:
     _total_slots: int = field(default=0, init=False)
     _admitting: bool = field(default=False, init=False)
     _in_flight: int = field(default=0, init=False)
+    # when each request sent to llama-server whose answer has not begun (a prompt it is processing) was
+    # sent; since when one has been; and, of the answers begun, the seconds with one and their own seconds
+    _prompting: list[float] = field(default_factory=list, init=False)
+    _prompting_since: float = field(default=0.0, init=False)
+    _prompting_s: float = field(default=0.0, init=False)
+    _prompts_s: float = field(default=0.0, init=False)
     _light_in_flight: int = field(default=0, init=False)
     # the supervised llama-server's own state until it first answers /health (None: up, or not supervised)
     _llama: NodeState | None = field(default=None, init=False)
@@ -360,6 +366,32 @@ class Runtime:
             return
         self.prefill_tokens_per_s += DECODE_EWMA * (rate - self.prefill_tokens_per_s)
         self.prefill_depth += DECODE_EWMA * (depth - self.prefill_depth)
+
+    def prompt_sent(self) -> float:
+        """A request went to llama-server, which answers once its prompt is processed: the time it was sent,
+        for :meth:`prompt_answered`."""
+        now = time.monotonic()
+        if not self._prompting:
+            self._prompting_since = now
+        self._prompting.append(now)
+        return now
+
+    def prompt_answered(self, sent: float) -> None:
+        """llama-server's answer to the request sent at ``sent`` began (or the request ended without one)."""
+        now = time.monotonic()
+        self._prompting.remove(sent)
+        self._prompts_s += now - sent
+        if not self._prompting:
+            self._prompting_s += now - self._prompting_since
+
+    def prompt_overlap(self) -> tuple[float, float]:
+        """Seconds so far in which llama-server had a prompt to process, and the seconds of every prompt
+        added up. Their ratio says how much prompts were processed side by side: llama-server's own prompt
+        seconds add each slot's, so its tokens over them is one slot's share of the Mac, not what the Mac
+        processes (routers weigh the prompts ahead of a request at the Mac's speed)."""
+        now = time.monotonic()
+        running = now - self._prompting_since if self._prompting else 0.0
+        return self._prompting_s + running, self._prompts_s + sum(now - sent for sent in self._prompting)
 
     def note_ttft(self, seconds: float) -> None:
         """An answer's first token came ``seconds`` after its request was sent on: its prompt is processed."""

@@ -6,6 +6,7 @@ tests/e2e/test_real_kv.py holds the figures to what the real llama-server builds
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -112,6 +113,32 @@ def test_heartbeat_carries_the_cache_what_it_holds_and_the_prefill_speed(
     # its tokens sat after the prompt its slot held: smoothed, the depth moves a share of the way there
     assert doc.prefill_depth is not None and deeper.prefill_depth is not None
     assert deeper.prefill_depth - doc.prefill_depth > 0.1 * (first + 400 - doc.prefill_depth)
+
+
+def test_prompts_processed_side_by_side_count_the_macs_speed_not_one_slots(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    """llama-server's prompt seconds add each slot's: two prompts processed together count their time twice.
+    Routers weigh a prompt at the speed the whole Mac processes prompts (the prompts ahead of it in the
+    backlog), so the agent divides the tokens by the seconds in which it had a prompt in llama-server."""
+    upstream = sim("--parallel", "2", "-c", "8192", "-n", "100", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url)
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.kv_cells and d, what="its cache")
+
+    def ask(word: str) -> int:
+        prompt = " ".join(f"{word}{i}" for i in range(800))  # about 1,600 tokens, nothing in common
+        body = {"prompt": prompt, "max_tokens": 1}
+        return httpx.post(gateway.url + "/v1/completions", json=body, timeout=60).status_code
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(ask, ["left", "right"])) == [200, 200]
+    doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.prefill_tokens_per_s and d,
+                     what="a prefill speed")
+    metrics = httpx.get(upstream.url + "/metrics", timeout=5).text
+    totals = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith(("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"))}
+    per_slot = totals["llamacpp:prompt_tokens_total"] / totals["llamacpp:prompt_seconds_total"]
+    assert doc.prefill_tokens_per_s is not None and doc.prefill_tokens_per_s > 1.5 * per_slot
 
 
 @pytest.mark.in_process
