@@ -14,7 +14,9 @@ says what the script weighs for each node:
   new one's own is its first token), so the script expects ``b * ttft + tokens * t0 * (1 + BATCH_COST * b)``
   seconds for a request that makes it ``b``. Where every node's prompt speed is known, the request's own
   prompt is added at that speed, brought to the depth its tokens sit at (``prompt_seconds``); the part a
-  node's cache holds is taken off in the script, the rest costing more a token. A Mac whose prompts are
+  node's cache holds is taken off in the script, the rest costing more a token. The prompts ahead are then
+  the router's backlog (``Leases.backlog_s``), at the Mac's whole speed (the agent measures it so), and
+  take the place of ``b * ttft``, whose first tokens already waited on each other. A Mac whose prompts are
   slow (a slow GPU, long prompts) grows slow with every request it takes, as its measured curve does
   (docs/benchmarks.md, placement); a fast Mac takes requests while it is still the quicker answer even
   busy; identical Macs fill evenly. Until every node with room has been measured (a new Mac, a restart),

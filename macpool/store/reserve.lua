@@ -256,51 +256,19 @@ local function uncached_prefill(c, cached)
 end
 
 -- the answer expected on candidate c, with the m = n + k requests running there this one included: the
--- prompts sent there before it still being processed (their backlog), each of the m processing its prompt
--- about once meanwhile (a step processing a prompt holds every stream on the node for that time, which the
--- first token measures), this one's own prompt (less the `cached` share of it the node holds), then its
--- tokens are decoded beside the others. A session it would evict from the node's slots costs about as much
--- prompt processing again, later: counted as this prompt's.
+-- prompts sent there before it still being processed (their backlog), this one's own prompt (less the
+-- `cached` share of it the node holds), then its tokens decoded beside the others. Where the prompt is not
+-- counted (no prefill known), each of the m processes its prompt about once meanwhile instead (a step
+-- processing a prompt holds every stream on the node for that time, which the first token measures); where
+-- it is, the backlog is those prompts, and first tokens, which waited on each other's, would count them
+-- twice. A session it would evict from the node's slots costs about as much prompt processing again, later:
+-- counted as this prompt's.
 local function expected(c, cached)
   local m = at[c].n + need(gens, at[c].slots)
   local evicted = evicts[c] and prefill[c] or 0
-  return backlog[c] + m * ttft[c] + uncached_prefill(c, cached) + evicted
+  local waits = prefill[c] > 0 and 0 or m * ttft[c]
+  return backlog[c] + waits + uncached_prefill(c, cached) + evicted
     + decode[c] * (1 + req.batch_cost * m)
-end
-
--- the candidate with the free slots (and cells) this request needs that would answer it soonest - the
--- least-utilised one when some such candidate has not been measured (ties: lower utilisation, faster node,
--- then random) - as {c, id, util, n (its reservations), k and t (the slots and the tokens it would hold),
--- cost (its expected time; 0: not measured)} or nil; the free slots of the candidates not held back; and
--- `open`: node id -> candidate number, for the nodes with room for this request. A node that could never
--- hold it is none of them.
-local function choose(held_back)
-  local best, free, open = nil, 0, {}
-  local measured = true
-  for c = 1, #at do
-    local node = at[c]
-    if not held_back[node.id] then
-      if node.n < node.cap then free = free + node.cap - node.n end
-      local k, t = need(gens, node.slots), tokens_on(prompt, output, node)
-      if fits(node, k, t) and could_hold(node, k, t, prompt) then
-        open[node.id] = c
-        measured = measured and decode[c] > 0
-      end
-    end
-  end
-  local cost = {}
-  for _, c in pairs(open) do cost[c] = measured and expected(c, 0) or 0 end
-  local b = nil
-  for _, c in pairs(open) do
-    local better = b == nil or cost[c] < cost[b]
-    if b ~= nil and cost[c] == cost[b] then
-      local u, ub = at[c].n / at[c].cap, at[b].n / at[b].cap
-      better = u < ub or (u == ub and (tps[c] > tps[b] or (tps[c] == tps[b] and rnd[c] < rnd[b])))
-    end
-    if better then b = c end
-  end
-  if b ~= nil then best = place({util = at[b].n / at[b].cap, cost = cost[b]}, b) end
-  return best, free, open
 end
 
 -- the share of the prompt `owner` holds cached: a prefix's own share; a session's, the largest share of the
@@ -314,24 +282,81 @@ local function cached_share(i, owner, owners)
   return share
 end
 
+-- the share of the prompt each open candidate's cache holds, as the affinity map says (candidate -> share):
+-- of each prefix, the node that served it last holds it
+local function held_shares(open, owners)
+  local held = {}
+  for i = 1, #prefixes do
+    local c = owners[i] and open[owners[i]]
+    if c then
+      local share = cached_share(i, owners[i], owners)
+      if share > (held[c] or 0) then held[c] = share end
+    end
+  end
+  return held
+end
+
+-- the candidate with the free slots (and cells) this request needs that would answer it soonest - the
+-- least-utilised one when some such candidate has not been measured (ties: lower utilisation, faster node,
+-- then random) - as {c, id, util, n (its reservations), k and t (the slots and the tokens it would hold),
+-- cost (its expected time; 0: not measured), cached (the share of the prompt its cache holds)} or nil; the
+-- free slots of the candidates not held back; and `open`: node id -> candidate number, for the nodes with
+-- room for this request. A node that could never hold it is none of them. Where every one is measured and
+-- the prompt counted (its prefill known on each), each is weighed with the share of the prompt its cache
+-- holds (`owners`: the node that served each prefix last), and `best.weighed` says so.
+local function choose(held_back, owners)
+  local best, free, open = nil, 0, {}
+  local measured = true
+  for c = 1, #at do
+    local node = at[c]
+    if not held_back[node.id] then
+      if node.n < node.cap then free = free + node.cap - node.n end
+      local k, t = need(gens, node.slots), tokens_on(prompt, output, node)
+      if fits(node, k, t) and could_hold(node, k, t, prompt) then
+        open[node.id] = c
+        measured = measured and decode[c] > 0
+      end
+    end
+  end
+  local weighed = measured
+  for _, c in pairs(open) do weighed = weighed and prefill[c] > 0 end
+  local cost, held = {}, weighed and held_shares(open, owners) or {}
+  for _, c in pairs(open) do cost[c] = measured and expected(c, held[c] or 0) or 0 end
+  local b = nil
+  for _, c in pairs(open) do
+    local better = b == nil or cost[c] < cost[b]
+    if b ~= nil and cost[c] == cost[b] then
+      local u, ub = at[c].n / at[c].cap, at[b].n / at[b].cap
+      better = u < ub or (u == ub and (tps[c] > tps[b] or (tps[c] == tps[b] and rnd[c] < rnd[b])))
+    end
+    if better then b = c end
+  end
+  if b ~= nil then
+    best = place({util = at[b].n / at[b].cap, cost = cost[b], weighed = weighed}, b)
+    best.cached = held[b] or 0
+  end
+  return best, free, open
+end
+
 -- prefix affinity: the session's node, else the node that served the longest known prefix, unless it is much
--- busier (SGLang's rule) and, where every node's answer time is known, would still answer later than
--- placement's node with the prefill the cache saves counted. Returns the outcome ('' without prefixes, hit,
--- miss or overridden) and the node preferred (kept with a queued request); `best` moves there on a hit.
-local function apply_affinity(best, open)
+-- busier (SGLang's rule). Where placement weighed each node with the prefill its cache saves (choose), that
+-- is the choice, and the outcome only says whether it is the owner's. Returns the outcome ('' without
+-- prefixes, hit, miss or overridden) and the node preferred (kept with a queued request); `best` moves there
+-- on a hit.
+local function apply_affinity(best, open, owners)
   if #prefixes == 0 then return '', '' end
   local outcome, pref = 'miss', ''
-  local owners = redis.call('HMGET', K.affinity, unpack(prefixes))
   for i = 1, #prefixes do
     local owner = owners[i]
     if owner and pref == '' and known[owner] then pref = owner end
+    if owner and best and best.weighed then
+      outcome = best.id == owner and 'hit' or 'overridden'
+      break
+    end
     if owner and best then
       local o = open[owner]
       local busier = o ~= nil and at[o].n - best.n >= req.affinity_abs
         and at[o].n / at[o].cap > best.util * req.affinity_rel
-      if busier and best.cost > 0 and expected(o, cached_share(i, owner, owners)) <= best.cost then
-        busier = false  -- what its cache saves outweighs the wait
-      end
       if o == nil then
         outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
       elseif busier then
@@ -428,8 +453,9 @@ local function main()
   local q = scan_queue(entries, me)
   read_candidates()
   local held_back, waiting_on = hold_back(q)
-  local best, free, open = choose(held_back)
-  local outcome, pref = apply_affinity(best, open)
+  local owners = #prefixes > 0 and redis.call('HMGET', K.affinity, unpack(prefixes)) or {}
+  local best, free, open = choose(held_back, owners)
+  local outcome, pref = apply_affinity(best, open, owners)
   if best and leaves_room(best, free, q, waiting_on) then
     reserve(best.id, rid, tenant, now + lease, lease * 2, best.k, best.t)
     track(req.router, rid, best.id, tenant, best.k)

@@ -136,8 +136,8 @@ def test_a_much_busier_prefix_holder_keeps_a_long_prompt_its_cache_makes_quicker
         store.r.delete(KEYS.affinity)
         store.r.hset(KEYS.affinity, mapping=dict.fromkeys(hashes, "a"))
 
-    # a 30-second prefill stays where 90 % of it is cached: expected 4 x 1 + 3 + 2 x 1.7 = 10.4 s there,
-    # 1 + 30 + 2 x 1.175 = 33.4 s on b
+    # a 30-second prefill stays where 90 % of it is cached: expected 3 + 2 x 1.7 = 6.4 s there (where prompts
+    # count, the ones ahead of it are the backlog's, none here), 30 + 2 x 1.175 = 32.35 s on b
     held_on_a("turn1")
     stays = ask("long", prefill_s=30.0)
     assert placed(stays) == ("reserved", "a") and stays.affinity == "hit"
@@ -159,9 +159,9 @@ def test_the_part_of_a_prompt_a_cache_does_not_hold_costs_more_a_token_the_deepe
     store: Store,
 ) -> None:
     def ask(rid: str, halving: float) -> Reservation:
-        # a holds 90 % of a 36K-token prompt and runs 3 requests; b, idle, processes prompts 3.75 x faster
+        # a holds 90 % of a 36K-token prompt and runs 3 requests; b, idle, processes prompts 5 x faster
         candidates = [Candidate("a", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=30.0),
-                      Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=8.0)]
+                      Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=6.0)]
         request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
                                  queue_lease_ms=QUEUE_LEASE, prefixes=("turn2", "turn1"),
                                  prefix_shares=(1.0, 0.9), affinity_abs=2, affinity_rel=1.5, batch_cost=0.175,
@@ -175,13 +175,56 @@ def test_the_part_of_a_prompt_a_cache_does_not_hold_costs_more_a_token_the_deepe
     for i in range(3):
         store.ask(f"busy{i}", ["a"])
     store.r.hset(KEYS.affinity, mapping={"turn1": "a"})
-    # the last 3,600 tokens as a tenth of the prompt's time: 4 + 3 + 3.4 = 10.4 s on a, 11.35 s on b
+    # the last 3,600 tokens as a tenth of the prompt's time: 3 + 2 x 1.7 = 6.4 s on a, 6 + 2 x 1.175 = 8.35 s
+    # on b
     assert ask("flat", halving=0).node_id == "a"
     store.r.delete(KEYS.affinity)  # a served the turn before, not this one
     store.r.hset(KEYS.affinity, mapping={"turn1": "a"})
     # 32,400 tokens in, each costs 6.7 times one at the start, where the prompt's average is 4 times:
-    # 4 + 5.0 + 3.4 = 12.4 s on a
+    # 5.025 + 3.4 = 8.425 s on a
     assert ask("deep", halving=6_000).node_id == "b"
+
+
+def test_where_prompts_count_the_wait_on_a_node_is_its_backlog_not_a_first_token_per_request(
+    store: Store,
+) -> None:
+    def ask(rid: str, backlog_s: float) -> Reservation:
+        # a runs 3 requests and measured slow first tokens (they waited on each other's prompts); a
+        # processes this prompt in 2 s, b in 6 s
+        candidates = [Candidate("a", 10.0, ttft_s=3.0, decode_s=1.0, prefill_s=2.0, backlog_s=backlog_s),
+                      Candidate("b", 10.0, ttft_s=3.0, decode_s=1.0, prefill_s=6.0)]
+        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
+                                 queue_lease_ms=QUEUE_LEASE, batch_cost=0.175, prompt_tokens=20_000)
+        answer = store.api.run(store.api.store.reserve(request, store.now))
+        store.release(rid, answer.node_id)
+        return answer
+
+    store.node("a", 8)
+    store.node("b", 8)
+    for i in range(3):
+        store.ask(f"busy{i}", ["a"])
+    # the prompts a runs are processed: 2 + 1 x 1.7 = 3.7 s there, 6 + 1 x 1.175 = 7.175 s on b
+    assert ask("clear", backlog_s=0.0).node_id == "a"
+    # 5 s of prompts sent there still ahead: 8.7 s
+    assert ask("behind", backlog_s=5.0).node_id == "b"
+
+
+def test_where_prompts_count_each_node_is_weighed_with_the_share_of_the_prompt_its_cache_holds(
+    store: Store,
+) -> None:
+    # a served the longest prefix but has 30 s of prompts ahead; c served a shorter one, half the prompt
+    for node in ("a", "b", "c"):
+        store.node(node, 8)
+    store.r.hset(KEYS.affinity, mapping={"p2": "a", "p1": "c"})
+    candidates = [Candidate(n, 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=20.0, backlog_s=30.0 * (n == "a"))
+                  for n in ("a", "b", "c")]
+    request = ReserveRequest("r", candidates, LEASE, queue_size=8, enqueue=True, model="m",
+                             queue_lease_ms=QUEUE_LEASE, prefixes=("p2", "p1"), prefix_shares=(0.95, 0.5),
+                             affinity_abs=2, affinity_rel=1.5, batch_cost=0.175, prompt_tokens=20_000)
+    answer = store.api.run(store.api.store.reserve(request, store.now))
+    # a: 30 + 1 + 2 x 1.175 = 33.35 s; b: 20 + 2.35 = 22.35 s; c: 10 + 2.35 = 12.35 s
+    assert placed(answer) == ("reserved", "c") and answer.affinity == "overridden"
+    assert answer.cached == pytest.approx(0.5)
 
 
 def test_a_reservation_says_what_share_of_its_prompt_the_node_was_expected_to_hold(store: Store) -> None:
