@@ -217,7 +217,9 @@ def prefill_reading(
     (fewer say more of a step's fixed cost than of the prompt's). ``prompts``: the answers the agent has
     seen begin so far, each a prompt processed; a prompt's tokens sit after the part of it its cache held.
     ``overlap``: ``Runtime.prompt_overlap``; where prompts were processed side by side, llama-server's
-    seconds (each slot's added) are brought to the Mac's by the share of their time the agent saw overlap."""
+    seconds (each slot's added) are brought to the Mac's by the share of their time the agent saw overlap.
+    Prompts processed while the agent sent none are someone else's (llama-server used directly): they are
+    not read, nor is a reading taken before an answer the agent sent began."""
     tokens, seconds, cached = view.prompt_tokens, view.prompt_seconds, view.prompt_tokens_cached
     if tokens is None or seconds is None:
         return None
@@ -226,13 +228,14 @@ def prefill_reading(
     if mark is None or tokens < mark[0] or seconds < mark[1] or cached < mark[2]:  # first, or restarted
         view.prefill_mark = (tokens, seconds, cached, prompts, busy, summed)
         return None
-    if tokens - mark[0] < PREFILL_MIN_TOKENS or seconds <= mark[1]:
+    if summed <= mark[5]:  # prompts it did not send (llama-server used directly): not this pool's measure
+        view.prefill_mark = (tokens, seconds, cached, prompts, busy, summed)
+        return None
+    if tokens - mark[0] < PREFILL_MIN_TOKENS or seconds <= mark[1] or prompts == mark[3]:
         return None
     view.prefill_mark = (tokens, seconds, cached, prompts, busy, summed)
     processed, began = tokens - mark[0], max(1, prompts - mark[3])
-    took = seconds - mark[1]
-    if summed > mark[5]:
-        took *= min(1.0, (busy - mark[4]) / (summed - mark[5]))
+    took = (seconds - mark[1]) * min(1.0, (busy - mark[4]) / (summed - mark[5]))
     return processed, took, ((cached - mark[2]) + processed / 2) / began
 
 

@@ -141,6 +141,35 @@ def test_prompts_processed_side_by_side_count_the_macs_speed_not_one_slots(
     assert doc.prefill_tokens_per_s is not None and doc.prefill_tokens_per_s > 1.5 * per_slot
 
 
+def test_prompts_sent_to_llama_server_directly_do_not_move_the_speed_the_agent_measured(
+    sim: SimFactory, agent: AgentFactory, redis_url: str
+) -> None:
+    upstream = sim("--parallel", "2", "-c", "8192", "-n", "100", "--speed", "20", "--metrics")
+    gateway = agent("--upstream", upstream.url)
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.kv_cells and d, what="its cache")
+
+    def ask(url: str, word: str) -> int:
+        prompt = " ".join(f"{word}{i}" for i in range(800))  # about 1,600 tokens
+        body = {"prompt": prompt, "max_tokens": 1}
+        return httpx.post(url + "/v1/completions", json=body, timeout=60).status_code
+
+    assert ask(gateway.url, "mine") == 200
+    measured = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.prefill_tokens_per_s and d,
+                          what="a prefill speed")
+    # two prompts side by side, past the agent: llama-server's counters move, the agent sent none of them
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(ask, [upstream.url] * 2, ["left", "right"])) == [200, 200]
+    since = measured.updated_at_ms + 3000
+    later = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.updated_at_ms > since and d,
+                       what="heartbeats after them")
+    assert later.prefill_tokens_per_s == measured.prefill_tokens_per_s
+    assert later.prefill_depth == measured.prefill_depth
+    # the agent's own next prompt is measured from there on
+    assert ask(gateway.url, "again") == 200
+    wait_until(lambda: (d := read_node(redis_url, "n1")) and d.prefill_depth != measured.prefill_depth,
+               what="the next reading")
+
+
 @pytest.mark.in_process
 def test_a_server_in_the_agents_own_process_is_described_by_the_arguments_after_dashes(
     sim: SimFactory, agent: AgentFactory, redis_url: str
