@@ -71,6 +71,14 @@ def test_attached_arguments_come_from_the_listening_process_else_after_dashes_el
                              "give 8 slots, /props says 4)")
 
 
+def prompt_totals(upstream: Server) -> tuple[float, float]:
+    """The prompt tokens llama-server processed and the seconds it counts for them (/metrics)."""
+    metrics = httpx.get(upstream.url + "/metrics", timeout=5).text
+    totals = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith(("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"))}
+    return totals["llamacpp:prompt_tokens_total"], totals["llamacpp:prompt_seconds_total"]
+
+
 def test_heartbeat_carries_the_cache_what_it_holds_and_the_prefill_speed(
     sim: SimFactory, agent: AgentFactory, redis_url: str
 ) -> None:
@@ -94,13 +102,9 @@ def test_heartbeat_carries_the_cache_what_it_holds_and_the_prefill_speed(
             pytest.fail("no heartbeat showed the cells the running request holds")
     doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.prefill_tokens_per_s and d,
                      what="a prefill speed")
-    metrics = httpx.get(upstream.url + "/metrics", timeout=5).text
-    totals = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-              if line.startswith(("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"))}
-    rate = totals["llamacpp:prompt_tokens_total"] / totals["llamacpp:prompt_seconds_total"]
-    assert doc.prefill_tokens_per_s == pytest.approx(rate, rel=0.01)
+    first, seconds = prompt_totals(upstream)
+    assert doc.prefill_tokens_per_s == pytest.approx(first / seconds, rel=0.01)
     # one prompt from its start: its tokens sat half its length in, on average
-    first = totals["llamacpp:prompt_tokens_total"]
     assert doc.prefill_depth == pytest.approx(first / 2, abs=2)
     # the next turn: the prompt again, held in the slot, and as much again after it
     more = prompt + " " + " ".join(f"more{i}" for i in range(800))
@@ -134,10 +138,8 @@ def test_prompts_processed_side_by_side_count_the_macs_speed_not_one_slots(
         assert list(pool.map(ask, ["left", "right"])) == [200, 200]
     doc = wait_until(lambda: (d := read_node(redis_url, "n1")) and d.prefill_tokens_per_s and d,
                      what="a prefill speed")
-    metrics = httpx.get(upstream.url + "/metrics", timeout=5).text
-    totals = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-              if line.startswith(("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"))}
-    per_slot = totals["llamacpp:prompt_tokens_total"] / totals["llamacpp:prompt_seconds_total"]
+    tokens, seconds = prompt_totals(upstream)
+    per_slot = tokens / seconds
     assert doc.prefill_tokens_per_s is not None and doc.prefill_tokens_per_s > 1.5 * per_slot
 
 

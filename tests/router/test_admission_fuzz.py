@@ -843,8 +843,8 @@ def cluster_url() -> Iterator[str]:
         yield cluster.url
 
 
-# redis-py's synchronous cluster client (this test's own view of Redis) once left a socket for the garbage
-# collector on a loaded CI machine: never reproduced, and what this test checks is the scripts' invariants
+# redis-py's synchronous cluster client (this test's own view of Redis) can leave a socket to the garbage
+# collector on a loaded machine; what this test checks is the scripts' invariants, not that client
 SOCKET_LEFT_TO_GC = "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
 
 

@@ -47,12 +47,16 @@ class Store:
         store = self.api.store
         store.known_nodes = store.known_nodes | {node_id}  # (as its router's next pool read finds it)
 
-    def ask(self, rid: str, nodes: list[str], now: int | None = None, **kw: Any) -> Reservation:
+    def ask(
+        self, rid: str, nodes: list[str] | list[Candidate], now: int | None = None, **kw: Any
+    ) -> Reservation:
+        """A reservation among ``nodes`` (names, or candidates as a router weighs them)."""
         kw.setdefault("queue_size", 8)
         kw.setdefault("enqueue", True)
         kw.setdefault("model", "m")
         kw.setdefault("queue_lease_ms", QUEUE_LEASE)
-        request = ReserveRequest(rid, [Candidate(n) for n in nodes], LEASE, **kw)
+        candidates = [n if isinstance(n, Candidate) else Candidate(n) for n in nodes]
+        request = ReserveRequest(rid, candidates, LEASE, **kw)
         return self.api.run(self.api.store.reserve(request, self.now if now is None else now))
 
     def release(self, rid: str, node: str, tenant: str = "anonymous", slots: int = 1, now: int | None = None,
@@ -122,10 +126,8 @@ def test_a_much_busier_prefix_holder_keeps_a_long_prompt_its_cache_makes_quicker
             shares: tuple[float, ...] = (1.0, 0.9)) -> Reservation:
         # two Macs alike: ttft 1 s, 2 s of decode; this request's prompt takes prefill_s to process anywhere
         candidates = [Candidate(n, 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=prefill_s) for n in ("a", "b")]
-        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
-                                 queue_lease_ms=QUEUE_LEASE, prefixes=prefixes, prefix_shares=shares,
-                                 affinity_abs=2, affinity_rel=1.5, batch_cost=0.175)
-        return store.api.run(store.api.store.reserve(request, store.now))
+        return store.ask(rid, candidates, prefixes=prefixes, prefix_shares=shares, affinity_abs=2,
+                         affinity_rel=1.5, batch_cost=0.175)
 
     store.node("a", 8)
     store.node("b", 8)
@@ -162,11 +164,9 @@ def test_the_part_of_a_prompt_a_cache_does_not_hold_costs_more_a_token_the_deepe
         # a holds 90 % of a 36K-token prompt and runs 3 requests; b, idle, processes prompts 5 x faster
         candidates = [Candidate("a", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=30.0),
                       Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=6.0)]
-        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
-                                 queue_lease_ms=QUEUE_LEASE, prefixes=("turn2", "turn1"),
-                                 prefix_shares=(1.0, 0.9), affinity_abs=2, affinity_rel=1.5, batch_cost=0.175,
-                                 prompt_tokens=36_000, prefill_halving=halving)
-        answer = store.api.run(store.api.store.reserve(request, store.now))
+        answer = store.ask(rid, candidates, prefixes=("turn2", "turn1"), prefix_shares=(1.0, 0.9),
+                           affinity_abs=2, affinity_rel=1.5, batch_cost=0.175, prompt_tokens=36_000,
+                           prefill_halving=halving)
         store.release(rid, answer.node_id)
         return answer
 
@@ -193,9 +193,7 @@ def test_where_prompts_count_the_wait_on_a_node_is_its_backlog_not_a_first_token
         # processes this prompt in 2 s, b in 6 s
         candidates = [Candidate("a", 10.0, ttft_s=3.0, decode_s=1.0, prefill_s=2.0, backlog_s=backlog_s),
                       Candidate("b", 10.0, ttft_s=3.0, decode_s=1.0, prefill_s=6.0)]
-        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
-                                 queue_lease_ms=QUEUE_LEASE, batch_cost=0.175, prompt_tokens=20_000)
-        answer = store.api.run(store.api.store.reserve(request, store.now))
+        answer = store.ask(rid, candidates, batch_cost=0.175, prompt_tokens=20_000)
         store.release(rid, answer.node_id)
         return answer
 
@@ -218,10 +216,8 @@ def test_where_prompts_count_each_node_is_weighed_with_the_share_of_the_prompt_i
     store.r.hset(KEYS.affinity, mapping={"p2": "a", "p1": "c"})
     candidates = [Candidate(n, 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=20.0, backlog_s=30.0 * (n == "a"))
                   for n in ("a", "b", "c")]
-    request = ReserveRequest("r", candidates, LEASE, queue_size=8, enqueue=True, model="m",
-                             queue_lease_ms=QUEUE_LEASE, prefixes=("p2", "p1"), prefix_shares=(0.95, 0.5),
-                             affinity_abs=2, affinity_rel=1.5, batch_cost=0.175, prompt_tokens=20_000)
-    answer = store.api.run(store.api.store.reserve(request, store.now))
+    answer = store.ask("r", candidates, prefixes=("p2", "p1"), prefix_shares=(0.95, 0.5), affinity_abs=2,
+                       affinity_rel=1.5, batch_cost=0.175, prompt_tokens=20_000)
     # a: 30 + 1 + 2 x 1.175 = 33.35 s; b: 20 + 2.35 = 22.35 s; c: 10 + 2.35 = 12.35 s
     assert placed(answer) == ("reserved", "c") and answer.affinity == "overridden"
     assert answer.cached == pytest.approx(0.5)
@@ -242,9 +238,7 @@ def test_prompts_a_node_is_still_processing_send_the_next_one_elsewhere(store: S
         # a is the faster Mac (8 s for this prompt there, 12 s on b), both idle by their reservations
         candidates = [Candidate("a", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=8.0, backlog_s=backlog_on_a),
                       Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=12.0)]
-        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
-                                 queue_lease_ms=QUEUE_LEASE, batch_cost=0.175)
-        return store.api.run(store.api.store.reserve(request, store.now))
+        return store.ask(rid, candidates, batch_cost=0.175)
 
     store.node("a", 8)
     store.node("b", 8)
@@ -261,10 +255,8 @@ def test_a_new_session_goes_where_it_evicts_no_other_sessions_cache(store: Store
         # a (2 slots) is the faster Mac: this prompt takes 10 s there, 14 s on b (4 slots)
         candidates = [Candidate("a", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=10.0),
                       Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=14.0)]
-        request = ReserveRequest(rid, candidates, LEASE, queue_size=8, enqueue=True, model="m",
-                                 queue_lease_ms=QUEUE_LEASE, prefixes=(f"s-{session}", f"{session}-1"),
-                                 prefix_shares=(-1.0, 1.0), batch_cost=0.175, session_window_ms=window)
-        answer = store.api.run(store.api.store.reserve(request, store.now))
+        answer = store.ask(rid, candidates, prefixes=(f"s-{session}", f"{session}-1"),
+                           prefix_shares=(-1.0, 1.0), batch_cost=0.175, session_window_ms=window)
         store.release(rid, answer.node_id)  # its turn is over: the session thinks, its cache stays
         store.tick()
         return answer
