@@ -125,12 +125,13 @@ def test_prompts_processed_side_by_side_count_the_macs_speed_not_one_slots(
     """llama-server's prompt seconds add each slot's: two prompts processed together count their time twice.
     Routers weigh a prompt at the speed the whole Mac processes prompts (the prompts ahead of it in the
     backlog), so the agent divides the tokens by the seconds in which it had a prompt in llama-server."""
-    upstream = sim("--parallel", "2", "-c", "8192", "-n", "100", "--speed", "20", "--metrics")
+    # in real time, so that the two prompts, about a second each, overlap whatever the machine's load
+    upstream = sim("--parallel", "2", "-c", "8192", "-n", "100", "--metrics")
     gateway = agent("--upstream", upstream.url)
     wait_until(lambda: (d := read_node(redis_url, "n1")) and d.kv_cells and d, what="its cache")
 
     def ask(word: str) -> int:
-        prompt = " ".join(f"{word}{i}" for i in range(800))  # about 1,600 tokens, nothing in common
+        prompt = " ".join(f"{word}{i}" for i in range(1500))  # about 3,000 tokens, nothing in common
         body = {"prompt": prompt, "max_tokens": 1}
         return httpx.post(gateway.url + "/v1/completions", json=body, timeout=60).status_code
 
