@@ -29,21 +29,23 @@ local function sess_key(id) return SESS[id] end
 -- (macpool/store/api.py reads the few it needs by the same names).
 --
 -- The queue record, K.qmeta: waiter id -> {priority, tenant, model, arrival (ms), mark, preferred, hashed,
--- passes, declined, generations, prompt_tokens, output_tokens, hold}. mark: "" (waiting), "g:<node>" (a
+-- passes, declined, generations, prompt_tokens, output_tokens, hold, stay}. mark: "" (waiting), "g:<node>" (a
 -- release reserved its slots on <node> for it: it only has to take them) or "shed" (an interactive request
 -- took its place). preferred: the node holding its prompt prefix (affinity; hashed: it has prefixes at
 -- all); passes: how often a hand-over passed it over for affinity. declined: the nodes it turned a
 -- handed-over slot down on - nodes its router no longer sends it to (tried already, or circuit open there):
 -- no slot there is handed to it again, nor held back for it from later arrivals. generations: how many it
 -- runs at once (each holds a slot); prompt_tokens and output_tokens: what it holds of a node's KV cache
--- (tokens_on); hold: the node it waits on when it fits on none now ("": every node it could run on).
+-- (tokens_on); hold: the node it waits on when it fits on none now ("": every node it could run on); stay:
+-- the node it chose to wait for, though it fits elsewhere, because that node's cache holds more of its prompt
+-- (reserve.lua's worth_waiting; "": none): until it asks again, no other node's slots are its.
 -- K.queue holds each waiter's lease expiry (short, renewed on each attempt): a queue entry is the record
 -- with its id, `rid`.
 local function record(e)
   return cjson.encode({priority = e.priority, tenant = e.tenant, model = e.model, arrival = e.arrival,
                        mark = e.mark, preferred = e.preferred, hashed = e.hashed, passes = e.passes,
                        declined = e.declined, generations = e.generations, prompt_tokens = e.prompt_tokens,
-                       output_tokens = e.output_tokens, hold = e.hold})
+                       output_tokens = e.output_tokens, hold = e.hold, stay = e.stay})
 end
 
 local function entry(rid, text)
@@ -293,6 +295,7 @@ end
 -- whether queue entry `e` waits for a slot `node` (usable) could give it
 local function eligible(e, node)
   if e.mark ~= '' or not serves(node.models, e.model) or declined(e, node.id) then return false end
+  if e.stay and e.stay ~= '' and e.stay ~= node.id then return false end
   local k, t = size_on(e, node)
   return could_hold(node, k, t, e.prompt_tokens)
 end

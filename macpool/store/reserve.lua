@@ -171,6 +171,7 @@ local function runs_on(e, c)
   local k, t = size_on(e, node)
   local ok = could_hold(node, k, t, e.prompt_tokens) and not declined(e, node.id)
     and (e.model == model or serves(node.models, e.model))
+    and (not e.stay or e.stay == '' or e.stay == node.id)
   return ok, k, t
 end
 
@@ -373,6 +374,37 @@ local function apply_affinity(best, open, owners)
   return outcome, pref
 end
 
+-- Where placement weighed the nodes (best.weighed), the node worth waiting for rather than taking `best` now:
+-- one that cannot take this request now (full, or its free slots held back for a waiter ahead) but could hold
+-- it, whose cache holds more of the prompt (a session's Mac, say, its slots or cells taken by other turns for
+-- the moment), and would answer sooner than `best` by more than this request has waited so far (`waited`,
+-- ms). Waiting at most as long as the cache saves costs at most that much over moving at once, however the
+-- wait turns out (as renting skis does until they would have been paid for); moving throws the cache away,
+-- and a session's history processed again on another Mac takes it tens of seconds. nil: take `best`.
+local function worth_waiting(best, owners, waited)
+  local every = {}
+  for c = 1, #at do every[at[c].id] = c end
+  local held = held_shares(every, owners)
+  local off = {}
+  for _, id in ipairs(excluded) do off[id] = true end
+  local stay, most = nil, waited / 1000
+  for c = 1, #at do
+    local node, share = at[c], held[c] or 0
+    if c ~= best.c and share > best.cached and prefill[c] > 0 and decode[c] > 0 and not off[node.id]
+        and could_hold(node, need(gens, node.slots), tokens_on(prompt, output, node), prompt) then
+      local gain = best.cost - expected(c, share)
+      if gain > most then stay, most = node.id, gain end
+    end
+  end
+  return stay
+end
+
+-- whether the queue has a place for this request (one that waits by choice takes no other's place)
+local function queue_has_room(q, me)
+  if me then return true end
+  return q.waiting < req.queue_size and (prio ~= 'batch' or q.waiting_batch < req.batch_queue_max)
+end
+
 -- whether `best` leaves the requests ahead their share: the free slots of the candidates not held back
 -- (`free`) cover theirs and this request's, and where `best`'s cells bind, its free cells cover the tokens of
 -- those of them that fit there and this request's. Those ahead that turned down a slot there, could never run
@@ -390,21 +422,24 @@ local function leaves_room(best, free, q, waiting_on)
   return k <= free and (node.cells == 0 or node.used + t <= node.cells)
 end
 
--- still waiting: renew its place (and the nodes it turns down: circuits close, and open)
-local function renew_place(me, q)
+-- still waiting: renew its place (and the nodes it turns down: circuits close, and open), waiting for the
+-- node `stay` (nil: for any it could run on)
+local function renew_place(me, q, stay)
   redis.call('ZADD', K.queue, now + queue_lease, rid)
   local was, changed = me.hold, false
   if not turned_down and table.concat(me.declined, '\n') ~= table.concat(excluded, '\n') then
     me.declined, changed = excluded, true
   end
+  if (me.stay or '') ~= (stay or '') then me.stay, changed = stay or '', true end
   if bulky(me) then me.hold = designate(me) end
   if changed or me.hold ~= was then redis.call('HSET', K.qmeta, rid, record(me)) end
   if me.hold ~= was and was ~= '' then pass_on({was}, now, queue_lease) end  -- it waits elsewhere now
   return {'queued', '', q.waiting + 1, ''}
 end
 
--- a new arrival joins the queue if there is room (an interactive one takes the last batch request's place)
-local function join_queue(q, pref)
+-- a new arrival joins the queue if there is room (an interactive one takes the last batch request's place),
+-- waiting for the node `stay` (nil: for any it could run on)
+local function join_queue(q, pref, stay)
   local waiting = q.waiting
   if waiting >= req.queue_size or (prio == 'batch' and q.waiting_batch >= req.batch_queue_max) then
     if prio == 'batch' then
@@ -421,12 +456,18 @@ local function join_queue(q, pref)
   redis.call('ZADD', K.queue, now + queue_lease, rid)
   local e = {priority = prio, tenant = tenant, model = model, arrival = now, mark = '', preferred = pref,
              hashed = #prefixes > 0, passes = 0, declined = excluded, generations = gens,
-             prompt_tokens = prompt, output_tokens = output, hold = ''}
+             prompt_tokens = prompt, output_tokens = output, hold = '', stay = stay or ''}
   if bulky(e) then e.hold = designate(e) end
   redis.call('HSET', K.qmeta, rid, record(e))
   redis.call('PEXPIRE', K.queue, lease * 2)
   redis.call('PEXPIRE', K.qmeta, lease * 2)
   return {'queued', '', waiting + 1, ''}
+end
+
+-- the share of the prompt `node`'s cache holds, as the affinity map says
+local function share_on(node)
+  if #prefixes == 0 then return 0 end
+  return held_shares({[node] = 1}, redis.call('HMGET', K.affinity, unpack(prefixes)))[1] or 0
 end
 
 local function main()
@@ -441,8 +482,12 @@ local function main()
       return {'shed', '', 0, ''}
     end
     if me and string.sub(me.mark, 1, 2) == 'g:' then
+      local share = share_on(string.sub(me.mark, 3))  -- (before taking them tells the map it holds all)
       local taken = take_handed_over(me)
-      if taken then return taken end
+      if taken then
+        taken[7] = math.floor(share * 1000)
+        return taken
+      end
       entries = queue_entries(now)  -- the hand-over may have marked another entry
     end
   end
@@ -456,7 +501,11 @@ local function main()
   local owners = #prefixes > 0 and redis.call('HMGET', K.affinity, unpack(prefixes)) or {}
   local best, free, open = choose(held_back, owners)
   local outcome, pref = apply_affinity(best, open, owners)
-  if best and leaves_room(best, free, q, waiting_on) then
+  local stay = nil
+  if best and best.weighed and req.enqueue and queue_has_room(q, me) then
+    stay = worth_waiting(best, owners, me and now - me.arrival or 0)
+  end
+  if best and not stay and leaves_room(best, free, q, waiting_on) then
     reserve(best.id, rid, tenant, now + lease, lease * 2, best.k, best.t)
     track(req.router, rid, best.id, tenant, best.k)
     if me then dequeue(me) end
@@ -464,8 +513,8 @@ local function main()
     return {'reserved', best.id, best.n + best.k, outcome, best.k, best.t, math.floor(best.cached * 1000)}
   end
   if not req.enqueue then return {'full', '', q.waiting, ''} end
-  if me then return renew_place(me, q) end
-  return join_queue(q, pref)
+  if me then return renew_place(me, q, stay) end
+  return join_queue(q, pref, stay)
 end
 
 return main()

@@ -5,7 +5,9 @@ promise, read straight from Redis. Seeded and bounded: a failure names its seed 
 The calls are those routers make, on 2-5 nodes of capacity 1-6 with llama-server's slots known or not, and its
 KV cache known or not (one pool of cells the slots share, or a context per slot): arrivals (1-4 generations,
 interactive or batch, 1-3 tenants, their prompt and output tokens counted or not, some with prompt prefixes,
-some excluding a node, some naming the model's alias or no model), waiters re-checking (taking the slots
+some excluding a node, some naming the model's alias or no model; half of those with prompts counted from
+routers that measured every node, whose placement weighs each node's cache, so that a request may choose to
+wait for a busy node holding more of its prompt), waiters re-checking (taking the slots
 handed to them, or turning them down), releases (by count, or 0: however many it holds; some failed, most of
 those followed by the request's retry elsewhere), a cancelled reservation undone on every candidate, waiters
 leaving the queue (with and without their nodes), renewals, routers dying or stalling past their waiters'
@@ -20,6 +22,8 @@ Checked after every call:
   handed slots holds the tokens it needs there, and the records expire with the reservations;
 - a request holds 0 or need(generations, slots) reservations - rid, rid#2 .. rid#k - on one node only, is in
   its tenant's in-flight set exactly while it holds them, and holds nothing once finished;
+- a waiter that chose to wait for one node is handed no other node's slots, nor holds them back (every check
+  below counts it on that node only);
 - a waiting request holds nothing, a waiter marked ``g:<node>`` holds its slots on that node, one marked
   ``shed`` nothing; no waiter is passed over for affinity more than MAX_PASSES times; an arrival queues only
   while fewer than queue_size wait (a waiter turning down the slots handed to it waits on, past it);
@@ -60,6 +64,7 @@ KEYS = Keys()
 LEASE = 60_000
 QUEUE_LEASE = 3_000
 AFFINITY_SKIP, MAX_PASSES = 8, 4  # as in macpool/store/lib.lua
+SHARES = {"p1": 0.9, "p2": 0.6, "p3": 0.3}  # the share of a prompt each prefix covers
 SEEDS = int(os.environ.get("MACPOOL_FUZZ_SEEDS", "8"))
 OPS = int(os.environ.get("MACPOOL_FUZZ_OPS", "250"))
 
@@ -118,6 +123,7 @@ class Entry:
     prompt: int
     output: int
     hold: str  # the node a bulky waiter waits on ("": none, so every node it runs on)
+    stay: str = ""  # the node it chose to wait for, its cache holding more of its prompt ("": none)
 
     def bulky(self) -> bool:
         return self.gens > 1 or self.prompt > 0
@@ -177,7 +183,7 @@ class View:
     def eligible(self, e: Entry, node: str) -> bool:
         view = self.nodes[node]
         return (e.mark == "" and view.serves(e.model) and node not in e.declined
-                and view.could_hold(*self.size(e, node), e.prompt))
+                and e.stay in ("", node) and view.could_hold(*self.size(e, node), e.prompt))
 
     def fits(self, e: Entry, nodes: list[str]) -> bool:
         return any(self.eligible(e, n) and self.room(n, *self.size(e, n)) for n in nodes)
@@ -236,7 +242,7 @@ def read(r: redis.Redis | redis.RedisCluster, nodes: list[str], tenants: list[st
             d = json.loads(meta[rid])
             entries[rid] = Entry(rid, d["priority"], d["tenant"], d["model"], d["arrival"], d["mark"],
                                  d["preferred"], d["passes"], frozenset(d["declined"]), d["generations"],
-                                 d["prompt_tokens"], d["output_tokens"], d["hold"])
+                                 d["prompt_tokens"], d["output_tokens"], d["hold"], d.get("stay", ""))
     in_flight: dict[str, dict[str, float]] = {tenant: {} for tenant in tenants}
     members: dict[str, int] = {}
     for member, expiry in flying:
@@ -354,12 +360,23 @@ class Fuzz:
 
     def ask(self, req: Request, nodes: list[str], dequeue: bool) -> Reservation:
         # distinct tokens/s per node: ties in utilisation are broken by speed, never by the random number
+        candidates = [Candidate(n, float(self.nodes.index(n) + 1)) for n in nodes]
+        batch_cost, shares = 0.0, ()
+        if req.prompt and self.rng.random() < 0.5:
+            # its router measured every node: placement weighs each with its prompt time, backlog and what its
+            # cache holds, and the request may choose to wait for a busy node whose cache holds more (stay)
+            rng = self.rng
+            candidates = [Candidate(c.node_id, c.tokens_per_s, ttft_s=1.0, decode_s=rng.uniform(0.5, 3.0),
+                                    prefill_s=rng.uniform(1.0, 30.0), backlog_s=rng.choice([0.0, 0.0, 10.0]))
+                          for c in candidates]
+            batch_cost, shares = 0.175, tuple(SHARES[p] for p in req.prefixes)
         request = ReserveRequest(
-            req.rid, [Candidate(n, float(self.nodes.index(n) + 1)) for n in nodes], LEASE,
+            req.rid, candidates, LEASE,
             queue_size=self.queue_size, enqueue=True, dequeue=dequeue, priority=req.priority,
             tenant=req.tenant, model=req.model, key_limit=self.key_limit, batch_queue_max=self.batch_max,
             prefixes=req.prefixes, queue_lease_ms=QUEUE_LEASE, excluded=sorted(req.excluded),
-            generations=req.gens, prompt_tokens=req.prompt, output_tokens=req.output,
+            generations=req.gens, prompt_tokens=req.prompt, output_tokens=req.output, batch_cost=batch_cost,
+            prefix_shares=shares,
         )
         req.nodes = nodes
         before = self.view()
@@ -696,6 +713,8 @@ class Fuzz:
                 node = e.mark[2:]
                 assert holders.get(rid) == node, f"{rid} marked {e.mark} holds {holders.get(rid)}"
                 if e.mark != getattr(before.entries.get(rid), "mark", ""):  # handed over by this call
+                    stay = getattr(before.entries.get(rid), "stay", "")
+                    assert stay in ("", node), f"{rid} waits for {stay}, yet was handed {node}'s slots"
                     t = before.nodes[node].tokens_on(e.prompt, e.output)
                     recorded = after.nodes[node].tokens.get(rid, 0)
                     assert recorded == t, f"{rid} was handed {recorded} tokens on {node}, needs {t}"

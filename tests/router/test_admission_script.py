@@ -248,6 +248,62 @@ def test_prompts_a_node_is_still_processing_send_the_next_one_elsewhere(store: S
     assert ask("behind", backlog_on_a=10.0).node_id == "b"
 
 
+def _session_turn(store: Store, rid: str, share: float, **kw: Any) -> Reservation:
+    """A turn whose prompt the cache of a (1 slot) holds ``share`` of, where b (2 slots) holds none: 20 s of
+    prompt from nothing on either, 2 s to decode."""
+    candidates = [Candidate(n, 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=20.0) for n in ("a", "b")]
+    return store.ask(rid, candidates, prefixes=("history",), prefix_shares=(share,), batch_cost=0.175,
+                     prompt_tokens=30_000, **kw)
+
+
+def test_a_turn_waits_for_the_full_node_holding_its_history_while_that_is_sooner(store: Store) -> None:
+    store.node("a", 1)
+    store.node("b", 2)
+    store.r.hset(KEYS.affinity, "history", "a")
+    store.ask("busy", ["a"])
+    # a: 2 s of prompt left + 2 x 1.35 = 4.7 s once its slot frees; b now: 20 + 2 x 1.175 = 22.35 s
+    assert _session_turn(store, "turn", 0.9).status == "queued"
+    record = json.loads(store.r.hget(KEYS.queue_meta, "turn") or "{}")
+    assert (record["stay"], record["hold"]) == ("a", "a")
+    store.tick()
+    # b's free slots are not the waiter's: a request behind it takes one, and a release there is not its
+    assert placed(store.ask("other", ["a", "b"])) == ("reserved", "b")
+    store.events()
+    store.release("other", "b")
+    assert store.events() == ["freed b"]
+    assert _session_turn(store, "turn", 0.9, dequeue=True).status == "queued"
+    store.release("busy", "a")
+    assert store.events() == ["granted turn a 1"]
+    taken = _session_turn(store, "turn", 0.9, dequeue=True)
+    assert placed(taken) == ("reserved", "a") and taken.cached == pytest.approx(0.9)
+
+
+def test_a_turn_waits_for_its_node_no_longer_than_the_time_its_cache_saves(store: Store) -> None:
+    store.node("a", 1)
+    store.node("b", 2)
+    store.r.hset(KEYS.affinity, "history", "a")
+    store.ask("busy", ["a"])
+    assert _session_turn(store, "turn", 0.9).status == "queued"
+    for _ in range(17):  # 17 s waited (asking again each second, as its router does) of the 17.65 s a's
+        store.tick(1_000)  # cache saves
+        assert _session_turn(store, "turn", 0.9, dequeue=True).status == "queued"
+    store.tick(1_000)
+    assert placed(_session_turn(store, "turn", 0.9, dequeue=True)) == ("reserved", "b")
+    assert store.r.hget(KEYS.queue_meta, "turn") is None
+
+
+def test_a_turn_whose_node_holds_little_of_it_does_not_wait_for_it(store: Store) -> None:
+    store.node("a", 1)
+    store.node("b", 2)
+    store.r.hset(KEYS.affinity, "history", "a")
+    store.ask("busy", ["a"])
+    # a's cache holds none of this prompt: nothing to wait for
+    assert placed(_session_turn(store, "small", 0.0)) == ("reserved", "b")
+    # a node that could never hold the prompt is not waited for
+    store.node("a", 1, seq_ctx=16_384)
+    assert placed(_session_turn(store, "long", 0.9)) == ("reserved", "b")
+
+
 def test_a_new_session_goes_where_it_evicts_no_other_sessions_cache(store: Store) -> None:
     window = 300_000
 
