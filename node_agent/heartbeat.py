@@ -34,7 +34,7 @@ from macpool.wol import normalize_mac
 
 from . import capacity, kv
 from .memory import GB, MemoryProbe, MemorySample, ProbeError, UpstreamUnreachable
-from .runtime import Runtime
+from .runtime import PrefillReading, Runtime
 from .standby import REASONS, standby_models
 
 log = logging.getLogger("macpool.agent")
@@ -209,17 +209,15 @@ def training_context(models: object) -> int:
     return 0
 
 
-def prefill_reading(
-    view: UpstreamView, prompts: int, overlap: tuple[float, float]
-) -> tuple[float, float, float] | None:
-    """Prompt tokens processed, the seconds the Mac took for them, and the mean depth (tokens into their
-    prompts) they were processed at, since the last reading: once at least ``PREFILL_MIN_TOKENS`` have been
-    (fewer say more of a step's fixed cost than of the prompt's). ``prompts``: the answers the agent has
-    seen begin so far, each a prompt processed; a prompt's tokens sit after the part of it its cache held.
-    ``overlap``: ``Runtime.prompt_overlap``; where prompts were processed side by side, llama-server's
-    seconds (each slot's added) are brought to the Mac's by the share of their time the agent saw overlap.
-    Prompts processed while the agent sent none are someone else's (llama-server used directly): they are
-    not read, nor is a reading taken before an answer the agent sent began."""
+def prefill_reading(view: UpstreamView, prompts: int, overlap: tuple[float, float]) -> PrefillReading | None:
+    """How far the prompt counters moved since the last reading (``Runtime.note_prefill`` makes the speed and
+    the depth of them): once at least ``PREFILL_MIN_TOKENS`` have been processed (fewer say more of a step's
+    fixed cost than of the prompt's). ``prompts``: the answers the agent has seen begin so far, each a prompt
+    processed; a prompt's tokens sit after the part of it its cache held. ``overlap``:
+    ``Runtime.prompt_overlap``, with which llama-server's seconds (each slot's added) are brought to the
+    Mac's where prompts were processed side by side. Prompts processed while the agent sent none are someone
+    else's (llama-server used directly): they are not read, nor is a reading taken before an answer the agent
+    sent began."""
     tokens, seconds, cached = view.prompt_tokens, view.prompt_seconds, view.prompt_tokens_cached
     if tokens is None or seconds is None:
         return None
@@ -234,9 +232,8 @@ def prefill_reading(
     if tokens - mark[0] < PREFILL_MIN_TOKENS or seconds <= mark[1] or prompts == mark[3]:
         return None
     view.prefill_mark = (tokens, seconds, cached, prompts, busy, summed)
-    processed, began = tokens - mark[0], max(1, prompts - mark[3])
-    took = (seconds - mark[1]) * min(1.0, (busy - mark[4]) / (summed - mark[5]))
-    return processed, took, ((cached - mark[2]) + processed / 2) / began
+    return PrefillReading(tokens - mark[0], seconds - mark[1], busy - mark[4], summed - mark[5],
+                          cached - mark[2], prompts - mark[3])
 
 
 def _describe(error: Exception) -> str:
@@ -408,7 +405,7 @@ class Heartbeat:
         self._log_upstream_change()
         reading = prefill_reading(view, runtime.prompts_begun, runtime.prompt_overlap())
         if reading is not None:
-            runtime.note_prefill(*reading)
+            runtime.note_prefill(reading)
         slots = view.total_slots or None
         self._warn_cap_over_slots(slots)
         decision = capacity.decide(

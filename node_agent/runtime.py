@@ -19,6 +19,7 @@ from .sizing import Sizing
 
 MIN_DECODE_EVENTS = 16  # the fewest events of an answer whose decode speed is counted
 DECODE_EWMA = 0.2  # weight of the latest answer in the smoothed per-slot decode speed
+PREFILL_READINGS = 8  # the latest prompt-speed readings the published speed and depth are summed over
 
 
 @dataclass
@@ -112,6 +113,19 @@ class AgentMetrics:
         )
 
 
+@dataclass(frozen=True)
+class PrefillReading:
+    """How far llama-server's prompt counters and the agent's own prompt timings moved between two
+    readings (node_agent/heartbeat.py prefill_reading)."""
+
+    tokens: float  # prompt tokens processed (those a cache held left out)
+    seconds: float  # llama-server's prompt seconds for them: each slot's, added
+    busy: float  # seconds in which the agent had some prompt at llama-server
+    summed: float  # the seconds each of those prompts waited, added up
+    cached: float  # prompt tokens read from a cache instead
+    prompts: int  # answers that began: prompts processed
+
+
 @dataclass
 class Runtime:
     """Mutable state of one agent process. Single event loop: plain ints are atomic between awaits.
@@ -134,8 +148,9 @@ class Runtime:
     ttft_samples: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     slot_tokens_per_s: float | None = None  # smoothed decode speed of one answer (note_decode)
     slot_concurrency: float | None = None  # ... and the requests in flight while it was measured
-    prefill_tokens_per_s: float | None = None  # smoothed prompt-processing speed (note_prefill)
+    prefill_tokens_per_s: float | None = None  # prompt speed over the latest readings (note_prefill)
     prefill_depth: float | None = None  # ... and the mean depth, in tokens, it was measured at
+    prefill_readings: deque[PrefillReading] = field(default_factory=lambda: deque(maxlen=PREFILL_READINGS))
     prompts_begun: int = 0  # answers whose first token came: each a prompt processed (note_ttft)
     # set to publish a heartbeat now rather than at the next tick (llama-server found dead)
     beat_now: asyncio.Event = field(default_factory=asyncio.Event)
@@ -353,19 +368,24 @@ class Runtime:
         self.slot_tokens_per_s += DECODE_EWMA * (rate - self.slot_tokens_per_s)
         self.slot_concurrency += DECODE_EWMA * (concurrency - self.slot_concurrency)
 
-    def note_prefill(self, tokens: float, seconds: float, depth: float = 0.0) -> None:
-        """llama-server processed ``tokens`` prompt tokens (those its prompt cache held left out) in
-        ``seconds`` of prompt processing since the last reading, ``depth`` tokens into their prompts on
-        average: what a request's prefill costs here, which routers weigh against the prompt they would send
-        (a token deep in a prompt costs more: router/placement.py). Smoothed as the decode speed is."""
-        if tokens <= 0 or seconds <= 0:
+    def note_prefill(self, reading: PrefillReading) -> None:
+        """What a request's prefill costs here, which routers weigh against the prompt they would send: the
+        prompt tokens llama-server processed over the latest readings, over the seconds the Mac took for them
+        (llama-server's, each slot's added, brought to the Mac's by how much the agent saw its prompts
+        overlap), and the mean depth they sat at (a token deep in a prompt costs more: router/placement.py).
+        Summed over the readings, not averaged: a prompt finished just after one heartbeat and answered just
+        before the next puts its seconds in one reading and its wait in the other, which one reading alone
+        would take for a Mac many times faster or slower than it is."""
+        self.prefill_readings.append(reading)
+        readings = self.prefill_readings
+        tokens, seconds = sum(r.tokens for r in readings), sum(r.seconds for r in readings)
+        busy, summed = sum(r.busy for r in readings), sum(r.summed for r in readings)
+        took = seconds * min(1.0, busy / summed) if summed > 0 else seconds
+        if tokens <= 0 or took <= 0:
             return
-        rate = tokens / seconds
-        if self.prefill_tokens_per_s is None or self.prefill_depth is None:
-            self.prefill_tokens_per_s, self.prefill_depth = rate, depth
-            return
-        self.prefill_tokens_per_s += DECODE_EWMA * (rate - self.prefill_tokens_per_s)
-        self.prefill_depth += DECODE_EWMA * (depth - self.prefill_depth)
+        self.prefill_tokens_per_s = tokens / took
+        cached, prompts = sum(r.cached for r in readings), sum(r.prompts for r in readings)
+        self.prefill_depth = (cached + tokens / 2) / max(1, prompts)
 
     def prompt_sent(self) -> float:
         """A request went to llama-server, which answers once its prompt is processed: the time it was sent,

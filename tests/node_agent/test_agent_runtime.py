@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 from macpool.contract import NODE_STATES
 from macpool.upstream import Upstream
 from node_agent.gateway import create_app
-from node_agent.runtime import Runtime
+from node_agent.runtime import PrefillReading, Runtime
 from node_agent.settings import AgentSettings
 from tests.conftest import Server, chat
 
@@ -115,6 +115,21 @@ def answering(url: str) -> Runtime:
     transport = Upstream(keepalive_expiry=1.0)
     return Runtime(AgentSettings(upstream=url), upstream_url=url,
                    http=httpx.AsyncClient(transport=transport), upstream_transport=transport)
+
+
+def test_a_prompt_read_apart_from_most_of_its_wait_does_not_swing_the_macs_prompt_speed() -> None:
+    """Eight prompts in flight on a Mac that processes 5,000 tokens a second: a reading a second after the
+    last one sees a 4-second prompt finish (llama-server's seconds for it) but only that second of the waits
+    (8 prompts, 1 s each, in a second of prompting), so on its own it would say 40,000 tokens a second."""
+    runtime = attached()
+    steady = PrefillReading(tokens=20_000, seconds=4.0, busy=4.0, summed=4.0, cached=10_000, prompts=1)
+    for _ in range(4):
+        runtime.note_prefill(steady)
+    assert runtime.prefill_tokens_per_s == 5_000 and runtime.prefill_depth == 20_000
+    runtime.note_prefill(PrefillReading(tokens=20_000, seconds=4.0, busy=1.0, summed=8.0, cached=10_000,
+                                        prompts=1))
+    assert runtime.prefill_tokens_per_s is not None and runtime.prefill_tokens_per_s < 1.5 * 5_000
+    assert runtime.prefill_depth == 20_000
 
 
 def test_the_gateway_admits_by_the_runtime_state(sim: Callable[..., Server]) -> None:
