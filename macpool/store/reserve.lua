@@ -380,7 +380,10 @@ end
 -- the moment), and would answer sooner than `best` by more than this request has waited so far (`waited`,
 -- ms). Waiting at most as long as the cache saves costs at most that much over moving at once, however the
 -- wait turns out (as renting skis does until they would have been paid for); moving throws the cache away,
--- and a session's history processed again on another Mac takes it tens of seconds. nil: take `best`.
+-- and a session's history processed again on another Mac takes it tens of seconds. Only a node whose slots
+-- keep their own caches is waited for: where the slots share one pool of cells, llama-server keeps an idle
+-- session's cache only in its prompt cache in host memory, which the pool does not see, so what the map
+-- credits there is a guess, and the wait would be paid for nothing when it is wrong. nil: take `best`.
 local function worth_waiting(best, owners, waited)
   local every = {}
   for c = 1, #at do every[at[c].id] = c end
@@ -391,6 +394,7 @@ local function worth_waiting(best, owners, waited)
   for c = 1, #at do
     local node, share = at[c], held[c] or 0
     if c ~= best.c and share > best.cached and prefill[c] > 0 and decode[c] > 0 and not off[node.id]
+        and node.cells == 0
         and could_hold(node, need(gens, node.slots), tokens_on(prompt, output, node), prompt) then
       local gain = best.cost - expected(c, share)
       if gain > most then stay, most = node.id, gain end

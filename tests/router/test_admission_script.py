@@ -249,8 +249,8 @@ def test_prompts_a_node_is_still_processing_send_the_next_one_elsewhere(store: S
 
 
 def _session_turn(store: Store, rid: str, share: float, **kw: Any) -> Reservation:
-    """A turn whose prompt the cache of a (1 slot) holds ``share`` of, where b (2 slots) holds none: 20 s of
-    prompt from nothing on either, 2 s to decode."""
+    """A turn whose prompt the cache of a (1 slot) holds ``share`` of, where b holds none: 20 s of prompt
+    from nothing on either, 2 s to decode."""
     candidates = [Candidate(n, 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=20.0) for n in ("a", "b")]
     return store.ask(rid, candidates, prefixes=("history",), prefix_shares=(share,), batch_cost=0.175,
                      prompt_tokens=30_000, **kw)
@@ -292,9 +292,9 @@ def test_a_turn_waits_for_its_node_no_longer_than_the_time_its_cache_saves(store
     assert store.r.hget(KEYS.queue_meta, "turn") is None
 
 
-def test_a_turn_whose_node_holds_little_of_it_does_not_wait_for_it(store: Store) -> None:
+def test_a_turn_does_not_wait_for_a_node_holding_none_of_it_too_small_or_sharing_cells(store: Store) -> None:
     store.node("a", 1)
-    store.node("b", 2)
+    store.node("b", 4)
     store.r.hset(KEYS.affinity, "history", "a")
     store.ask("busy", ["a"])
     # a's cache holds none of this prompt: nothing to wait for
@@ -302,6 +302,10 @@ def test_a_turn_whose_node_holds_little_of_it_does_not_wait_for_it(store: Store)
     # a node that could never hold the prompt is not waited for
     store.node("a", 1, seq_ctx=16_384)
     assert placed(_session_turn(store, "long", 0.9)) == ("reserved", "b")
+    # nor one whose slots share their cells: an idle session's cache lives on there only in llama-server's
+    # prompt cache in host memory, which the pool cannot see
+    store.node("a", 1, seq_ctx=131_072, kv_unified=1, kv_cells=131_072)
+    assert placed(_session_turn(store, "shared", 0.9)) == ("reserved", "b")
 
 
 def test_a_new_session_goes_where_it_evicts_no_other_sessions_cache(store: Store) -> None:
