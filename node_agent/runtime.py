@@ -373,9 +373,9 @@ class Runtime:
         prompt tokens llama-server processed over the latest readings, over the seconds the Mac took for them
         (llama-server's, each slot's added, brought to the Mac's by how much the agent saw its prompts
         overlap), and the mean depth they sat at (a token deep in a prompt costs more: router/placement.py).
-        Summed over the readings, not averaged: a prompt finished just after one heartbeat and answered just
-        before the next puts its seconds in one reading and its wait in the other, which one reading alone
-        would take for a Mac many times faster or slower than it is."""
+        Summed over the readings, not averaged: a prompt's seconds all come into the reading in which it
+        finished, while its wait went into every reading it spanned, so one reading alone may say the Mac is
+        many times faster or slower than it is; over several such splits cancel."""
         self.prefill_readings.append(reading)
         readings = self.prefill_readings
         tokens, seconds = sum(r.tokens for r in readings), sum(r.seconds for r in readings)
