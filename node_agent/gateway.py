@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -37,7 +38,7 @@ from macpool.headers import HOP_BY_HOP, SESSION_HEADER, STREAM_HEADER, TOKEN_HEA
 
 from . import unstream
 from .runtime import AnswerClock, Runtime
-from .slots import UNNAMED, SlotNames, with_slot
+from .slots import UNNAMED, Claim, SlotNames, processing_slots, with_slot
 
 # never forwarded upstream: hop-by-hop (RFC 9110 7.6.1), what httpx recomputes, and X-Conversation-Id
 # (llama-server keeps generating after a disconnect when it is present)
@@ -132,6 +133,7 @@ class Gateway:
         self._timeouts = http.timeouts(settings.connect_timeout, settings.read_timeout, settings.read_timeout)
         self._token = settings.router_token()
         self._slots = SlotNames(settings.session_ttl)
+        self._finding: set[asyncio.Task[None]] = set()  # _find_slot, one per request of unknown slot
 
     def _authorized(self, request: Request) -> bool:
         return token_given(request, self._token)
@@ -204,26 +206,50 @@ class Gateway:
         if refusal is not None:
             return refusal
         self.runtime.hold(slots)  # checked and taken with no await in between: atomic on one event loop
-        slot = self._slot(request, endpoint, body, wanted)
+        claim, findable = self._slot(request, endpoint, body, wanted)
+        finding = None
+        if findable and self._slots.unknown(claim):
+            finding = asyncio.create_task(self._find_slot(claim))  # ends when found, else at release
+            self._finding.add(finding)
+            finding.add_done_callback(self._finding.discard)
 
         def release() -> None:
             self.runtime.release(slots)
-            self._slots.give_back(slot)
+            if finding is not None:
+                finding.cancel()
+            self._slots.give_back(claim)
 
-        return await self._relay(request, body, parsed, release, slot)
+        return await self._relay(request, body, parsed, release, claim.slot)
 
-    def _slot(self, request: Request, endpoint: str, body: bytes, generations: int) -> int:
-        """The llama-server slot the request runs in (node_agent/slots.py), ``UNNAMED`` where llama-server
-        chooses; given back as the request ends."""
+    def _slot(self, request: Request, endpoint: str, body: bytes, generations: int) -> tuple[Claim, bool]:
+        """The llama-server slot the request runs in (node_agent/slots.py): named, or where llama-server
+        chooses (``UNNAMED``); given back as the request ends. And whether the slot llama-server chooses
+        is worth finding: one generation, on slots that keep their own cells."""
         session = request.headers.get(SESSION_HEADER, "")
         doc = self.runtime.doc
-        if (not APIS[endpoint].names_slot or generations != 1 or doc is None or doc.kv_unified
-                or b'"id_slot"' in body):
-            session = ""  # (the client's own id_slot is passed on as it is)
-        slot, why = self._slots.take(session, self.runtime.total_slots)
+        if generations != 1 or doc is None or doc.kv_unified or b'"id_slot"' in body:
+            # (the client's own id_slot is passed on as it is)
+            return self._slots.take("", self.runtime.total_slots, name=False), False
+        claim = self._slots.take(session, self.runtime.total_slots, name=APIS[endpoint].names_slot)
         if session:
-            self.runtime.metrics.slot_choices.labels(why).inc()
-        return slot
+            self.runtime.metrics.slot_choices.labels(claim.why).inc()
+        return claim, True
+
+    async def _find_slot(self, claim: Claim) -> None:
+        """Poll llama-server's ``/slots`` while ``claim`` runs in a slot the agent does not know, until it
+        is found (node_agent/slots.py ``observe``): often at first, later while longer than a second."""
+        query = "" if self.runtime.model is None else "?model=" + quote(self.runtime.model, safe="")
+        pause = 0.05
+        while self._slots.unknown(claim):
+            try:
+                answer = await self.runtime.client().get(self.runtime.upstream_url + "/slots" + query,
+                                                         timeout=2.0)
+                if answer.status_code == 200 and self._slots.observe(processing_slots(answer.json())):
+                    self.runtime.metrics.slots_found.inc()
+            except (httpx.HTTPError, ValueError):
+                pass  # llama-server busy, restarting, or with /slots off: the slot stays unknown
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)
 
     async def light(self, request: Request) -> Response:
         """A light request (token counts, templates, tokenize): holds no generation slot, counts against the

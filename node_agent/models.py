@@ -208,6 +208,7 @@ class ModelHost:
         runtime.sizing = spec.sizing
         runtime.http, runtime.upstream_transport = self.runtime.http, self.runtime.upstream_transport
         runtime.upstream_url = self.runtime.upstream_url
+        runtime.model = spec.name
         runtime.details["model"] = {"path": str(spec.path), "memory_gb": spec.memory_gb}
         runtime.details["sizing"] = spec.sizing.as_dict()
         unit = self.units[spec.name] = Unit(spec, node_settings, runtime)

@@ -84,6 +84,11 @@ class AgentMetrics:
             ["choice"],
             registry=r,
         )
+        self.slots_found = Counter(
+            "macpool_agent_slots_found_total",
+            "Requests whose slot llama-server chose, found in its /slots (node_agent/slots.py)",
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "macpool_agent_upstream_errors_total", "Upstream connection failures", ["kind"], registry=r
         )
@@ -141,6 +146,7 @@ class Runtime:
     http: httpx.AsyncClient | None = None
     upstream_transport: Upstream | None = None  # the one ``http`` uses
     upstream_url: str = ""
+    model: str | None = None  # one model of several: its name in llama-server's router mode (?model=)
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
     sizing: Sizing | None = None  # supervise mode: llama-server's slots and why

@@ -16,67 +16,112 @@ A slot is named only where that is safe and useful:
 - the API is one whose body llama-server reads ``id_slot`` from (``macpool/apis.py``; not Messages, whose
   conversion drops it), and the request runs one generation;
 - the slot is idle for certain: llama-server saves and loads its prompt cache into a named slot before it
-  looks whether the slot is busy, which would overwrite a running request's cache. The agent knows the
-  slots its named requests run in, not which one llama-server gave another request: while any such
-  request is in flight, no slot is named.
+  looks whether the slot is busy, which would overwrite a running request's cache. While a request whose
+  slot llama-server chose is in flight and the agent does not know which slot that is, no slot is named.
+
+The agent finds that slot where it can (``observe``): llama-server's ``/slots`` lists the slots processing
+a task, and when one request of unknown slot is in flight and one processing slot is not one of the agent's
+known ones, that slot is the request's. So Claude Code's sessions on Messages are known too: a new Codex
+session does not take the slot of a live one as free, and slots are named again while it runs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 UNNAMED = -1  # llama-server's "any slot"
 
 
+@dataclass(eq=False)
+class Claim:
+    """One generation request's slot: the one the agent named, or ``UNNAMED`` and, once ``observe`` finds
+    it, the one llama-server chose (``found``)."""
+
+    session: str
+    slot: int = UNNAMED
+    why: str = "unnamed"  # own, ended, free, evicted (a slot named) or unnamed
+    found: int = UNNAMED
+
+    @property
+    def where(self) -> int:
+        """The slot it runs in, as far as the agent knows (``UNNAMED``: it does not)."""
+        return self.slot if self.slot != UNNAMED else self.found
+
+
 @dataclass
 class _Slot:
-    session: str = ""  # the session whose prompt it holds ("": none the agent put there)
+    session: str = ""  # the session whose prompt it holds ("": none the agent knows of)
     last_used: float = float("-inf")
     busy: bool = False
 
 
 class SlotNames:
-    """The slot each named request runs in, and the requests in flight the agent could not name."""
+    """The slot each request runs in: named by the agent, or found in llama-server's ``/slots``."""
 
     def __init__(self, session_ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.session_ttl = session_ttl
         self._clock = clock
         self._slots: list[_Slot] = []
-        self._unnamed = 0  # generation requests in flight in a slot llama-server chose
+        self._unknown: list[Claim] = []  # requests in flight in a slot llama-server chose, not found yet
+        self._found_tasks: deque[int] = deque(maxlen=64)  # llama-server's id_task of the slots found
 
-    def take(self, session: str, n_slots: int) -> tuple[int, str]:
-        """The slot a request of ``session`` runs in, or ``UNNAMED`` ("" or an unsafe moment: llama-server
-        chooses), and why: "own" (the slot that holds the session), "ended" (an ended session's), "free"
-        (no session's), "evicted" (a live session's), "unnamed". Each call is matched by one ``give_back``
-        of the slot it returned."""
-        slot, why = self._choose(session, n_slots) if session else (UNNAMED, "unnamed")
-        if slot == UNNAMED:
-            self._unnamed += 1
+    def take(self, session: str, n_slots: int, name: bool = True) -> Claim:
+        """The slot a request of ``session`` runs in. ``name``: the agent may name one (the API reads
+        ``id_slot``); else, or with no session, or at an unsafe moment, llama-server chooses (``UNNAMED``).
+        Each call is matched by one ``give_back`` of the claim it returned."""
+        if n_slots != len(self._slots) and not self.in_flight:
+            self._slots = [_Slot() for _ in range(n_slots)]  # llama-server (re)started with these slots
+        claim = Claim(session)
+        if name and session and n_slots == len(self._slots):
+            claim.slot, claim.why = self._choose(session)
+        if claim.slot == UNNAMED:
+            self._unknown.append(claim)
         else:
-            chosen = self._slots[slot]
-            chosen.session, chosen.busy = session, True
-        return slot, why
+            self._hold(claim.slot, session)
+        return claim
 
-    def give_back(self, slot: int) -> None:
-        if slot == UNNAMED:
-            self._unnamed = max(0, self._unnamed - 1)
+    def give_back(self, claim: Claim) -> None:
+        if claim in self._unknown:
+            self._unknown.remove(claim)
             return
         # (the slots are only forgotten for others when none is busy: this one is still known)
-        self._slots[slot].busy = False
-        self._slots[slot].last_used = self._clock()
+        slot = self._slots[claim.where]
+        slot.busy = False
+        slot.last_used = self._clock()
+
+    def observe(self, processing: Mapping[int, int]) -> bool:
+        """What llama-server's ``/slots`` says now: the id of each slot processing a task, with the task's
+        id. One request in flight of unknown slot, and one such slot the agent does not know of: it is
+        that request's. Whether it found one."""
+        if len(self._unknown) != 1:
+            return False
+        strangers = [i for i, task in processing.items() if 0 <= i < len(self._slots)
+                     and not self._slots[i].busy and task not in self._found_tasks]
+        if len(strangers) == 1:
+            claim = self._unknown.pop()
+            claim.found = strangers[0]
+            self._found_tasks.append(processing[claim.found])
+            self._hold(claim.found, claim.session)
+            return True
+        return False
+
+    def unknown(self, claim: Claim) -> bool:
+        """Whether ``claim`` runs in a slot llama-server chose that the agent has not found."""
+        return claim in self._unknown
 
     @property
     def in_flight(self) -> int:
-        return self._unnamed + sum(slot.busy for slot in self._slots)
+        return len(self._unknown) + sum(slot.busy for slot in self._slots)
 
-    def _choose(self, session: str, n_slots: int) -> tuple[int, str]:
-        if n_slots != len(self._slots):
-            if self.in_flight:
-                return UNNAMED, "unnamed"  # llama-server restarted with other slots: once it is quiet
-            self._slots = [_Slot() for _ in range(n_slots)]
-        if self._unnamed or n_slots < 2:
+    def _hold(self, index: int, session: str) -> None:
+        slot = self._slots[index]
+        slot.session, slot.busy = session, True
+
+    def _choose(self, session: str) -> tuple[int, str]:
+        if self._unknown or len(self._slots) < 2:
             return UNNAMED, "unnamed"
         idle = [i for i, slot in enumerate(self._slots) if not slot.busy]
         if not idle:
@@ -96,6 +141,17 @@ class SlotNames:
 
         slot = min(idle, key=rank)
         return slot, ("ended", "free", "evicted")[rank(slot)[0]]
+
+
+def processing_slots(slots: object) -> dict[int, int]:
+    """The slots of llama-server's ``/slots`` answer processing a task: slot id -> the task's id."""
+    found: dict[int, int] = {}
+    for slot in slots if isinstance(slots, list) else ():
+        if isinstance(slot, dict) and slot.get("is_processing"):
+            index, task = slot.get("id"), slot.get("id_task")
+            if type(index) is int and type(task) is int:
+                found[index] = task
+    return found
 
 
 def with_slot(body: bytes, slot: int) -> bytes | None:

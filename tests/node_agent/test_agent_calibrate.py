@@ -97,7 +97,7 @@ def test_a_latency_bound_picks_the_largest_level_that_meets_it(sim: SimFactory, 
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # the 2K knee is a throughput curve on the simulator's clock: other tests on the CPU bend it
+@pytest.mark.alone  # the 2K knee is a throughput curve on the simulator's clock: other tests bend it
 def test_prompts_near_the_context_find_a_lower_knee_than_short_ones(sim: SimFactory, tmp_path: Path) -> None:
     # the seed's Mac, 4 slots of 32K tokens: a coding agent's turn holds 12.8 GB of working set, a 2K one 1.6
     upstream = sim("--parallel", "4", "-c", str(4 * 32768), "--speed", "50", "--metrics")
