@@ -226,6 +226,9 @@ class LocalStack:
         for task in rest:  # what a stopped server left behind (a handler still streaming), and the stuck
             task.cancel()
         await asyncio.gather(*rest, return_exceptions=True)
+        # as asyncio.run does: an async generator left unfinished (a stream a handler held) is closed here,
+        # on a live loop, rather than by the garbage collector during some later test, its socket unclosed
+        await asyncio.get_running_loop().shutdown_asyncgens()
         for served in self.served:
             if served.task in pending:
                 raise AssertionError(f"{served.name} did not stop within {STOP_TIMEOUT_S}s; the tasks left "
