@@ -283,7 +283,7 @@ class Agent:
         unit = host.add(spec, models.unit_settings(self.settings, spec))
         self.runtimes[spec.name] = unit.runtime
         heartbeat = Heartbeat(unit.runtime, redis, probe, None, None, host.relieve_pressure,
-                              model=spec.name, model_memory_gb=spec.memory_gb,
+                              model_memory_gb=spec.memory_gb,
                               load_cost=functools.partial(host.load_cost, unit))
         heartbeat.before_beat = host.standby_for(unit).follow
         heartbeat.kv_source = functools.partial(_preset_args, spec, self.settings.llama_args)

@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -37,7 +36,7 @@ from macpool.errors import error_response, exception_handlers
 from macpool.headers import HOP_BY_HOP, SESSION_HEADER, STREAM_HEADER, TOKEN_HEADER, connection_listed
 
 from . import unstream
-from .runtime import AnswerClock, Runtime
+from .runtime import AnswerClock, Runtime, model_query
 from .slots import UNNAMED, Claim, SlotNames, processing_slots, with_slot
 
 # never forwarded upstream: hop-by-hop (RFC 9110 7.6.1), what httpx recomputes, and X-Conversation-Id
@@ -238,7 +237,7 @@ class Gateway:
     async def _find_slot(self, claim: Claim) -> None:
         """Poll llama-server's ``/slots`` while ``claim`` runs in a slot the agent does not know, until it
         is found (node_agent/slots.py ``observe``): often at first, later while longer than a second."""
-        query = "" if self.runtime.model is None else "?model=" + quote(self.runtime.model, safe="")
+        query = model_query(self.runtime.model)
         pause = 0.05
         while self._slots.unknown(claim):
             try:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import quote
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,7 +33,7 @@ from macpool.wol import normalize_mac
 
 from . import capacity, kv
 from .memory import GB, MemoryProbe, MemorySample, ProbeError, UpstreamUnreachable
-from .runtime import PrefillReading, Runtime
+from .runtime import PrefillReading, Runtime, model_query
 from .standby import REASONS, standby_models
 
 log = logging.getLogger("macpool.agent")
@@ -118,7 +117,7 @@ async def poll_upstream(client: httpx.AsyncClient, base: str, view: UpstreamView
         view.problem = problem
         return
     view.problem = ""
-    query = "" if model is None else "?model=" + quote(model, safe="")
+    query = model_query(model)
     polls = [client.get(base + path + query, timeout=2.0) for path in ("/props", "/metrics", "/slots")]
     if model is None:  # (a model of several is the one it is: the router-mode server lists them all)
         polls.append(client.get(base + "/v1/models", timeout=2.0))
@@ -282,10 +281,9 @@ class Heartbeat:
     cap_warned_slots: int | None = None  # the slot count --cap was last found above
     redis_ok: bool = True
     before_beat: Callable[[], Awaitable[None]] | None = None  # the standby follower (node_agent/standby.py)
-    # one model of several on this Mac (node_agent/models.py): its name in llama-server's router mode; the
+    # one model of several on this Mac (node_agent/models.py; its name is the runtime's ``model``): the
     # memory its load is sized for (the Mac's budget holds it, so no memory term of its own); what loading
     # it would cost the Mac now
-    model: str | None = None
     model_memory_gb: float | None = None
     load_cost: Callable[[], LoadCost] | None = None
     # llama-server's arguments, read again for each llama-server (given its slot count): they alone say
@@ -317,7 +315,7 @@ class Heartbeat:
     async def observe(self) -> NodeDoc:
         runtime = self.runtime
         sample: MemorySample | None
-        poll = poll_upstream(runtime.client(), runtime.upstream_url, self.upstream, self.model)
+        poll = poll_upstream(runtime.client(), runtime.upstream_url, self.upstream, runtime.model)
         sampled = await asyncio.gather(poll, self.probe.sample(), return_exceptions=True)
         if isinstance(sampled[0], BaseException):
             raise sampled[0]
@@ -342,7 +340,7 @@ class Heartbeat:
         self._kv_for = key
         cache = kv.layout(found.args, view.total_slots, view.ctx_per_slot, view.n_ctx_train)
         self.runtime.details["kv"] = {**found.as_dict(), "cache": cache.describe(view.total_slots)}
-        whose = "llama-server" if self.model is None else f"model {self.model}"
+        whose = "llama-server" if self.runtime.model is None else f"model {self.runtime.model}"
         said = f"{whose}'s KV cache: {cache.describe(view.total_slots)}"
         if found.known:
             log.info("%s (from %s)", said, found.said)
@@ -394,7 +392,7 @@ class Heartbeat:
                 pressure=sample.pressure,
                 state=capacity.memory_state(sample),
             )
-            if per_request and self.model is None:
+            if per_request and self.runtime.model is None:
                 budget = sample.wired_limit_gb - sample.external_gb
                 memory_cap = capacity.memory_cap(budget, weights, settings.headroom_gb, per_request)
             if self.pressure.update(sample):
@@ -416,8 +414,8 @@ class Heartbeat:
         reason = REASONS.get(state, reason)
         runtime.details["memory_probe"] = self.probe.name
         runtime.details["upstream"] = {"healthy": view.healthy, "reachable": view.reachable}
-        if self.model is not None:
-            models = [self.model]
+        if self.runtime.model is not None:
+            models = [self.runtime.model]
         else:
             models = view.models or (standby_models(settings) if settings.follows_autoscaler else [])
         return NodeDoc(
@@ -483,7 +481,7 @@ class Heartbeat:
             return []
         slots = view.total_slots or runtime.standby_capacity
         memory = None
-        if self.model is not None:
+        if self.runtime.model is not None:
             memory = _rounded(self.model_memory_gb, 4)
         elif weights_gb and per_request_gb is not None and slots:
             memory = round(weights_gb + per_request_gb * slots, 3)

@@ -7,6 +7,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -21,6 +22,12 @@ MIN_DECODE_EVENTS = 16  # the fewest events of an answer whose decode speed is c
 DECODE_EWMA = 0.2  # weight of the latest answer in the smoothed per-slot decode speed
 PREFILL_READINGS = 8  # the latest prompt-speed readings the published speed and depth are summed over
 
+
+
+def model_query(model: str | None) -> str:
+    """The query that scopes a call to llama-server to ``model`` in its router mode ("" for the one model
+    of a plain llama-server)."""
+    return "" if model is None else "?model=" + quote(model, safe="")
 
 @dataclass
 class AnswerClock:
@@ -146,7 +153,7 @@ class Runtime:
     http: httpx.AsyncClient | None = None
     upstream_transport: Upstream | None = None  # the one ``http`` uses
     upstream_url: str = ""
-    model: str | None = None  # one model of several: its name in llama-server's router mode (?model=)
+    model: str | None = None  # one model of several: its name in llama-server's router mode (model_query)
     doc: NodeDoc | None = None
     details: dict[str, object] = field(default_factory=dict)  # extra /status figures (probe, GGUF, ...)
     sizing: Sizing | None = None  # supervise mode: llama-server's slots and why
