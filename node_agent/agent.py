@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -36,7 +37,7 @@ from . import kv, models, sizing
 from .gateway import create_app, create_models_app
 from .heartbeat import Heartbeat
 from .hub import fetch_models
-from .memory import LinuxProbe, MacProbe, MemoryProbe, ProbeError, SharedProbe, make_probe
+from .memory import LinuxProbe, MacProbe, MemoryProbe, MemorySample, ProbeError, SharedProbe, make_probe
 from .pool_models import PoolModels
 from .runtime import Runtime
 from .settings import AgentSettings
@@ -84,8 +85,8 @@ def load_model_shape(settings: AgentSettings) -> tuple[ModelShape | None, int | 
         return None, None
 
 
-async def probed_wired_limit(settings: AgentSettings) -> float | None:
-    """This machine's wired limit, before llama-server starts (the simulator's is known only once it runs)."""
+async def probed_memory(settings: AgentSettings) -> MemorySample | None:
+    """This machine's memory, before llama-server starts (the simulator's is known only once it runs)."""
     probe: MemoryProbe
     if settings.memory_probe == "macos" or (settings.memory_probe == "auto" and sys.platform == "darwin"):
         probe = MacProbe()
@@ -94,9 +95,9 @@ async def probed_wired_limit(settings: AgentSettings) -> float | None:
     else:
         return None
     try:
-        return (await probe.sample()).wired_limit_gb
+        return await probe.sample()
     except (ProbeError, OSError) as exc:
-        log.warning("no wired limit to size llama-server by: %s", exc)
+        log.warning("no memory figures to size llama-server by: %s", exc)
         return None
 
 
@@ -162,7 +163,8 @@ class Agent:
         self.shape, self.kv_per_token = shape, kv_per_token = load_model_shape(settings)
         if not settings.supervise:
             return
-        wired_limit = settings.wired_limit_gb or await probed_wired_limit(settings)
+        memory = await probed_memory(settings)
+        wired_limit = settings.wired_limit_gb or (memory.wired_limit_gb if memory else None)
         weights = shape.weights_gb if shape else None
         chosen = sizing.choose(
             parallel=settings.parallel,
@@ -178,6 +180,13 @@ class Agent:
             refusal = sizing.cannot_hold(chosen, weights, settings.headroom_gb, wired_limit, kv_per_token)
             if refusal is not None:  # it would page from its first request: better not start at all
                 raise ConfigError(refusal)
+        operator = sizing.operator_cache_ram(settings.llama_args, os.environ)
+        if operator is not None:
+            chosen = dataclasses.replace(chosen, cache_ram=f"the operator's ({operator})")
+        elif memory is not None and weights is not None and kv_per_token:
+            chosen = sizing.prompt_cache(chosen, total_gb=memory.total_gb, weights_gb=weights,
+                                         kv_bytes_per_token=kv_per_token, headroom_gb=settings.headroom_gb,
+                                         reserve_gb=settings.host_reserve_gb)
         self._set_sizing(chosen)
 
     async def startup(self) -> None:
@@ -254,7 +263,9 @@ class Agent:
         --from-pool, the models the pool declares come and go while it runs (node_agent/pool_models.py)."""
         settings, redis = self.settings, self.redis
         assert redis is not None
-        wired_limit = self.wired_limit = settings.wired_limit_gb or await probed_wired_limit(settings)
+        memory = await probed_memory(settings) if settings.wired_limit_gb is None else None
+        wired_limit = settings.wired_limit_gb or (memory.wired_limit_gb if memory else None)
+        self.wired_limit = wired_limit
         specs = models.plan_models(settings, wired_limit)
         budget = models.Budget(None if wired_limit is None else wired_limit - settings.headroom_gb)
         if budget.limit_gb is None:
@@ -357,7 +368,7 @@ class Agent:
             settings.model_file,
             self.runtime.sizing.parallel if self.runtime.sizing else 1,
             self.runtime.sizing.ctx_per_slot if self.runtime.sizing else settings.ctx_per_slot,
-            settings.llama_args,
+            [*self._cache_ram_args(), *settings.llama_args],
             settings.llama_log,
             settings.restart_backoff_max,
             on_healthy=self._llama_healthy,
@@ -370,6 +381,12 @@ class Agent:
         run = self.supervisor.run(self.runtime.client())
         self._llama_task = asyncio.create_task(run, name="llama-server")
         self.tasks.append(self._llama_task)
+
+    def _cache_ram_args(self) -> list[str]:
+        chosen = self.runtime.sizing
+        if chosen is None or chosen.cache_ram_mib is None:
+            return []
+        return ["--cache-ram", str(chosen.cache_ram_mib)]
 
     async def _supervised_args(self, slots: int) -> kv.Source:
         supervisor = self.supervisor
@@ -396,6 +413,8 @@ class Agent:
         self.runtime.sizing = chosen
         self.runtime.details["sizing"] = chosen.as_dict()
         log.info("llama-server sized: %s", chosen.reason)
+        if chosen.cache_ram:
+            log.info("llama-server's prompt cache (--cache-ram): %s", chosen.cache_ram)
 
     def _shrink(self, beats: int) -> None:
         """Memory pressure that does not go away: restart llama-server with a quarter fewer slots (its KV

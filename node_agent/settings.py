@@ -250,6 +250,11 @@ class AgentSettings(CommandSettings):
         default=None, gt=0, description="the measured per-request working set, GB, directly"
     )
     headroom_gb: float = Field(default=2.0, ge=0, description="GB kept free under the wired limit")
+    host_reserve_gb: float = Field(
+        default=8.0, ge=0,
+        description="GB of RAM left to macOS and the Mac's other programs when sizing llama-server's prompt "
+        "cache in host memory (--cache-ram: the RAM its weights, KV cache, headroom and this leave)",
+    )
     request_overhead_gb: float = Field(
         default=0.25, ge=0,
         description="per-request working set beyond the KV cache, GB, for the GGUF estimate",

@@ -7,12 +7,18 @@ headroom) / (KV bytes per token x context per slot)``, from the GGUF's attention
 calibrated cap (more slots than the Mac serves well only hold memory) and by ``MAX_SLOTS``. A context above
 the model's training context is cut to it, as llama-server cuts each slot's. A Mac that cannot hold one
 request at that context is told so, with what to change (:func:`cannot_hold`).
+
+llama-server's prompt cache in host memory (``--cache-ram``, 8 GiB by default) is sized too
+(:func:`prompt_cache`): it is ordinary memory, outside what the GPU holds, and it is where an idle session's
+history survives when its slot goes to another; the Mac's RAM less llama-server's weights, KV cache and
+headroom, less what macOS and the other programs keep (``--host-reserve-gb``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 
 from .memory import GB, MIB
 
@@ -33,6 +39,8 @@ class Sizing:
     fits: int | None = None  # slots the memory budget holds (None: not sized)
     budget_gb: float | None = None
     per_slot_gb: float | None = None
+    cache_ram_mib: int | None = None  # --cache-ram the agent passes (None: the operator's, or llama-server's)
+    cache_ram: str = ""  # why
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -116,5 +124,42 @@ def shrunk(sizing: Sizing, beats: int) -> Sizing | None:
         return None
     reason = (f"{slots} slots x {sizing.ctx_per_slot} tokens: memory pressure for {beats} heartbeats "
               f"with {sizing.parallel}")
-    return Sizing(slots, sizing.ctx_per_slot, "pressure", reason, sizing.fits, sizing.budget_gb,
-                  sizing.per_slot_gb)
+    # the prompt cache stays: fewer slots only leave it more room
+    return replace(sizing, parallel=slots, chosen_by="pressure", reason=reason)
+
+
+CACHE_RAM_FLAGS = frozenset({"-cram", "--cache-ram"})
+CACHE_RAM_ENV = "LLAMA_ARG_CACHE_RAM"
+
+
+def operator_cache_ram(llama_args: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """How the operator set llama-server's prompt cache (``-- --cache-ram N`` or ``LLAMA_ARG_CACHE_RAM``),
+    which the agent never overrides; None when they did not."""
+    for arg in llama_args:
+        if arg.partition("=")[0] in CACHE_RAM_FLAGS:
+            return arg.partition("=")[0]
+    return CACHE_RAM_ENV if environ.get(CACHE_RAM_ENV) else None
+
+
+def prompt_cache(sizing: Sizing, *, total_gb: float, weights_gb: float, kv_bytes_per_token: int,
+                 headroom_gb: float, reserve_gb: float) -> Sizing:
+    """``sizing`` with the ``--cache-ram`` its llama-server gets (:func:`cache_ram`), its KV cache that of
+    every slot at its context."""
+    kv_gb = kv_bytes_per_token * sizing.parallel * sizing.ctx_per_slot / GB
+    mib, said = cache_ram(total_gb=total_gb, weights_gb=weights_gb, kv_gb=kv_gb, headroom_gb=headroom_gb,
+                          reserve_gb=reserve_gb)
+    return replace(sizing, cache_ram_mib=mib, cache_ram=said)
+
+
+def cache_ram(*, total_gb: float, weights_gb: float, kv_gb: float, headroom_gb: float,
+              reserve_gb: float) -> tuple[int, str]:
+    """The Mac's RAM less the weights, the KV cache, the headroom and the host reserve, in MiB (0, no
+    prompt cache, when nothing is left), and how to say it. It may be less than llama-server's default
+    8 GiB: on a Mac with no more to spare, that default would page."""
+    spare = total_gb - weights_gb - kv_gb - headroom_gb - reserve_gb
+    mib = max(0, math.floor(spare * GB / MIB))
+    said = (f"{mib} MiB (RAM {total_gb:.1f} GB - weights {weights_gb:.1f} GB - KV cache {kv_gb:.1f} GB - "
+            f"headroom {headroom_gb:.1f} GB - host reserve {reserve_gb:.1f} GB)")
+    if mib == 0:
+        said += ": no memory to spare for it"
+    return mib, said

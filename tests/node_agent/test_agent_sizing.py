@@ -8,8 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
-from node_agent.sizing import MAX_SLOTS, Sizing, choose, shrunk
+from macpool.dev.procs import macpool_argv
+from macpool.dev.redis_server import free_port
+from node_agent.sizing import MAX_SLOTS, Sizing, choose, operator_cache_ram, prompt_cache, shrunk
+from tests.conftest import SpawnFactory
 from tests.node_agent.helpers import SIM_COMMAND, AgentFactory, read_node, status, wait_until, write_gguf
 from tests.node_agent.test_agent_supervise import one_liner
 
@@ -75,6 +79,59 @@ def test_pressure_takes_a_quarter_of_the_slots_down_to_one() -> None:
         chain.append(current.parallel)
         assert current.chosen_by == "pressure" and "memory pressure for 10 heartbeats" in current.reason
     assert chain == [6, 4, 3, 2, 1]
+
+
+def test_the_prompt_cache_gets_the_ram_the_rest_leaves() -> None:
+    # 2 slots x 4,096 tokens x 196,608 bytes = 1.61 GB of KV cache beside 8 GB of weights on a 64 GB Mac
+    sized = prompt_cache(_choose(parallel=2), total_gb=64.0, weights_gb=8.0, kv_bytes_per_token=KV_14B,
+                         headroom_gb=2.0, reserve_gb=8.0)
+    spare = 64.0 - 8.0 - 2 * 4096 * KV_14B / 1e9 - 2.0 - 8.0
+    assert sized.cache_ram_mib == math.floor(spare * 1e9 / 2**20) == 42333
+    assert sized.cache_ram == ("42333 MiB (RAM 64.0 GB - weights 8.0 GB - KV cache 1.6 GB - headroom 2.0 GB"
+                               " - host reserve 8.0 GB)")
+    # more slots, less cache; and none at all when nothing is left (llama-server's default would page)
+    assert prompt_cache(_choose(parallel=20), total_gb=64.0, weights_gb=8.0, kv_bytes_per_token=KV_14B,
+                        headroom_gb=2.0, reserve_gb=8.0).cache_ram_mib == 28509
+    bare = prompt_cache(_choose(parallel=2), total_gb=16.0, weights_gb=8.0, kv_bytes_per_token=KV_14B,
+                        headroom_gb=2.0, reserve_gb=8.0)
+    assert bare.cache_ram_mib == 0 and bare.cache_ram.endswith(": no memory to spare for it")
+    # fewer slots under pressure keep it
+    assert shrunk(sized, 10) is not None and shrunk(sized, 10).cache_ram_mib == 42333  # type: ignore[union-attr]
+
+
+def test_the_operators_prompt_cache_is_theirs() -> None:
+    assert operator_cache_ram(["-ngl", "99", "--cache-ram", "512"], {}) == "--cache-ram"
+    assert operator_cache_ram(["-cram=0"], {}) == "-cram"
+    assert operator_cache_ram([], {"LLAMA_ARG_CACHE_RAM": "4096"}) == "LLAMA_ARG_CACHE_RAM"
+    assert operator_cache_ram(["--cache-reuse", "256"], {"LLAMA_ARG_CACHE_RAM": ""}) is None
+
+
+def test_supervise_sizes_the_prompt_cache_unless_the_operator_did(
+    agent: AgentFactory, spawn: SpawnFactory, redis_url: str, tmp_path: Path
+) -> None:
+    model = write_gguf(tmp_path / "model-14b-q4.gguf", layers=48, heads=40, kv_heads=8, embd=5120)
+    gateway = agent("--llama-server", SIM_COMMAND, "--model", str(model), "--ctx-per-slot", "4096",
+                    "--parallel", "2", "--host-reserve-gb", "1")
+    shown = status(gateway.url)
+    spare = (psutil.virtual_memory().total / 1e9 - model.stat().st_size / 1e9 - 2 * 4096 * KV_14B / 1e9
+             - 2.0 - 1.0)
+    expected = max(0, math.floor(spare * 1e9 / 2**20))
+    assert shown["sizing"]["cache_ram_mib"] == expected
+    argv = shown["llama_server"]["argv"]
+    assert argv[argv.index("--cache-ram") + 1] == str(expected)
+    assert f"llama-server's prompt cache (--cache-ram): {expected} MiB (RAM " in Path(
+        str(gateway.log_path)).read_text()
+
+    port = free_port()  # given here: the `agent` fixture's --port would land after `--`
+    theirs = spawn(argv=macpool_argv(
+        "agent", "run", "--redis-url", redis_url, "--node-id", "n2", "--port", str(port), "--llama-server",
+        SIM_COMMAND, "--model", str(model), "--ctx-per-slot", "4096", "--parallel", "2", "--", "-cram", "512",
+    ), port=port, name="agent-n2")
+    shown = status(theirs.url)
+    assert shown["sizing"]["cache_ram_mib"] is None
+    assert shown["sizing"]["cache_ram"] == "the operator's (-cram)"
+    argv = shown["llama_server"]["argv"]
+    assert "--cache-ram" not in argv and argv[argv.index("-cram") + 1] == "512"
 
 
 def test_supervise_sizes_llama_server_then_restarts_it_smaller_under_pressure(
