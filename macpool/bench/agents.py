@@ -2,7 +2,8 @@
 
 The pool: three simulated Macs serving Qwen3-Coder-30B (docs/simulator.md, the coding presets) - an M2 Pro
 (4 slots over 32K unified KV cells), an M4 Max (4 over 128K unified) and an M2 Ultra (8 slots of 64K,
-``-np 8 -c 524288``) - each started with ``-n 8192`` (docs/clients.md: Codex sends no output limit). In
+``-np 8 -c 524288``) - each started with ``-n 8192`` (docs/clients.md: Codex sends no output limit) and the
+prompt cache in host memory ``macpool agent run`` gives that Mac (``--cache-ram``, node_agent/sizing.py). In
 front of the same simulators, in turn and in one run:
 
 - ``macpool``: Redis, an agent per Mac (``--cap`` its slots) and a router (``--queue-size 256
@@ -65,6 +66,11 @@ from macpool.dev.redis_server import free_port
 from macpool.dev.stack import Proc, Stack
 from macpool.sim import tokens
 from macpool.sim.machine import load_preset
+from node_agent import sizing
+from node_agent.memory import GB, MIB
+from node_agent.settings import AgentSettings
+
+GIB = 1024**3
 
 MODEL = "qwen3-coder"
 N_PREDICT = 8192  # llama-server's -n: the answer a request without a limit may have (what macpool reserves)
@@ -85,13 +91,27 @@ class Mac:
     preset: str
     slots: int
     context: int  # the tokens one request may hold
+    cells: int  # the KV cells of all its slots
     args: tuple[str, ...] = ()
+
+    @property
+    def cache_ram_mib(self) -> int:
+        """The prompt cache in host memory ``macpool agent run`` gives its llama-server (--cache-ram,
+        node_agent/sizing.py, with the agent's default headroom and host reserve), from the preset's
+        figures (GiB) in the agent's GB: the same for every router."""
+        machine = load_preset(self.preset)
+        mib, _ = sizing.cache_ram(
+            total_gb=machine.total_gb * GIB / GB, weights_gb=machine.weights_gb * GIB / GB,
+            kv_gb=self.cells * machine.kv_mb_per_token * MIB / GB,
+            headroom_gb=AgentSettings.model_fields["headroom_gb"].default,
+            reserve_gb=AgentSettings.model_fields["host_reserve_gb"].default)
+        return mib
 
 
 MACS = (
-    Mac("m2pro", "m2pro-32g-coder30b-q4", 4, 32_768),
-    Mac("m4max", "m4max-64g-coder30b-q4", 4, 131_072),
-    Mac("m2ultra", "m2ultra-192g-coder30b-q4", 8, 65_536, ("-np", "8", "-c", "524288")),
+    Mac("m2pro", "m2pro-32g-coder30b-q4", 4, 32_768, 32_768),
+    Mac("m4max", "m4max-64g-coder30b-q4", 4, 131_072, 131_072),
+    Mac("m2ultra", "m2ultra-192g-coder30b-q4", 8, 65_536, 524_288, ("-np", "8", "-c", "524288")),
 )
 FASTEST = MACS[2]  # fastest prefill and decode: the bounds are taken on it
 
@@ -118,7 +138,8 @@ class Conditions:
 def start_sims(stack: Stack, speed: float) -> list[Proc]:
     return [
         stack.sim(f"sim-{mac.name}", "--preset", mac.preset, *mac.args, "--alias", MODEL,
-                  "--speed", str(speed), "--metrics", "--metrics-clock", "wall", "-n", str(N_PREDICT))
+                  "--cache-ram", str(mac.cache_ram_mib), "--speed", str(speed),
+                  "--metrics", "--metrics-clock", "wall", "-n", str(N_PREDICT))
         for mac in MACS
     ]
 
@@ -473,8 +494,9 @@ def run(c: Conditions, logs: Path, say: Say, install: bool = True) -> dict[str, 
     with Stack(logs=logs, keep_logs=True) as stack:
         sims = start_sims(stack, c.speed)
         urls = [sim.url for sim in sims]
-        say(f"pool: {', '.join(f'{m.name} ({m.slots} slots, {m.context} tokens a request)' for m in MACS)}; "
-            f"speed {c.speed:g}")
+        macs = ", ".join(f"{m.name} ({m.slots} slots, {m.context} tokens a request, --cache-ram "
+                         f"{m.cache_ram_mib})" for m in MACS)
+        say(f"pool: {macs}; speed {c.speed:g}")
         targets_by_name: dict[str, str] = {}
         macpool = start_macpool(stack, sims, c.speed)
         agents = [p.url for p in stack.procs if p.name.startswith("agent-")]
@@ -503,7 +525,7 @@ def run(c: Conditions, logs: Path, say: Say, install: bool = True) -> dict[str, 
     routers = {name: pooled([r for r in runs if r["router"] == name]) for name in names}
     return {
         "bench": "agents",
-        "macs": [asdict(mac) for mac in MACS],
+        "macs": [{**asdict(mac), "cache_ram_mib": mac.cache_ram_mib} for mac in MACS],
         "routers": routers,
         "targets": targets(routers, bound),
         "bounds": bound,
