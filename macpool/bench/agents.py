@@ -66,11 +66,6 @@ from macpool.dev.redis_server import free_port
 from macpool.dev.stack import Proc, Stack
 from macpool.sim import tokens
 from macpool.sim.machine import load_preset
-from node_agent import sizing
-from node_agent.memory import GB, MIB
-from node_agent.settings import AgentSettings
-
-GIB = 1024**3
 
 MODEL = "qwen3-coder"
 N_PREDICT = 8192  # llama-server's -n: the answer a request without a limit may have (what macpool reserves)
@@ -92,26 +87,17 @@ class Mac:
     slots: int
     context: int  # the tokens one request may hold
     cells: int  # the KV cells of all its slots
+    # the prompt cache in host memory `macpool agent run` gives its llama-server (--cache-ram: the RAM its
+    # weights, KV cache, the default 2 GB of headroom and 8 GB of host reserve leave, node_agent/sizing.py),
+    # from the preset's figures: the same for every router (tests/bench/test_agents_bench.py checks it)
+    cache_ram_mib: int
     args: tuple[str, ...] = ()
-
-    @property
-    def cache_ram_mib(self) -> int:
-        """The prompt cache in host memory ``macpool agent run`` gives its llama-server (--cache-ram,
-        node_agent/sizing.py, with the agent's default headroom and host reserve), from the preset's
-        figures (GiB) in the agent's GB: the same for every router."""
-        machine = load_preset(self.preset)
-        mib, _ = sizing.cache_ram(
-            total_gb=machine.total_gb * GIB / GB, weights_gb=machine.weights_gb * GIB / GB,
-            kv_gb=self.cells * machine.kv_mb_per_token * MIB / GB,
-            headroom_gb=AgentSettings.model_fields["headroom_gb"].default,
-            reserve_gb=AgentSettings.model_fields["host_reserve_gb"].default)
-        return mib
 
 
 MACS = (
-    Mac("m2pro", "m2pro-32g-coder30b-q4", 4, 32_768, 32_768),
-    Mac("m4max", "m4max-64g-coder30b-q4", 4, 131_072, 131_072),
-    Mac("m2ultra", "m2ultra-192g-coder30b-q4", 8, 65_536, 524_288, ("-np", "8", "-c", "524288")),
+    Mac("m2pro", "m2pro-32g-coder30b-q4", 4, 32_768, 32_768, 2_444),
+    Mac("m4max", "m4max-64g-coder30b-q4", 4, 131_072, 131_072, 25_996),
+    Mac("m2ultra", "m2ultra-192g-coder30b-q4", 8, 65_536, 524_288, 120_204, ("-np", "8", "-c", "524288")),
 )
 FASTEST = MACS[2]  # fastest prefill and decode: the bounds are taken on it
 
@@ -525,7 +511,7 @@ def run(c: Conditions, logs: Path, say: Say, install: bool = True) -> dict[str, 
     routers = {name: pooled([r for r in runs if r["router"] == name]) for name in names}
     return {
         "bench": "agents",
-        "macs": [{**asdict(mac), "cache_ram_mib": mac.cache_ram_mib} for mac in MACS],
+        "macs": [asdict(mac) for mac in MACS],
         "routers": routers,
         "targets": targets(routers, bound),
         "bounds": bound,

@@ -13,6 +13,9 @@ import pytest
 from macpool.bench import agents, placement
 from macpool.bench.agent_sessions import PATHS, REAL_FIRST_TURN_TOKENS, Shapes, Workload, plan, sim_prompt
 from macpool.sim import tokens
+from macpool.sim.machine import load_preset
+from node_agent import sizing
+from node_agent.settings import AgentSettings
 from tests.bench.conftest import run_bench
 
 pytestmark = pytest.mark.timeout(600)
@@ -46,6 +49,17 @@ def test_sessions_are_coding_agent_turns_growing_by_turn() -> None:
 def figures(ttft_p50: float, ttft_p99: float, turns: float, context_errors: int = 0) -> dict[str, Any]:
     return {"ttft_p50_s": ttft_p50, "ttft_p99_s": ttft_p99, "turns_per_min": turns,
             "context_errors": context_errors}
+
+
+def test_the_macs_prompt_caches_are_the_ones_the_agent_gives_them() -> None:
+    gb_per_gib, defaults = 1024**3 / 1e9, AgentSettings.model_fields
+    for mac in agents.MACS:
+        machine = load_preset(mac.preset)
+        mib, _ = sizing.cache_ram(
+            total_gb=machine.total_gb * gb_per_gib, weights_gb=machine.weights_gb * gb_per_gib,
+            kv_gb=mac.cells * machine.kv_mb_per_token * 2**20 / 1e9,
+            headroom_gb=defaults["headroom_gb"].default, reserve_gb=defaults["host_reserve_gb"].default)
+        assert mac.cache_ram_mib == mib, mac.name
 
 
 def test_targets_are_met_only_by_the_margins_the_issue_names() -> None:
