@@ -30,6 +30,7 @@ from macpool.dev.redis_server import RedisServer, free_port
 
 LOOPBACK = "127.0.0.1"
 STOP_TIMEOUT_S = 10.0
+PORT_ATTEMPTS = 3  # a server whose port was taken before it bound it starts again on another
 
 
 @dataclass
@@ -131,9 +132,22 @@ class Stack:
     ) -> Proc:
         """Start ``macpool <args> --port P`` (``prefix`` goes before the interpreter, e.g. ``taskset -c 1``);
         ``options`` as for ``spawn``."""
-        port = port or free_port()
-        argv = [*prefix, *macpool_argv(*args, "--port", str(port))]
-        return self.spawn(name, argv, port, **options)
+        def start(at: int) -> Proc:
+            return self.spawn(name, [*prefix, *macpool_argv(*args, "--port", str(at))], at, **options)
+
+        if port is not None:
+            return start(port)
+        for _ in range(PORT_ATTEMPTS - 1):
+            port = free_port()
+            try:
+                return start(port)
+            except ProcessError as exc:
+                # another process bound the port between free_port and the child's bind: try a new one
+                if "address already in use" not in str(exc).lower():
+                    raise
+                with self._lock:
+                    self.procs = [p for p in self.procs if p.port != port]
+        return start(free_port())
 
     def sim(self, name: str, *args: str, **options: Any) -> Proc:
         """A simulated Mac: ``macpool sim <args>``."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -96,3 +98,19 @@ def test_sigterm_to_a_program_inside_a_stack_stops_its_processes(tmp_path: Path)
             runner.wait(10)
         if runner.stdout is not None:
             runner.stdout.close()
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_starts_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        handed = iter([busy])  # the first port the stack is handed is taken by the time its server binds
+        monkeypatch.setattr("macpool.dev.stack.free_port", lambda: next(handed, None) or free_port())
+        with Stack(logs=tmp_path, keep_logs=True) as stack:
+            sim = stack.sim("sim", "--preset", "m2pro-32g-8b-q4")
+            assert sim.port != busy and [p.port for p in stack.procs] == [sim.port]
+            assert httpx.get(sim.url + "/health", timeout=5).status_code == 200
+            assert stack.dead() == []
