@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import contextlib
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import redis
@@ -32,16 +33,27 @@ class BlockingStore:
         self._runner.close()
 
 
-def sync_redis(url: str, decode_responses: bool = True) -> redis.Redis | redis.RedisCluster:
-    """A synchronous client for any URL macpool/store/connect.py takes (Sentinel: the primary now)."""
+@contextlib.contextmanager
+def sync_redis(url: str, decode_responses: bool = True) -> Iterator[redis.Redis | redis.RedisCluster]:
+    """A synchronous client for any URL macpool/store/connect.py takes (Sentinel: the primary now), closed
+    on leaving - with a Sentinel's clients of the sentinels, which the primary's client does not own."""
     target = parse(url)
     if target.kind == "sentinel":
         sentinels = {"socket_timeout": 2, **target.sentinel_options()}
         sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinels, socket_timeout=2, db=target.db,
                             decode_responses=decode_responses, **target.data_options())
-        return sentinel.master_for(target.service)
+        try:
+            with sentinel.master_for(target.service) as primary:
+                yield primary
+        finally:
+            sentinel.close()
+        return
     if target.kind == "cluster":
         nodes = [ClusterNode(host, port) for host, port in target.hosts]
-        return redis.RedisCluster(startup_nodes=nodes, decode_responses=decode_responses,
-                                  **target.data_options())
-    return redis.Redis.from_url(target.server_url, decode_responses=decode_responses, **target.tls_options())
+        with redis.RedisCluster(startup_nodes=nodes, decode_responses=decode_responses,
+                                **target.data_options()) as cluster:
+            yield cluster
+        return
+    with redis.Redis.from_url(target.server_url, decode_responses=decode_responses,
+                              **target.tls_options()) as client:
+        yield client

@@ -35,6 +35,11 @@ def urls(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def test_a_new_session_sharing_a_prefix_leaves_a_live_sessions_slot_alone(urls: tuple[str, str]) -> None:
     router_url, agent_url = urls
     client = openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with client:
+        _session_keeps_its_slot(client, agent_url)
+
+
+def _session_keeps_its_slot(client: openai.OpenAI, agent_url: str) -> None:
     instructions = "You are a coding agent; these are your tools and your rules. " * 20
 
     def turn(session: str, task: str) -> int:
@@ -58,6 +63,11 @@ def test_a_new_session_does_not_take_the_slot_found_for_a_claude_code_session(ur
     router_url, agent_url = urls
     codex = openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=60)
     claude = anthropic.Anthropic(base_url=router_url, api_key="unused", max_retries=0, timeout=60)
+    with codex, claude:
+        _claude_keeps_its_slot(codex, claude, agent_url)
+
+
+def _claude_keeps_its_slot(codex: openai.OpenAI, claude: anthropic.Anthropic, agent_url: str) -> None:
     choices = 'macpool_agent_slot_choices_total{choice="%s"}'
 
     def codex_turn(session: str) -> None:

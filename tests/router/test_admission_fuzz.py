@@ -43,6 +43,7 @@ released or gone, that no node holds any reservation or token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -293,7 +294,8 @@ class Steps:
 class Fuzz:
     def __init__(self, url: str, seed: int) -> None:
         self.rng = rng = random.Random(seed)
-        self.r = sync_redis(url)
+        self.resources = contextlib.ExitStack()
+        self.r = self.resources.enter_context(sync_redis(url))
         self.r.flushall()
         self.api = BlockingStore(url, KEYS)
         self.pubsub = self.r.pubsub(ignore_subscribe_messages=True)
@@ -319,7 +321,7 @@ class Fuzz:
 
     def close(self) -> None:
         self.pubsub.close()
-        self.r.close()
+        self.resources.close()
         self.api.close()
 
     # --- calls, as routers make them ----------------------------------------------------------------
