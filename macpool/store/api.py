@@ -35,8 +35,8 @@ class Candidate:
 
     ``ttft_s`` and ``decode_s`` (0: not measured) say how soon it would answer: reserve.lua expects
     ``b * ttft_s + decode_s * (1 + batch_cost * b)`` seconds with ``b`` requests running there, this one
-    included (router/placement.py). Without them, the least-utilised node wins, and the faster one
-    (``tokens_per_s``) a tie.
+    included (router/placement.py; ``batch_cost`` the candidate's own, else the request's). Without them,
+    the least-utilised node wins, and the faster one (``tokens_per_s``) a tie.
     """
 
     node_id: str
@@ -49,6 +49,9 @@ class Candidate:
     # the prompts already sent there that it has not finished processing: the expected answer time waits
     # for them first
     backlog_s: float = 0.0
+    # how much each request running there slows its decode, at the context its requests hold (0: the
+    # request's ``batch_cost``)
+    batch_cost: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -433,7 +436,7 @@ def _reserve_call(request: ReserveRequest) -> dict[str, Any]:
         "output_tokens": request.output_tokens, "prefill_halving": request.prefill_halving,
         "candidates": [{"id": c.node_id, "tokens_per_s": c.tokens_per_s, "tie": random.random(),
                         "ttft": c.ttft_s, "decode": c.decode_s, "prefill": c.prefill_s,
-                        "backlog": c.backlog_s}
+                        "backlog": c.backlog_s, "batch_cost": c.batch_cost}
                        for c in request.candidates],
     }
 

@@ -135,10 +135,11 @@ local function scan_queue(entries, me)
 end
 
 -- the candidates that take requests now: candidate c is node at[c] (usable and tallied: lib.lua), with
--- tps[c] / rnd[c] to break ties and ttft[c] / decode[c] / prefill[c] / backlog[c] for the time it would take
--- to answer (Candidate in api.py; decode 0: not measured; prefill 0: not known; backlog: the prompts sent
--- there that it has not finished processing, in seconds)
-local at, tps, rnd, ttft, decode, prefill, backlog, known = {}, {}, {}, {}, {}, {}, {}, {}
+-- tps[c] / rnd[c] to break ties and ttft[c] / decode[c] / prefill[c] / backlog[c] / bcost[c] for the time it
+-- would take to answer (Candidate in api.py; decode 0: not measured; prefill 0: not known; backlog: the
+-- prompts sent there that it has not finished processing, in seconds; bcost: how much each request running
+-- there slows its decode)
+local at, tps, rnd, ttft, decode, prefill, backlog, bcost, known = {}, {}, {}, {}, {}, {}, {}, {}, {}
 -- evicts[c]: this request opens a session on candidate c, whose slots all hold other live sessions' caches:
 -- one of them loses its cache to it (and processes its whole prompt again on its next turn)
 local evicts = {}
@@ -160,6 +161,7 @@ local function read_candidates()
       at[c] = tally(node, now)
       tps[c], rnd[c], ttft[c], decode[c] = cand.tokens_per_s, cand.tie, cand.ttft, cand.decode
       prefill[c], backlog[c] = cand.prefill or 0, cand.backlog or 0
+      bcost[c] = (cand.batch_cost or 0) > 0 and cand.batch_cost or req.batch_cost
       evicts[c] = session ~= nil and session_window > 0 and other_sessions_fill(at[c])
     end
   end
@@ -269,7 +271,7 @@ local function expected(c, cached)
   local evicted = evicts[c] and prefill[c] or 0
   local waits = prefill[c] > 0 and 0 or m * ttft[c]
   return backlog[c] + waits + uncached_prefill(c, cached) + evicted
-    + decode[c] * (1 + req.batch_cost * m)
+    + decode[c] * (1 + bcost[c] * m)
 end
 
 -- the share of the prompt `owner` holds cached: a prefix's own share; a session's, the largest share of the

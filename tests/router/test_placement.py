@@ -154,9 +154,10 @@ def test_a_mixed_pool_sends_requests_to_the_fast_mac_while_it_answers_sooner(poo
 # --- the choice itself, in the admission script (in-process, real Redis) ------------------------------------
 
 def _doc(node_id: str, cap: int, speed: float | None = None, running: float | None = None,
-         ttft_ms: float | None = None) -> NodeDoc:
+         ttft_ms: float | None = None, depth: float | None = None) -> NodeDoc:
     return NodeDoc(node_id=node_id, url="http://unused", models=["m"], capacity=cap, state="ready",
-                   slot_tokens_per_s=speed, slot_concurrency=running, ttft_p50_ms=ttft_ms)
+                   slot_tokens_per_s=speed, slot_concurrency=running, ttft_p50_ms=ttft_ms,
+                   prefill_depth=depth)
 
 
 class Script:
@@ -207,6 +208,26 @@ def test_a_fast_mac_yields_once_its_batch_makes_it_the_slower_answer(script: Scr
     script.node(_doc("fast", 16, speed=90.0, running=1), busy=7)
     script.node(_doc("slow", 16, speed=45.0, running=1))
     assert script.ask("r1", "fastest") == "slow"
+
+
+@pytest.mark.parametrize(("depth", "chosen"), [(300, "busy"), (30_000, "idle")])
+def test_a_mac_decoding_deep_contexts_yields_sooner(script: Script, depth: int, chosen: str) -> None:
+    # the same measured speeds: on chat prompts (300 tokens deep) the busier Mac, faster a slot, still answers
+    # sooner with a fourth request; where every sequence holds a coding agent's 30K tokens, each one in the
+    # batch reads its KV cache at every step, and a fourth slows the busy Mac's slots past the idle one's
+    script.node(_doc("busy", 8, speed=30.0, running=3, depth=depth), busy=3)
+    script.node(_doc("idle", 8, speed=25.0, running=1, depth=depth))
+    assert script.ask("r1", "fastest") == chosen
+
+
+def test_a_batch_costs_more_the_deeper_its_sequences() -> None:
+    from router.placement import DECODE_DEPTH_SCALE, batch_cost
+
+    assert batch_cost(None) == batch_cost(0) == BATCH_COST
+    assert batch_cost(DECODE_DEPTH_SCALE) == pytest.approx(BATCH_COST + 1)
+    assert STRATEGIES["fastest"](_doc("n", 4, speed=30.0, running=2, depth=22_000), 100).batch_cost == (
+        pytest.approx(BATCH_COST + 22_000 / DECODE_DEPTH_SCALE))
+    assert STRATEGIES["least-utilised"](_doc("n", 4, speed=30.0, running=2), 100).batch_cost == 0
 
 
 def test_a_mac_whose_prompts_are_slow_yields_to_an_idle_slower_one(script: Script) -> None:
