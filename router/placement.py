@@ -36,9 +36,9 @@ from macpool.store import Candidate
 Placement = Literal["fastest", "least-utilised"]
 BATCH_COST = 0.175  # each request in a decode batch slows every slot's step by this share of a lone step
 # ... and by as much again per this many tokens its sequence holds: a decode step reads every sequence's KV
-# cache besides the weights (llama.cpp's M2 Ultra tg32 row by depth against its batched-bench steps, 0.28 ms
-# per 1,000 tokens against 6.8-9.6 ms for the weights: 24-34K tokens, docs/simulator.md; the smaller chips'
-# 18-21K make it shallower, so this errs on the side of deep batches being slow)
+# cache besides the weights, and a sequence this deep reads about as many bytes of it as the step reads of
+# weights (llama.cpp's M2 Ultra measurements by depth and batch, docs/simulator.md; chips with less bandwidth
+# for their weights reach it sooner, so this errs on the side of deep batches being slow)
 DECODE_DEPTH_SCALE = 22000
 # a prompt token this deep in its prompt costs twice one at its start: attention grows with the depth, the
 # weights do not (Qwen3-Coder-30B-A3B on Metal, docs/simulator.md; a dense model's is deeper, so this errs on
