@@ -48,8 +48,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -279,6 +281,23 @@ def sim_stats(urls: list[str]) -> list[dict[str, Any]]:
     return [httpx.get(url + "/sim/stats", timeout=10).json() for url in urls]
 
 
+def stats_after(urls: list[str], start: list[dict[str, Any]], seconds: float, stop: threading.Event
+                ) -> list[dict[str, Any]] | None:
+    """The simulators' stats once each one's clock has run ``seconds`` past its ``start`` stats (None:
+    ``stop`` was set first)."""
+    while not stop.wait(0.2):
+        now = sim_stats(urls)
+        if all(s["sim_time_s"] - b["sim_time_s"] >= seconds for s, b in zip(now, start, strict=True)):
+            return now
+    return None
+
+
+def busy_share(start: dict[str, Any], end: dict[str, Any]) -> float | None:
+    """The share of the simulated time between two of a simulator's stats it spent stepping."""
+    span = end["sim_time_s"] - start["sim_time_s"]
+    return round((end["busy_time_s"] - start["busy_time_s"]) / span, 3) if span > 0 else None
+
+
 def until_idle(urls: list[str], say: Say) -> None:
     """Until no simulator runs or defers a task (a peer may let a cut request run on)."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
@@ -298,8 +317,15 @@ def measure(name: str, url: str, sims: list[str], lanes: list[list[Session]], sh
     for sim in sims:
         httpx.post(sim + "/sim/reset", timeout=10)
     before, wall0 = sim_stats(sims), time.monotonic()
-    outcome = asyncio.run(drive(url, lanes, shapes, c.workload, run, c.speed, c.duration_s))
-    after, wall = sim_stats(sims), time.monotonic() - wall0
+    with ThreadPoolExecutor(1) as pool:
+        stop = threading.Event()
+        at_warmup = pool.submit(stats_after, sims, before, c.warmup_s, stop)
+        try:
+            outcome = asyncio.run(drive(url, lanes, shapes, c.workload, run, c.speed, c.duration_s))
+        finally:
+            stop.set()
+        after, wall = sim_stats(sims), time.monotonic() - wall0
+        mid = at_warmup.result() or before
     pairs = list(zip(before, after, strict=True))
     scale = statistics.mean(b["sim_time_s"] - a["sim_time_s"] for a, b in pairs) / wall
     records = [in_sim(r, scale) for r in outcome.records]
@@ -310,6 +336,7 @@ def measure(name: str, url: str, sims: list[str], lanes: list[list[Session]], sh
         "speed_achieved": round(scale, 3),
         "completed_by_mac": {mac.name: b["completed"] for mac, b in zip(MACS, after, strict=True)},
         "failed_tasks_by_mac": {mac.name: b["failed"] for mac, b in zip(MACS, after, strict=True)},
+        "busy_by_mac": {mac.name: busy_share(m, b) for mac, m, b in zip(MACS, mid, after, strict=True)},
         "prompt_tokens_processed": sum(b["prompt_tokens_total"] - a["prompt_tokens_total"] for a, b in pairs),
     }
     say(f"run {run} {name}: {summary['turns_completed']} turns, TTFT p50 {summary['ttft_p50_s']} s "
@@ -529,6 +556,8 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = summarise([r["_window"] for r in runs])
     out["completed_by_mac"] = {mac.name: sum(r["completed_by_mac"][mac.name] for r in runs) for mac in MACS}
     out["prompt_tokens_processed"] = sum(r["prompt_tokens_processed"] for r in runs)
+    out["busy_by_mac"] = {mac.name: _round(statistics.mean(r["busy_by_mac"][mac.name] or 0.0 for r in runs),
+                                           3) for mac in MACS}
     out["speed_achieved"] = [r["speed_achieved"] for r in runs]
     return out | {"by_run": [_brief(r) for r in runs]}
 
@@ -553,14 +582,15 @@ def table(result: dict[str, Any]) -> Table:
     t = Table(title="coding-agent sessions on a mixed pool (simulated seconds)")
     for column in ("router", "TTFT p50 s", "TTFT p99 s", "turns/min", "turns done", "context errors",
                    "other errors (out of cells)", "refused", "cache hit", "sessions",
-                   "done m2pro/m4max/m2ultra"):
+                   "done m2pro/m4max/m2ultra", "busy m2pro/m4max/m2ultra"):
         t.add_column(column)
     for name, r in result["routers"].items():
         t.add_row(name, _num(r["ttft_p50_s"]), _num(r["ttft_p99_s"]), _num(r["turns_per_min"]),
                   str(r["turns_completed"]), str(r["context_errors"]),
                   f"{r['other_errors']} ({r['out_of_cells']})", str(r["refused"]),
                   _num(r["cache_hit_ratio"], 3), str(r["sessions_started"]),
-                  "/".join(str(v) for v in r["completed_by_mac"].values()))
+                  "/".join(str(v) for v in r["completed_by_mac"].values()),
+                  "/".join(_num(v) for v in r["busy_by_mac"].values()))
     return t
 
 

@@ -108,6 +108,10 @@ def test_agents_bench_tiny(tmp_path: Path) -> None:
     assert mine["turns_completed"] > 0 and mine["context_errors"] == mine["other_errors"] == 0, mine
     assert 0 < mine["ttft_p50_s"] <= mine["ttft_p99_s"]
     assert 0 <= mine["cache_hit_ratio"] <= 1
+    # each Mac's share of the measured window spent stepping: the sessions ran somewhere
+    assert set(mine["busy_by_mac"]) == {mac.name for mac in agents.MACS}
+    assert all(0 <= share <= 1 for share in mine["busy_by_mac"].values()), mine["busy_by_mac"]
+    assert max(mine["busy_by_mac"].values()) > 0, mine["busy_by_mac"]
     # the second turn of a session finds its history in the slot that served the first
     turns = data["runs"][0]["turns"]
     assert any(t["turn"] == 1 and t["cached_tokens"] > 20_000 for t in turns), turns
