@@ -34,9 +34,10 @@ Per router: turn TTFT p50 and p99 (simulated seconds from a turn's first request
 a turn still waiting at the end counts its wait so far), completed turns per minute, context errors (a 400
 for a prompt over a Mac's context), other errors (out of KV cells, 5xx, broken streams), refusals (429, 503,
 529, retried), and the share of prompt tokens read from a cache (the answers' ``cached_tokens`` /
-``cache_read_input_tokens``). The bounds: each turn alone on an idle M2 Ultra whose slot holds the session's
-history (the least TTFT any router can give it), and every lane's turns at that pace (the most turns a
-minute any router can complete).
+``cache_read_input_tokens``); and each Mac's busy share (the part of the measured window its simulator spent
+stepping: whether the pool had room for more). The bounds: each turn alone on an idle M2 Ultra whose slot
+holds the session's history (the least TTFT any router can give it), and every lane's turns at that pace
+(the most turns a minute any router can complete).
 """
 
 from __future__ import annotations
@@ -559,10 +560,15 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = summarise([r["_window"] for r in runs])
     out["completed_by_mac"] = {mac.name: sum(r["completed_by_mac"][mac.name] for r in runs) for mac in MACS}
     out["prompt_tokens_processed"] = sum(r["prompt_tokens_processed"] for r in runs)
-    out["busy_by_mac"] = {mac.name: _round(statistics.mean(r["busy_by_mac"][mac.name] or 0.0 for r in runs),
-                                           3) for mac in MACS}
+    out["busy_by_mac"] = {mac.name: _mean([r["busy_by_mac"][mac.name] for r in runs]) for mac in MACS}
     out["speed_achieved"] = [r["speed_achieved"] for r in runs]
     return out | {"by_run": [_brief(r) for r in runs]}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the values measured (None: none was)."""
+    known = [v for v in values if v is not None]
+    return round(statistics.mean(known), 3) if known else None
 
 
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
