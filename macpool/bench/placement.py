@@ -9,8 +9,10 @@ model name), each behind its agent capped at its slots. In front of the same thr
 
 First each Mac alone at its cap (the knees, measured together on their own simulators); then, at each load
 level (closed-loop streaming clients, ``--levels`` times the pool's capacity), each router for
-``--duration`` simulated seconds; at the lowest level macpool also with ``--placement least-utilised`` (a
-second router on the same pool). Answers vary in length (``--spread``). macpool's routers queue a request
+``--duration`` simulated seconds (below 1x ``--light-duration``, three times as long by default: with fewer
+clients than slots, goodput rests on which Mac a handful of long answers land on, so a short run's figure
+swings more than the target's margin); at the lowest level macpool also with ``--placement least-utilised``
+(a second router on the same pool). Answers vary in length (``--spread``). macpool's routers queue a request
 until a slot frees (``--queue-size 128 --queue-timeout 30``); a client answered 429, 502 or 503 tries again
 50 ms later, and the answer it gets is timed from its first try.
 
@@ -223,9 +225,11 @@ def per_mac(urls: list[str]) -> dict[str, dict[str, int]]:
 
 
 def run(
-    c: Conditions, levels: list[float], logs: Path, console: Console, install: bool = True
+    c: Conditions, levels: list[float], logs: Path, console: Console, install: bool = True,
+    light_duration_s: float | None = None,
 ) -> dict[str, Any]:
     nginx_bin, litellm_bin = ensure_nginx(install), ensure_litellm(install)
+    light_s = light_duration_s or 3 * c.duration_s
     sims_all = [mac.name for mac in MACS]
     with Stack(logs=logs, keep_logs=True) as stack:
         sims = start_sims(stack, c.speed)
@@ -261,19 +265,20 @@ def run(
             best, split = best_split(curve, clients)
             console.print(f"{level:g}x ({clients} clients): the best split {split} makes {best} tok/s")
             runs: dict[str, dict[str, Any]] = {}
+            at = c if level >= 1 else replace(c, duration_s=light_s)
             order = dict(routers)
             if level == min(levels):
                 order["macpool least-utilised"] = least.url
             for name, url in order.items():
                 console.print(f"{level:g}x ({clients} clients): {name} ...")
-                result = asyncio.run(drive(f"{name} {level:g}x", [url], urls, c, clients, MODEL, PAUSE_ON))
+                result = asyncio.run(drive(f"{name} {level:g}x", [url], urls, at, clients, MODEL, PAUSE_ON))
                 runs[name] = asdict(result) | {
                     "goodput_ratio": round(result.throughput_tok_s / knee_sum, 3) if knee_sum else None,
                     "best_ratio": round(result.throughput_tok_s / best, 3) if best else None,
                     **per_mac(urls),
                 }
-            out_levels.append({"level": level, "clients": clients, "best_tok_s": best, "best_split": split,
-                               "runs": runs})
+            out_levels.append({"level": level, "clients": clients, "duration_s": at.duration_s,
+                               "best_tok_s": best, "best_split": split, "runs": runs})
     return {
         "target": check(out_levels),
         "macs": [asdict(mac) for mac in MACS],
@@ -284,7 +289,8 @@ def run(
                    for name, points in curve.items()},
         "ttft_p50_alone_s": alone,
         "levels": out_levels,
-        "conditions": asdict(c) | {"levels": levels, "router_flags": list(ROUTER_FLAGS), "macs": sims_all},
+        "conditions": asdict(c) | {"light_duration_s": light_s, "levels": levels,
+                                    "router_flags": list(ROUTER_FLAGS), "macs": sims_all},
     }
 
 
@@ -334,6 +340,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="macpool bench placement", description=__doc__.split("\n")[0])
     p.add_argument("--levels", default="0.5,1,2,4", help="load levels, times the pool's capacity")
     p.add_argument("--duration", type=float, default=80.0, help="simulated seconds of load per run")
+    p.add_argument("--light-duration", type=float,
+                   help="simulated seconds of load per run below 1x (default: three times --duration)")
     p.add_argument("--speed", type=float, default=2.0, help="simulator speed-up")
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=128, help="mean answer length")
@@ -343,6 +351,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", type=Path, help="write the JSON result here (default: stdout)")
     args = p.parse_args(argv)
     levels = sorted(float(x) for x in args.levels.split(","))
+    if args.light_duration is not None and not args.light_duration > 0:
+        p.error("--light-duration must be above 0")
     if not 0 <= args.spread < 1:
         p.error("--spread must be at least 0 and below 1")
     c = Conditions(prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, spread=args.spread,
@@ -350,7 +360,8 @@ def main(argv: list[str]) -> int:
     console = Console(stderr=True)
     logs = Path(tempfile.mkdtemp(prefix="macpool-bench-placement-"))
     try:
-        result = run(c, levels, logs, console, install=not args.skip_install)
+        result = run(c, levels, logs, console, install=not args.skip_install,
+                     light_duration_s=args.light_duration)
     except PeerError as exc:
         print(f"macpool bench placement: {exc}", file=sys.stderr)
         return 1

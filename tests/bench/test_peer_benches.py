@@ -57,9 +57,10 @@ def test_peers(tmp_path: Path) -> None:
 @needs_peers
 def test_placement(tmp_path: Path) -> None:
     data = run_bench(tmp_path, "placement", "--skip-install", "--levels", "0.25", "--duration", "8",
-                     "--speed", "4", "--prompt-tokens", "128", "--max-tokens", "32")
+                     "--light-duration", "6", "--speed", "4", "--prompt-tokens", "128", "--max-tokens", "32")
     assert set(data["knees"]) == {"m5max", "m2pro", "m4max"} and positive(data["knee_sum_tok_s"])
     (level,) = data["levels"]
+    assert level["duration_s"] == data["conditions"]["light_duration_s"] == 6  # below 1x
     assert set(level["runs"]) == {"macpool", "litellm", "nginx", "macpool least-utilised"}
     for name, run in level["runs"].items():
         # A peer's own errors are what the bench reports about that peer; only macpool's runs
