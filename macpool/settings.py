@@ -63,6 +63,19 @@ def _origins(value: str) -> str:
 Origins = Annotated[str, AfterValidator(_origins)]
 
 
+def _hosts(value: str) -> str:
+    """Comma-separated host names (``macpool.lan``; ``*.example.com``: any name under it), no port."""
+    for host in filter(None, (h.strip() for h in value.split(","))):
+        name = host.removeprefix("*.")
+        if not name or any(c in name for c in "/:*@ []") or name.startswith(".") or name.endswith("."):
+            raise ValueError(f"{host!r} is not a host name: a name (macpool.lan) or *.domain "
+                             "(*.example.com), without scheme or port")
+    return value
+
+
+Hosts = Annotated[str, AfterValidator(_hosts)]
+
+
 def network_list(value: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     """Comma-separated CIDRs (``10.0.0.0/8,fc00::/7``; a bare address is its own /32 or /128)."""
     networks = []

@@ -390,7 +390,8 @@ def create_app(settings: Settings) -> Starlette:
     router = Router(settings)
     app = Starlette(
         routes=router.routes(),
-        middleware=[Middleware(OriginGuard, allowed=settings.cors_origins), Middleware(TrailingSlash)],
+        middleware=[Middleware(OriginGuard, allowed=settings.cors_origins, hosts=settings.allowed_hosts),
+                    Middleware(TrailingSlash)],
         lifespan=router.lifespan,
         exception_handlers=exception_handlers("router", log),
     )

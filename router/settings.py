@@ -15,7 +15,7 @@ from pydantic_settings import SettingsConfigDict
 from macpool.credentials import check_secret, exposed_without_auth, is_loopback, read_secret
 from macpool.scaling import MinNodes, ScalePolicy
 from macpool.serving import check_tls_files
-from macpool.settings import CommandSettings, ConfigError, Networks, Origins, RedisUrl, UserPath
+from macpool.settings import CommandSettings, ConfigError, Hosts, Networks, Origins, RedisUrl, UserPath
 from macpool.store import DEFAULT_PREFIX
 from router.aliases import AliasTable
 
@@ -273,6 +273,13 @@ class _Serving(CommandSettings):
         description="browser origins allowed to call the API, comma-separated (https://chat.example.com), "
         "or * for any (unset: no CORS); a request from any other browser origin but the router's own is "
         "refused (403)",
+    )
+    allowed_hosts: Hosts | None = Field(
+        default=None,
+        description="host names the router answers to, comma-separated (macpool.lan, *.example.com: any "
+        "name under it); a request whose Host is another name is refused (400), which stops a web page "
+        "that rebinds its own name to the router's address (IP addresses and localhost always pass; "
+        "unset: any host)",
     )
 
     @model_validator(mode="after")
