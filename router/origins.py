@@ -61,8 +61,11 @@ class OriginGuard:
 
     def serves(self, host: str) -> bool:
         """Whether ``host`` (a ``Host`` header: name or address, and maybe a port) is one the router answers
-        to: an address, localhost, a listed name or a name under a listed ``*.domain``."""
+        to: an address, localhost, a listed name or a name under a listed ``*.domain``; or none at all, which
+        no browser sends (a balancer's HTTP/1.0 health check does)."""
         name = urlsplit("//" + host).hostname or ""  # lower case, without port or IPv6 brackets
+        if not name:
+            return True
         try:
             ipaddress.ip_address(name)
             return True

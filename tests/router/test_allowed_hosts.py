@@ -45,10 +45,10 @@ def test_a_page_rebinding_its_name_to_the_router_is_refused_and_the_routers_name
             assert "--allowed-hosts" in refused.text and "Traceback" not in refused.text
         assert send("pool.example").status_code == 400  # *.pool.example is the names under it
         assert send(f"macpool.lan.{PAGE}").status_code == 400
-        assert send("").status_code == 400
 
         for host in (f"macpool.lan:{port}", "MacPool.LAN", f"mac1.pool.example:{port}", f"127.0.0.1:{port}",
-                     "[::1]", "192.168.1.20:8080", "localhost", f"localhost:{port}"):
+                     "[::1]", "192.168.1.20:8080", "localhost", f"localhost:{port}",
+                     ""):  # (no name: no browser sends that; HAProxy's HTTP/1.0 health check does)
             answered = send(host)
             assert answered.status_code == 200, (host, answered.text)
         page = send(f"macpool.lan:{port}", "/dashboard", Origin=f"http://macpool.lan:{port}")
