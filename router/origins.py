@@ -46,7 +46,7 @@ class OriginGuard:
                 await response(scope, receive, send)
                 return
             origin = headers.get("origin")
-            if origin is not None and not self.allows(origin, headers.get("host", "")):
+            if origin is not None and not self.allows(origin, host):
                 response = refusal(scope["path"], origin)
                 await response(scope, receive, send)
                 return
@@ -57,7 +57,6 @@ class OriginGuard:
             return True
         netloc = urlsplit(origin).netloc
         return bool(netloc) and netloc.lower() == host.lower()  # the router's own page
-
 
     def serves(self, host: str) -> bool:
         """Whether ``host`` (a ``Host`` header: name or address, and maybe a port) is one the router answers

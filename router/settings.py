@@ -278,8 +278,8 @@ class _Serving(CommandSettings):
         default=None,
         description="host names the router answers to, comma-separated (macpool.lan, *.example.com: any "
         "name under it); a request whose Host is another name is refused (400), which stops a web page "
-        "that rebinds its own name to the router's address (IP addresses and localhost always pass; "
-        "unset: any host)",
+        "that rebinds its own name to the router's address (IP addresses, localhost and a request naming "
+        "no host always pass; unset: any host)",
     )
 
     @model_validator(mode="after")
