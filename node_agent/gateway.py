@@ -13,7 +13,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import httpx
@@ -91,13 +91,14 @@ class ProxyResponse(relay.Relay):
 
     def __init__(
         self, upstream: http.Response, runtime: Runtime, started: float, endpoint: str,
-        release: Callable[[], None] | None,
+        release: Callable[[bool], None] | None,
     ) -> None:
         api = APIS.get(endpoint)  # GET /v1/models is in no API of the table: OpenAI's framing
         super().__init__(upstream, _response_headers(upstream), api.dialect if api is not None else "chat")
         self._runtime = runtime
         self._started = started
         self._held = release  # gives back what counts against a cap until the response ends (None: nothing)
+        self._ended = False  # llama-server's answer was read to its end
         self._clock = AnswerClock()
         runtime.metrics.requests.labels(endpoint, str(upstream.status)).inc()
 
@@ -108,6 +109,7 @@ class ProxyResponse(relay.Relay):
                 self._runtime.note_ttft(at - self._started)
 
     def completed(self) -> None:
+        self._ended = True
         if self.streaming and self.status_code == 200:
             concurrency = (self._clock.running + self._runtime.in_flight) / 2
             self._runtime.note_decode(self._clock.gaps, concurrency)
@@ -119,7 +121,7 @@ class ProxyResponse(relay.Relay):
     async def finish(self) -> None:
         held, self._held = self._held, None
         if held is not None:
-            held()
+            held(self._ended)
 
 
 class Gateway:
@@ -132,7 +134,8 @@ class Gateway:
         self._timeouts = http.timeouts(settings.connect_timeout, settings.read_timeout, settings.read_timeout)
         self._token = settings.router_token()
         self._slots = SlotNames(settings.session_ttl)
-        self._finding: set[asyncio.Task[None]] = set()  # _find_slot, one per request of unknown slot
+        # _find_slot, one per request of unknown slot, and _look_at_slots after a request ended early
+        self._finding: set[asyncio.Task[None]] = set()
 
     def _authorized(self, request: Request) -> bool:
         return token_given(request, self._token)
@@ -208,15 +211,15 @@ class Gateway:
         claim, findable = self._slot(request, endpoint, body, wanted)
         finding = None
         if findable and self._slots.unknown(claim):
-            finding = asyncio.create_task(self._find_slot(claim))  # ends when found, else at release
-            self._finding.add(finding)
-            finding.add_done_callback(self._finding.discard)
+            finding = self._track(self._find_slot(claim))  # ends when found, else at release
 
-        def release() -> None:
+        def release(ended: bool) -> None:
             self.runtime.release(slots)
             if finding is not None:
                 finding.cancel()
-            self._slots.give_back(claim)
+            self._slots.give_back(claim, ended)
+            if findable and self._slots.ended_early:
+                self._track(self._look_at_slots())  # before a request in flight is found in a wrong slot
 
         return await self._relay(request, body, parsed, release, claim.slot)
 
@@ -234,21 +237,31 @@ class Gateway:
             self.runtime.metrics.slot_choices.labels(claim.why).inc()
         return claim, True
 
+    def _track(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(work)
+        self._finding.add(task)
+        task.add_done_callback(self._finding.discard)
+        return task
+
     async def _find_slot(self, claim: Claim) -> None:
         """Poll llama-server's ``/slots`` while ``claim`` runs in a slot the agent does not know, until it
         is found (node_agent/slots.py ``observe``): often at first, later while longer than a second."""
-        query = model_query(self.runtime.model)
         pause = 0.05
         while self._slots.unknown(claim):
-            try:
-                answer = await self.runtime.client().get(self.runtime.upstream_url + "/slots" + query,
-                                                         timeout=2.0)
-                if answer.status_code == 200 and self._slots.observe(processing_slots(answer.json())):
-                    self.runtime.metrics.slots_found.inc()
-            except (httpx.HTTPError, ValueError):
-                pass  # llama-server busy, restarting, or with /slots off: the slot stays unknown
+            await self._look_at_slots()
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)
+
+    async def _look_at_slots(self) -> None:
+        """Tell the slot names what llama-server's ``/slots`` says now."""
+        query = model_query(self.runtime.model)
+        try:
+            url = self.runtime.upstream_url + "/slots" + query
+            answer = await self.runtime.client().get(url, timeout=2.0)
+            if answer.status_code == 200 and self._slots.observe(processing_slots(answer.json())):
+                self.runtime.metrics.slots_found.inc()
+        except (httpx.HTTPError, ValueError):
+            pass  # llama-server busy, restarting, or with /slots off: the slot stays unknown
 
     async def light(self, request: Request) -> Response:
         """A light request (token counts, templates, tokenize): holds no generation slot, counts against the
@@ -269,32 +282,36 @@ class Gateway:
         if refusal is not None:
             return refusal
         self.runtime.hold_light()
-        return await self._relay(request, body, None, self.runtime.release_light, prompt=False)
+        return await self._relay(request, body, None, lambda _: self.runtime.release_light(), prompt=False)
 
     async def _relay(
-        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None],
+        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[bool], None],
         slot: int = UNNAMED, prompt: bool = True,
     ) -> Response:
-        """The answer to an admitted request; ``release`` gives back what it holds, once, when it ends.
-        ``prompt``: a request llama-server processes a prompt for in a slot (not a light one)."""
+        """The answer to an admitted request; ``release`` gives back what it holds, once, when it ends, and
+        says whether llama-server finished it. ``prompt``: a request llama-server processes a prompt for in
+        a slot (not a light one)."""
         # llama-server sends its response head only with the first token, so the wait for it covers the
         # prefill (and, passed through, a whole non-streamed generation): the client is watched from here
         guard = Guard(request.receive)
         response: Response | None = None
+        ended = False
         try:
             response = await guard.run(self._forward(request, body, parsed, release, slot, prompt))
             if response is None:
                 response = self._client_gone(request)  # cancelled, the upstream connection is closed
+            else:
+                ended = True  # llama-server answered in full, or never had the request
         finally:
             if isinstance(response, ProxyResponse):
                 response.guard = guard  # the same watch goes on; the response releases when it ends
             else:
                 guard.finish()  # on every other path (an error included: its answer must not be cancelled)
-                release()
+                release(ended)
         return response
 
     async def _forward(
-        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[], None],
+        self, request: Request, body: bytes, parsed: dict[str, Any] | None, release: Callable[[bool], None],
         slot: int, prompt: bool,
     ) -> Response:
         """The upstream's answer to the request: relayed, or assembled from a stream asked for instead."""

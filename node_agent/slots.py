@@ -23,6 +23,13 @@ The agent finds that slot where it can (``observe``): llama-server's ``/slots`` 
 a task, and when one request of unknown slot is in flight and one processing slot is not one of the agent's
 known ones, that slot is the request's. So Claude Code's sessions on Messages are known too: a new Codex
 session does not take the slot of a live one as free, and slots are named again while it runs.
+
+A request that ends before llama-server finished it (its client gone, say) may still run there until
+llama-server's next step, in a slot the agent now takes as free: a task no request of the agent's holds.
+Taken for a new request's, it would give that request the wrong slot, and the slot the request really runs
+in could be named for another while it runs. So the next look at ``/slots`` after such an end takes every
+task it finds in a slot the agent does not know as such a leftover, and finds no slot; a leftover is one no
+more once ``/slots`` no longer lists it. At worst a request that began meanwhile is not found while it runs.
 """
 
 from __future__ import annotations
@@ -67,6 +74,8 @@ class SlotNames:
         self._slots: list[_Slot] = []
         self._unknown: list[Claim] = []  # requests in flight in a slot llama-server chose, not found yet
         self._found_tasks: deque[int] = deque(maxlen=64)  # llama-server's id_task of the slots found
+        self._leftovers: set[int] = set()  # tasks of requests that ended early, as far as the agent can tell
+        self._ended_early = 0  # requests that ended early since the last look at /slots
 
     def take(self, session: str, n_slots: int, name: bool = True) -> Claim:
         """The slot a request of ``session`` runs in. ``name``: the agent may name one (the API reads
@@ -83,7 +92,11 @@ class SlotNames:
             self._hold(claim.slot, session)
         return claim
 
-    def give_back(self, claim: Claim) -> None:
+    def give_back(self, claim: Claim, ended: bool = True) -> None:
+        """``claim``'s request is over. ``ended``: llama-server finished its task (the answer was read to its
+        end, or llama-server never had it); else the task may still run there for a step."""
+        if not ended and claim.found == UNNAMED:  # (a slot found is known by its task)
+            self._ended_early += 1
         if claim in self._unknown:
             self._unknown.remove(claim)
             return
@@ -96,10 +109,16 @@ class SlotNames:
         """What llama-server's ``/slots`` says now: the id of each slot processing a task, with the task's
         id. One request in flight of unknown slot, and one such slot the agent does not know of: it is
         that request's. Whether it found one."""
+        self._leftovers.intersection_update(processing.values())
+        strangers = [i for i, task in processing.items() if 0 <= i < len(self._slots)
+                     and not self._slots[i].busy and task not in self._found_tasks
+                     and task not in self._leftovers]
+        if self._ended_early:
+            self._leftovers.update(processing[i] for i in strangers)
+            self._ended_early = 0
+            return False
         if len(self._unknown) != 1:
             return False
-        strangers = [i for i, task in processing.items() if 0 <= i < len(self._slots)
-                     and not self._slots[i].busy and task not in self._found_tasks]
         if len(strangers) == 1:
             claim = self._unknown.pop()
             claim.found = strangers[0]
@@ -111,6 +130,11 @@ class SlotNames:
     def unknown(self, claim: Claim) -> bool:
         """Whether ``claim`` runs in a slot llama-server chose that the agent has not found."""
         return claim in self._unknown
+
+    @property
+    def ended_early(self) -> bool:
+        """Whether a request ended early since the last look at ``/slots`` (one is worth taking)."""
+        return self._ended_early > 0
 
     @property
     def in_flight(self) -> int:

@@ -107,6 +107,56 @@ def test_a_slot_is_not_guessed_among_several() -> None:
     assert requests.names.observe({3: 6, 0: 8}) and third.where == 0
 
 
+def test_a_task_left_running_by_a_request_that_ended_early_is_taken_for_no_requests() -> None:
+    requests = Requests()
+    requests.take("", 4)  # fills the list of slots
+    requests.back(UNNAMED)
+    gone = requests.names.take("a", 4, name=False)  # its client leaves before llama-server is done
+    requests.names.give_back(gone, ended=False)
+    new = requests.names.take("b", 4, name=False)  # llama-server has not begun it yet
+    # slot 1 still runs the task of the request that ended: not the new one's, now or later
+    assert not requests.names.observe({1: 5})
+    assert not requests.names.observe({1: 5}) and requests.names.unknown(new)
+    assert requests.names.observe({1: 5, 2: 9}) and new.where == 2
+    requests.names.give_back(new)
+    # the leftover is one no more once llama-server no longer lists it: a later request in slot 1 is found
+    assert not requests.names.observe({})
+    later = requests.names.take("c", 4, name=False)
+    assert requests.names.observe({1: 12}) and later.where == 1
+
+
+def test_a_named_slot_given_back_early_may_still_run_its_task() -> None:
+    requests = Requests()
+    named, why = requests.take("a", 4)
+    assert (named, why) == (0, "free")
+    claim = requests.claims.pop()
+    requests.names.give_back(claim, ended=False)  # slot 0 is free to the agent, busy in llama-server
+    new = requests.names.take("b", 4, name=False)
+    assert not requests.names.observe({0: 7})  # task 7 is the ended request's
+    assert requests.names.observe({0: 7, 3: 8}) and new.where == 3
+
+
+def test_a_request_that_ended_in_full_leaves_nothing_behind() -> None:
+    requests = Requests()
+    requests.take("a", 4)
+    requests.back(0)  # its answer was read to its end
+    assert not requests.names.ended_early
+    new = requests.names.take("b", 4, name=False)
+    assert requests.names.observe({0: 7}) and new.where == 0
+
+
+def test_a_found_slot_given_back_early_is_known_by_its_task() -> None:
+    requests = Requests()
+    requests.take("", 4)
+    requests.back(UNNAMED)
+    first = requests.names.take("a", 4, name=False)
+    assert requests.names.observe({2: 6}) and first.where == 2
+    requests.names.give_back(first, ended=False)
+    assert not requests.names.ended_early  # task 6 is known to be first's
+    second = requests.names.take("b", 4, name=False)
+    assert requests.names.observe({2: 6, 3: 10}) and second.where == 3
+
+
 def test_processing_slots_are_read_from_llama_servers_slots_list() -> None:
     listed = [
         {"id": 0, "n_ctx": 1024, "is_processing": False},
