@@ -260,8 +260,10 @@ class Gateway:
             answer = await self.runtime.client().get(url, timeout=2.0)
             if answer.status_code == 200 and self._slots.observe(processing_slots(answer.json())):
                 self.runtime.metrics.slots_found.inc()
-        except (httpx.HTTPError, ValueError):
-            pass  # llama-server busy, restarting, or with /slots off: the slot stays unknown
+        except (httpx.HTTPError, ValueError, RuntimeError):
+            # llama-server busy, restarting, or with /slots off, or the agent stopping (its client closed):
+            # the slot stays unknown
+            pass
 
     async def light(self, request: Request) -> Response:
         """A light request (token counts, templates, tokenize): holds no generation slot, counts against the
