@@ -303,7 +303,9 @@ class Gateway:
             if response is None:
                 response = self._client_gone(request)  # cancelled, the upstream connection is closed
             else:
-                ended = True  # llama-server answered in full, or never had the request
+                # llama-server answered in full, or never had the request; after a 5xx (llama-server gone
+                # or timed out with it, say) its task may still run
+                ended = response.status_code < 500
         finally:
             if isinstance(response, ProxyResponse):
                 response.guard = guard  # the same watch goes on; the response releases when it ends
