@@ -98,7 +98,7 @@ class ProxyResponse(relay.Relay):
         self._runtime = runtime
         self._started = started
         self._held = release  # gives back what counts against a cap until the response ends (None: nothing)
-        self._ended = False  # llama-server's answer was read to its end
+        self._read_in_full = False  # llama-server's answer was read to its end (not the SSE "ended")
         self._clock = AnswerClock()
         runtime.metrics.requests.labels(endpoint, str(upstream.status)).inc()
 
@@ -109,7 +109,7 @@ class ProxyResponse(relay.Relay):
                 self._runtime.note_ttft(at - self._started)
 
     def completed(self) -> None:
-        self._ended = True
+        self._read_in_full = True
         if self.streaming and self.status_code == 200:
             concurrency = (self._clock.running + self._runtime.in_flight) / 2
             self._runtime.note_decode(self._clock.gaps, concurrency)
@@ -121,7 +121,7 @@ class ProxyResponse(relay.Relay):
     async def finish(self) -> None:
         held, self._held = self._held, None
         if held is not None:
-            held(self._ended)
+            held(self._read_in_full)
 
 
 class Gateway:
