@@ -497,11 +497,15 @@ class Floor:
 
     ttft_s: float
     turn_s: float
+    # the least of the Mac's stepping time the turn takes in any batch: its steps without the pass over the
+    # weights each step makes (``decode_t0_ms``), which every request in a batch shares
+    work_s: float
 
 
-def alone(machine: Machine, cached: str, prompt: str, answer_tokens: int) -> Floor:
-    """One request on ``machine`` with one slot holding ``cached``, nothing else running."""
-    engine = Engine(machine, 1, 1 << 20, ServerOptions(cache_ram_mib=0))
+def alone(machine: Machine, cached: str, prompt: str, answer_tokens: int, context: int = 1 << 20) -> Floor:
+    """One request on ``machine`` with one slot of ``context`` tokens holding ``cached``, nothing else
+    running."""
+    engine = Engine(machine, 1, context, ServerOptions(cache_ram_mib=0))
     engine.slots[0].cached = cached
     task = Task(prompt=prompt, n_prompt=tokens.count(prompt), n_predict=answer_tokens)
     engine.submit(task)
@@ -510,7 +514,9 @@ def alone(machine: Machine, cached: str, prompt: str, answer_tokens: int) -> Flo
         engine.step()
         if first is None and task.n_decoded:
             first = engine.sim_time
-    return Floor(ttft_s=(first or engine.sim_time) - task.arrival, turn_s=engine.sim_time - task.arrival)
+    weights_s = machine.decode_t0_ms / 1000 * engine.counters.n_decode_total
+    return Floor(ttft_s=(first or engine.sim_time) - task.arrival, turn_s=engine.sim_time - task.arrival,
+                 work_s=engine.sim_time - task.arrival - weights_s)
 
 
 def prompts(shapes: Shapes, session: Session) -> Iterator[tuple[str, str]]:
@@ -527,8 +533,8 @@ class Floors:
     from the prompt the other sessions of its client share (Codex's instructions and tools; Claude Code's
     differ from the first line)."""
 
-    def __init__(self, shapes: Shapes, machine: Machine) -> None:
-        self.shapes, self.machine = shapes, machine
+    def __init__(self, shapes: Shapes, machine: Machine, context: int = 1 << 20) -> None:
+        self.shapes, self.machine, self.context = shapes, machine, context
         self.shared: dict[str, str] = {}
         for client in CLIENTS:
             two = (Session(0, i, client, 50, (Turn(0, 16, 0.0),)) for i in (1, 2))
@@ -537,10 +543,19 @@ class Floors:
         self.done: dict[int, list[Floor]] = {}
 
     def of(self, session: Session) -> list[Floor]:
-        """The floor of each of ``session``'s turns."""
+        """The floor of each of ``session``'s turns, up to the first that does not fit the context."""
         if session.index not in self.done:
-            self.done[session.index] = [
-                alone(self.machine, held or self.shared[session.client], prompt, turn.answer_tokens)
-                for (held, prompt), turn in zip(prompts(self.shapes, session), session.turns, strict=True)
-            ]
+            floors = self.done[session.index] = []
+            for (held, prompt), turn in zip(prompts(self.shapes, session), session.turns, strict=True):
+                if tokens.count(prompt) + turn.answer_tokens > self.context:
+                    break
+                floors.append(alone(self.machine, held or self.shared[session.client], prompt,
+                                    turn.answer_tokens, self.context))
         return self.done[session.index]
+
+    def moved(self, session: Session, n: int) -> Floor:
+        """Turn ``n`` of ``session`` on a Mac that never served it: a slot holding only the prompt its
+        client's sessions share."""
+        _, prompt = list(prompts(self.shapes, session))[n]
+        return alone(self.machine, self.shared[session.client], prompt, session.turns[n].answer_tokens,
+                     self.context)

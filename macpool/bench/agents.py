@@ -36,8 +36,9 @@ for a prompt over a Mac's context), other errors (out of KV cells, 5xx, broken s
 529, retried), and the share of prompt tokens read from a cache (the answers' ``cached_tokens`` /
 ``cache_read_input_tokens``); and each Mac's busy share (the part of the measured window its simulator spent
 stepping: whether the pool had room for more). The bounds: each turn alone on an idle M2 Ultra whose slot
-holds the session's history (the least TTFT any router can give it), and every lane's turns at that pace
-(the most turns a minute any router can complete).
+holds the session's history (the least TTFT any router can give it); and the most turns a minute any router
+can complete: every lane's turns at that pace, or what the Macs can step (``capacity``: each busy all the
+time, each turn at the least it costs there), whichever is less.
 """
 
 from __future__ import annotations
@@ -439,18 +440,63 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 def bounds(shapes: Shapes, lanes: list[list[Session]], c: Conditions, runs: list[dict[str, Any]]
            ) -> dict[str, Any]:
     """The floors of the turns macpool completed (each alone on an idle M2 Ultra holding its history): the
-    least TTFT p50 and p99 any router can give those turns; and every lane at that pace, the most turns a
-    minute."""
+    least TTFT p50 and p99 any router can give those turns; and the most turns a minute: every lane at that
+    pace, or what the pool's Macs can step (``capacity``), whichever is less."""
     floor = Floors(shapes, load_preset(FASTEST.preset))
     sessions = {s.index: s for lane in lanes for s in lane}
     mine = [r for run in runs if run["router"] == "macpool" for r in run["_window"].measured if r.ok]
     ttfts = [floor.of(sessions[r.session])[r.turn].ttft_s for r in mine]
+    paced = round(_ideal_turns(lanes, floor, c) / ((c.duration_s - c.warmup_s) / 60), 2)
+    pool = capacity(shapes, lanes)
     return {
         "machine": FASTEST.name,
         "ttft_p50_s": _round(pct(ttfts, 50)),
         "ttft_p99_s": _round(pct(ttfts, 99)),
-        "turns_per_min": round(_ideal_turns(lanes, floor, c) / ((c.duration_s - c.warmup_s) / 60), 2),
+        "turns_per_min": min(paced, pool["turns_per_min"]),
+        "turns_per_min_paced": paced,
+        "capacity": pool,
     }
+
+
+def capacity(shapes: Shapes, lanes: list[list[Session]]) -> dict[str, Any]:
+    """The most turns a minute the pool's Macs can complete, whatever the router: each Mac stepping all the
+    time, each turn at the least it costs that Mac (``Floor.work_s``: its history cached, and no step's pass
+    over the weights counted, as if a batch shared it all), over the plan's turns. A Mac that holds every
+    turn of the plan completes 60 over its mean least work a turn. A Mac too small for a whole session (the
+    M2 Pro's 32K) can only start sessions, which then move to a Mac that holds them and process their
+    history there again: it adds the turns the M2 Ultra's seconds it saves would make, at the best rate one
+    client's sessions give on average (M2 Ultra seconds saved, the move's cost taken off, over its own
+    seconds spent; each session leaving after the turns that give it the best rate)."""
+    sessions = [s for lane in lanes for s in lane]
+    floors = {mac.name: Floors(shapes, load_preset(mac.preset), mac.context) for mac in MACS}
+    whole = [mac.name for mac in MACS if all(len(floors[mac.name].of(s)) == len(s.turns) for s in sessions)]
+    work = {name: statistics.fmean(f.work_s for s in sessions for f in floors[name].of(s)) for name in whole}
+    turns = {name: 60 / work[name] for name in whole}
+    ref = floors[FASTEST.name]
+    for mac in MACS:
+        if mac.name in turns:
+            continue
+        best = 0.0
+        for client in {s.client for s in sessions}:
+            rates = [_start_rate(floors[mac.name], ref, s) for s in sessions if s.client == client]
+            best = max(best, statistics.fmean(rates))
+        turns[mac.name] = 60 * best / work[FASTEST.name]
+    return {"turns_per_min": round(sum(turns.values()), 2),
+            "turns_per_min_by_mac": {name: round(v, 2) for name, v in turns.items()},
+            "work_s_per_turn": {name: round(w, 2) for name, w in work.items()}}
+
+
+def _start_rate(small: Floors, ref: Floors, session: Session) -> float:
+    """The most reference-Mac seconds ``session`` saves a second of the small Mac's, serving its first turns
+    there and moving on (0: none)."""
+    mine, theirs = small.of(session), ref.of(session)
+    saved = spent = best = 0.0
+    for k, floor in enumerate(mine):
+        saved, spent = saved + theirs[k].work_s, spent + floor.work_s
+        after = k + 1
+        move = ref.moved(session, after).work_s - theirs[after].work_s if after < len(theirs) else 0.0
+        best = max(best, (saved - move) / spent)
+    return best
 
 
 def _ideal_turns(lanes: list[list[Session]], floor: Floors, c: Conditions) -> int:
@@ -537,7 +583,7 @@ def run(c: Conditions, logs: Path, say: Say, install: bool = True) -> dict[str, 
                 result = measure(name, targets_by_name[name], urls, lanes, shapes, c, len(runs), say)
                 runs.append(result | {"router": name, "round": round_ + 1})
         until_idle(urls, say)
-    say("bounds: each turn alone on an idle M2 Ultra ...")
+    say("bounds: each turn alone on an idle M2 Ultra, and the least each costs each Mac ...")
     bound = bounds(shapes, lanes, c, runs) if "macpool" in c.routers else None
     routers = {name: pooled([r for r in runs if r["router"] == name]) for name in names}
     return {
@@ -614,6 +660,12 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         lines.append(f"{key}: macpool {entry['macpool']} vs best peer {entry['best_peer']} {entry['peer']}: "
                      f"{entry['ratio']}x (target {entry['target']}x): {'met' if entry['met'] else 'MISSED'}"
                      f"{possible}")
+    pool = (result.get("bounds") or {}).get("capacity")
+    if pool:
+        macs = ", ".join(f"{name} {v}" for name, v in pool["turns_per_min_by_mac"].items())
+        work = ", ".join(f"{name} {v} s" for name, v in pool["work_s_per_turn"].items())
+        lines.append(f"the Macs can step at most {pool['turns_per_min']} turns a minute ({macs}; "
+                     f"least work a turn: {work})")
     return lines
 
 

@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 
 from macpool.bench import agents, placement
-from macpool.bench.agent_sessions import PATHS, REAL_FIRST_TURN_TOKENS, Shapes, Workload, plan, sim_prompt
+from macpool.bench.agent_sessions import (
+    PATHS,
+    REAL_FIRST_TURN_TOKENS,
+    Floors,
+    Shapes,
+    Workload,
+    plan,
+    sim_prompt,
+)
 from macpool.sim import tokens
 from macpool.sim.machine import load_preset
 from node_agent import sizing
@@ -44,6 +52,28 @@ def test_sessions_are_coding_agent_turns_growing_by_turn() -> None:
         assert shapes.session_id(session, 0) != shapes.session_id(session, 1)
         a, b = (sim_prompt(r.path, r.body) for r in (this, other))
         assert tokens.common_prefix_tokens(a, b) < 1000
+
+
+def test_the_pools_capacity_counts_each_mac_at_the_least_its_turns_cost() -> None:
+    shapes = Shapes(agents.MODEL)
+    lanes = plan(Workload(lanes=2, seed=3, turns=(4, 6)), sessions_per_lane=2)
+    pool = agents.capacity(shapes, lanes)
+    by_mac, work = pool["turns_per_min_by_mac"], pool["work_s_per_turn"]
+    # the M4 Max and the M2 Ultra hold whole sessions; the M2 Ultra's steps are the quicker
+    assert set(work) == {"m4max", "m2ultra"} and work["m2ultra"] < work["m4max"], pool
+    assert by_mac["m2ultra"] == round(60 / work["m2ultra"], 2)
+    # the M2 Pro (32K) can only start sessions that then move: at under a third of the M2 Ultra's prompt
+    # speed, it saves less than a third of what the M2 Ultra completes
+    assert 0 <= by_mac["m2pro"] < by_mac["m2ultra"] / 3, pool
+    assert pool["turns_per_min"] == pytest.approx(sum(by_mac.values()), abs=0.02)
+    # a turn's least work is its time alone less the weights' pass of each step, which a batch shares
+    session = lanes[0][0]
+    machine = load_preset(agents.FASTEST.preset)
+    for floor in Floors(shapes, machine).of(session):
+        assert 0 < floor.work_s < floor.turn_s
+    # a move to a Mac that never served the session processes its history again
+    later = Floors(shapes, machine)
+    assert later.moved(session, 2).work_s > later.of(session)[2].work_s
 
 
 def figures(ttft_p50: float, ttft_p99: float, turns: float, context_errors: int = 0) -> dict[str, Any]:
@@ -119,4 +149,6 @@ def test_agents_bench_tiny(tmp_path: Path) -> None:
     for key in ("ttft_p50_s", "ttft_p99_s", "turns_per_min"):
         entry = data["targets"][key]
         assert entry["best_peer"] == "nginx-least-conn" and isinstance(entry["met"], bool), entry
-    assert data["bounds"]["ttft_p50_s"] > 0 and data["bounds"]["turns_per_min"] > 0
+    bound = data["bounds"]
+    assert bound["ttft_p50_s"] > 0 and bound["turns_per_min"] > 0
+    assert bound["turns_per_min"] == min(bound["turns_per_min_paced"], bound["capacity"]["turns_per_min"])
