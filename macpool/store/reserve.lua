@@ -343,23 +343,31 @@ end
 
 -- prefix affinity: the session's node, else the node that served the longest known prefix, unless it is much
 -- busier (SGLang's rule). Where placement weighed each node with the prefill its cache saves (choose), that
--- is the choice, and the outcome only says whether it is the owner's. Returns the outcome ('' without
--- prefixes, hit, miss or overridden) and the node preferred (kept with a queued request); `best` moves there
--- on a hit.
+-- is the choice, except that a session still stays on its node while that node can take it and is not much
+-- busier; the outcome says whether the choice is the owner's. Returns the outcome ('' without prefixes, hit,
+-- miss or overridden) and the node preferred (kept with a queued request); `best` moves there on a hit.
 local function apply_affinity(best, open, owners)
   if #prefixes == 0 then return '', '' end
   local outcome, pref = 'miss', ''
   for i = 1, #prefixes do
     local owner = owners[i]
     if owner and pref == '' and known[owner] then pref = owner end
+    local o = owner and open[owner]
+    local busier = o and best and at[o].n - best.n >= req.affinity_abs
+      and at[o].n / at[o].cap > best.util * req.affinity_rel
     if owner and best and best.weighed then
+      -- a session stays on its node while that node can take it and is not much busier: a move processes
+      -- its history again there, holding every stream on that node meanwhile, and leaves the sessions as
+      -- they were; a moment's backlog at home passes
+      if i == 1 and session and o and o ~= best.c and not busier then
+        place(best, o)
+        best.util, best.cached = at[o].n / at[o].cap, cached_share(i, owner, owners)
+        best.cost = expected(o, best.cached)
+      end
       outcome = best.id == owner and 'hit' or 'overridden'
       break
     end
     if owner and best then
-      local o = open[owner]
-      local busier = o ~= nil and at[o].n - best.n >= req.affinity_abs
-        and at[o].n / at[o].cap > best.util * req.affinity_rel
       if o == nil then
         outcome = 'overridden'  -- full, gone or not a candidate: a shorter prefix may live elsewhere
       elseif busier then

@@ -308,6 +308,31 @@ def test_a_turn_does_not_wait_for_a_node_holding_none_of_it_too_small_or_sharing
     assert placed(_session_turn(store, "shared", 0.9)) == ("reserved", "b")
 
 
+def test_a_session_stays_on_its_node_through_a_backlog_there_until_that_node_is_much_busier(
+        store: Store) -> None:
+    def turn(rid: str) -> Reservation:
+        # a holds the session's history (0.9 of its prompt); a minute of other prompts is queued there
+        candidates = [Candidate("a", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=20.0, backlog_s=60.0),
+                      Candidate("b", 10.0, ttft_s=1.0, decode_s=2.0, prefill_s=20.0)]
+        return store.ask(rid, candidates, prefixes=("s-one", "history"), prefix_shares=(-1.0, 0.9),
+                         batch_cost=0.175, prompt_tokens=30_000)
+
+    store.node("a", 8)
+    store.node("b", 8)
+    store.r.hset(KEYS.affinity, mapping={"s-one": "a", "history": "a"})
+    # b would answer sooner, its whole history processed again there (about 22 s against a's 64 s), holding
+    # b's streams as long: a's backlog passes, the session stays
+    stays = turn("stays")
+    assert placed(stays) == ("reserved", "a") and stays.cached == pytest.approx(0.9)
+    assert stays.affinity == "hit"
+    store.release("stays", "a")
+    # a much busier (4 requests more than b, and over 1.5 times b's share of its slots): the session moves
+    for i in range(4):
+        store.ask(f"busy-{i}", ["a"])
+    moves = turn("moves")
+    assert placed(moves) == ("reserved", "b") and moves.affinity == "overridden"
+
+
 def test_a_new_session_goes_where_it_evicts_no_other_sessions_cache(store: Store) -> None:
     window = 300_000
 
