@@ -37,8 +37,8 @@ for a prompt over a Mac's context), other errors (out of KV cells, 5xx, broken s
 ``cache_read_input_tokens``); and each Mac's busy share (the part of the measured window its simulator spent
 stepping: whether the pool had room for more). The bounds: each turn alone on an idle M2 Ultra whose slot
 holds the session's history (the least TTFT any router can give it); and the most turns a minute any router
-can complete: every lane's turns at that pace, or what the Macs can step (``capacity``: each busy all the
-time, each turn at the least it costs there), whichever is less.
+can complete: every lane's turns at that pace, or about what the Macs can step (``capacity``: each busy all
+the time, each turn at the least it costs there on average), whichever is less.
 """
 
 from __future__ import annotations
@@ -441,13 +441,14 @@ def bounds(shapes: Shapes, lanes: list[list[Session]], c: Conditions, runs: list
            ) -> dict[str, Any]:
     """The floors of the turns macpool completed (each alone on an idle M2 Ultra holding its history): the
     least TTFT p50 and p99 any router can give those turns; and the most turns a minute: every lane at that
-    pace, or what the pool's Macs can step (``capacity``), whichever is less."""
+    pace, or about what the pool's Macs can step over the sessions a lane begins at that pace
+    (``capacity``), whichever is less."""
     floor = Floors(shapes, load_preset(FASTEST.preset))
     sessions = {s.index: s for lane in lanes for s in lane}
     mine = [r for run in runs if run["router"] == "macpool" for r in run["_window"].measured if r.ok]
     ttfts = [floor.of(sessions[r.session])[r.turn].ttft_s for r in mine]
     paced = round(_ideal_turns(lanes, floor, c) / ((c.duration_s - c.warmup_s) / 60), 2)
-    pool = capacity(shapes, lanes)
+    pool = capacity(shapes, [_reached(lane, floor, c, i, len(lanes)) for i, lane in enumerate(lanes)])
     return {
         "machine": FASTEST.name,
         "ttft_p50_s": _round(pct(ttfts, 50)),
@@ -458,11 +459,26 @@ def bounds(shapes: Shapes, lanes: list[list[Session]], c: Conditions, runs: list
     }
 
 
+def _reached(sessions: list[Session], floor: Floors, c: Conditions, index: int, lanes: int) -> list[Session]:
+    """The sessions of a lane that begin within the run at the pace of ``floor`` (every router's lane
+    begins no more of them)."""
+    t, out = c.workload.stagger_s * index / max(1, lanes), []
+    for session in sessions:
+        if t >= c.duration_s:
+            break
+        out.append(session)
+        for n, turn in enumerate(session.turns):
+            t += (turn.think_s if n else 0.0) + floor.of(session)[n].turn_s
+        t += session.turns[0].think_s
+    return out
+
+
 def capacity(shapes: Shapes, lanes: list[list[Session]]) -> dict[str, Any]:
-    """The most turns a minute the pool's Macs can complete, whatever the router: each Mac stepping all the
-    time, each turn at the least it costs that Mac (``Floor.work_s``: its history cached, and no step's pass
-    over the weights counted, as if a batch shared it all), over the plan's turns. A Mac that holds every
-    turn of the plan completes 60 over its mean least work a turn. A Mac too small for a whole session (the
+    """About the most turns a minute the pool's Macs can complete, whatever the router: each Mac stepping all
+    the time, each turn of ``lanes`` at the least it costs that Mac on average (``Floor.work_s``: its history
+    cached, and no step's pass over the weights counted, as if a batch shared it all). An average, not a
+    strict bound: a window of a run holds some turns and not others. A Mac that holds every turn completes 60
+    over its mean least work a turn. A Mac too small for a whole session (the
     M2 Pro's 32K) can only start sessions, which then move to a Mac that holds them and process their
     history there again: it adds the turns the M2 Ultra's seconds it saves would make, at the best rate one
     client's sessions give on average (M2 Ultra seconds saved, the move's cost taken off, over its own
@@ -664,8 +680,8 @@ def verdicts(result: dict[str, Any]) -> list[str]:
     if pool:
         macs = ", ".join(f"{name} {v}" for name, v in pool["turns_per_min_by_mac"].items())
         work = ", ".join(f"{name} {v} s" for name, v in pool["work_s_per_turn"].items())
-        lines.append(f"the Macs can step at most {pool['turns_per_min']} turns a minute ({macs}; "
-                     f"least work a turn: {work})")
+        lines.append(f"the Macs can step about {pool['turns_per_min']} turns a minute ({macs}; "
+                     f"mean least work a turn: {work})")
     return lines
 
 
