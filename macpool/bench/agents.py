@@ -478,11 +478,11 @@ def capacity(shapes: Shapes, lanes: list[list[Session]]) -> dict[str, Any]:
     the time, each turn of ``lanes`` at the least it costs that Mac on average (``Floor.work_s``: its history
     cached, and no step's pass over the weights counted, as if a batch shared it all). An average, not a
     strict bound: a window of a run holds some turns and not others. A Mac that holds every turn completes 60
-    over its mean least work a turn. A Mac too small for a whole session (the
-    M2 Pro's 32K) can only start sessions, which then move to a Mac that holds them and process their
-    history there again: it adds the turns the M2 Ultra's seconds it saves would make, at the best rate one
-    client's sessions give on average (M2 Ultra seconds saved, the move's cost taken off, over its own
-    seconds spent; each session leaving after the turns that give it the best rate)."""
+    over its mean least work a turn. A Mac too small for a whole session (the M2 Pro's 32K) can only start
+    sessions, which then move to a Mac that holds them and process their history there again: it adds the
+    turns the M2 Ultra's seconds it saves would make, at the best rate one client's sessions give on average
+    (M2 Ultra seconds saved, the move's cost taken off, over its own seconds spent; each session leaving
+    after the turns that give it the best rate)."""
     sessions = [s for lane in lanes for s in lane]
     floors = {mac.name: Floors(shapes, load_preset(mac.preset), mac.context) for mac in MACS}
     whole = [mac.name for mac in MACS if all(len(floors[mac.name].of(s)) == len(s.turns) for s in sessions)]

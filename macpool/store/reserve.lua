@@ -357,8 +357,8 @@ local function apply_affinity(best, open, owners)
       and at[o].n / at[o].cap > best.util * req.affinity_rel
     if owner and best and best.weighed then
       -- a session stays on its node while that node can take it and is not much busier: a move processes
-      -- its history again there, holding every stream on that node meanwhile, and leaves the sessions as
-      -- they were; a moment's backlog at home passes
+      -- its history again elsewhere, holding every stream there meanwhile, and lasts for the session's
+      -- life, where a moment's backlog at home passes within a turn or two
       if i == 1 and session and o and o ~= best.c and not busier then
         place(best, o)
         best.util, best.cached = at[o].n / at[o].cap, cached_share(i, owner, owners)
