@@ -96,14 +96,17 @@ def _calibrate(url: str, out: Path) -> dict[str, Any]:
 
 def test_recommended_cap_is_the_measured_saturation_point(stack: Stack, tmp_path: Path) -> None:
     url = _llama_server(stack)
-    # The point is this CPU's at the time: the other alone test finishing between the two sweeps moves it.
-    # So a cap off the point is measured once more, both sweeps again, before it counts.
+    # The point is this CPU's at the time: the other alone test finishing between the two sweeps moves it,
+    # and a busy machine flattens the reference sweep. So a cap off the point, or a sweep with no point
+    # inside it, is measured once more, both sweeps again, before it counts.
     misses = []
     for attempt in (1, 2):
         measured = asyncio.run(_sweep(url))
         point = saturation_point(measured)
         table = " ".join(f"{r.concurrency}:{r.throughput_tok_s:.0f}" for r in measured)
-        assert min(REFERENCE) < point < max(REFERENCE), f"no saturation inside the sweep: {table}"
+        if not min(REFERENCE) < point < max(REFERENCE):
+            misses.append(f"no saturation inside the sweep: {table}")
+            continue
         result = _calibrate(url, tmp_path / f"calibration-{attempt}.json")
         rows = result["rows"]
         assert all(r["completed"] > 0 and r["errors"] == 0 for r in rows), rows
@@ -112,4 +115,4 @@ def test_recommended_cap_is_the_measured_saturation_point(stack: Stack, tmp_path
             return
         calibrated = " ".join(f"{r['concurrency']}:{r['throughput_tok_s']:.0f}" for r in rows)
         misses.append(f"measured {table} -> {point}; calibrate {calibrated}: {result['reason']}")
-    raise AssertionError("the recommended cap missed the saturation point twice:\n" + "\n".join(misses))
+    raise AssertionError("twice no recommended cap at the saturation point:\n" + "\n".join(misses))
