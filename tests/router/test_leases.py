@@ -37,27 +37,28 @@ def test_disconnect_renewal_and_crash(pool: Pool, redis_url: str) -> None:
         "messages": [{"role": "user", "content": "hi"}],
     }
     with httpx.Client(base_url=router.url, timeout=30) as client:
-        # a client that goes away frees the slot on the node within about a second
+        def idle() -> bool:  # the reservation, the agent's cap and the Mac's slot all given back
+            return live() == 0 and node.status()["in_flight"] == 0 and node.stats()["processing"] == 0
+
+        # a client that goes away frees the slot: in the router's reservations, the agent and the Mac
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             chunks = response.iter_raw()  # keep a reference: a collected iterator closes the connection
             next(chunks)
             assert live() == 1
-            left = time.monotonic()
-        wait_until(lambda: live() == 0, timeout=5, interval=0.02)
-        wait_until(lambda: node.stats()["processing"] == 0, timeout=5, interval=0.02)
-        assert time.monotonic() - left < 1.5  # generous for a loaded 2-core machine; typically ~10 ms
+        wait_until(idle, timeout=10, interval=0.02)
 
         # the same for a non-streamed request, and both are counted as the node's
         with pytest.raises(httpx.ReadTimeout):
             client.post("/v1/chat/completions", json={**body, "stream": False},
                         timeout=httpx.Timeout(30, read=0.5))
-        wait_until(lambda: live() == 0, timeout=5, interval=0.02)
+        wait_until(idle, timeout=10, interval=0.02)
         closed = f'macpool_requests_total{{model="{model}",node="n1",status="client_closed"}}'
         wait_until(lambda: metric(router.url, closed) == 2, timeout=5)
 
         # a live stream keeps its lease past the lease time (the renewal loop)
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
             chunks = response.iter_raw()
             next(chunks)
             started = time.monotonic()
@@ -65,11 +66,11 @@ def test_disconnect_renewal_and_crash(pool: Pool, redis_url: str) -> None:
                 next(chunks)
             assert live() == 1
 
-            # kill -9 the router mid-stream: the reservation dies with its lease, nothing leaks
+            # kill -9 the router mid-stream: the reservation lapses with its lease, nothing leaks
             router.child.kill()
-            killed = time.monotonic()
+            expiry = max(score for _, score in store.zrange(slots, 0, -1, withscores=True))
+            assert expiry <= now_ms() + LEASE_S * 1000  # leased, never held for good
             wait_until(lambda: live() == 0, timeout=LEASE_S + 10)
-            assert time.monotonic() - killed <= LEASE_S + 5
     store.close()
 
 
