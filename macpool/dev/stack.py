@@ -17,7 +17,7 @@ import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -135,8 +135,11 @@ class Stack:
         def start(at: int) -> Proc:
             return self.spawn(name, [*prefix, *macpool_argv(*args, "--port", str(at))], at, **options)
 
-        if port is not None:
-            return start(port)
+        return start(port) if port is not None else self.on_free_port(start)
+
+    def on_free_port(self, start: Callable[[int], Proc]) -> Proc:
+        """``start(port)`` on a free port, and on another when a process took that one first (``start``
+        waits until its process serves, or an exit for that reason goes unseen)."""
         for _ in range(PORT_ATTEMPTS - 1):
             port = free_port()
             try:

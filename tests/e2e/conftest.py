@@ -21,7 +21,7 @@ import redis
 from macpool.dev import tiny_model
 from macpool.dev.llama_build import find_llama_server
 from macpool.dev.procs import Child, macpool_argv
-from macpool.dev.stack import Proc, Stack, free_port
+from macpool.dev.stack import Proc, Stack
 from tests.conftest import wait_until as shared_wait_until
 
 PARALLEL = 2
@@ -68,11 +68,14 @@ class RealSetup:
 
     def agent(self, stack: Stack, redis_url: str, node_id: str, parallel: int, ctx_per_slot: int,
               *extra: str, llama_args: tuple[str, ...] = ()) -> Proc:
-        """Start ``agent_argv``'s agent on ``stack``, without waiting: ``/status`` says when it serves."""
-        port = free_port()
-        argv = self.agent_argv(redis_url, node_id, port, parallel, ctx_per_slot, *extra,
-                               llama_args=llama_args)
-        return stack.spawn(f"agent-{node_id}", argv, port, ready="/status", wait=False)
+        """Start ``agent_argv``'s agent on ``stack``, once it serves ``/status`` (its fields say when its
+        llama-server does)."""
+        def start(port: int) -> Proc:
+            argv = self.agent_argv(redis_url, node_id, port, parallel, ctx_per_slot, *extra,
+                                   llama_args=llama_args)
+            return stack.spawn(f"agent-{node_id}", argv, port, ready="/status")
+
+        return stack.on_free_port(start)
 
 
 def real_setup(redis_server: str, tmp_path_factory: pytest.TempPathFactory, name: str) -> RealSetup:
