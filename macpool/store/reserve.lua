@@ -143,13 +143,21 @@ local at, tps, rnd, ttft, decode, prefill, backlog, bcost, known = {}, {}, {}, {
 -- evicts[c]: this request opens a session on candidate c, whose slots all hold other live sessions' caches:
 -- one of them loses its cache to it (and processes its whole prompt again on its next turn)
 local evicts = {}
+-- coming[c]: for a request that opens a session, the other live sessions on candidate c, each expected to send
+-- a turn meanwhile (set by choose)
+local coming = {}
 
-local function other_sessions_fill(node)
+-- how many sessions other than this request's have sent `node` a request within the session window
+local function other_sessions(node)
   local skey, since = sess_key(node.id), now - session_window
   local others = redis.call('ZCOUNT', skey, since, '+inf')
   local mine = tonumber(redis.call('ZSCORE', skey, session))
   if mine and mine >= since then others = others - 1 end
-  return others >= (node.slots > 0 and node.slots or node.cap)
+  return others
+end
+
+local function other_sessions_fill(node)
+  return other_sessions(node) >= (node.slots > 0 and node.slots or node.cap)
 end
 
 local function read_candidates()
@@ -265,11 +273,14 @@ end
 -- processing a prompt holds every stream on the node for that time, which the first token measures); where
 -- it is, the backlog is those prompts, and first tokens, which waited on each other's, would count them
 -- twice. A session it would evict from the node's slots costs about as much prompt processing again, later:
--- counted as this prompt's.
+-- counted as this prompt's. A request that opens a session also waits on the turns the node's other sessions
+-- will send while its long first prompt is processed: a first token's time for each, running or thinking
+-- (without it, every new session goes to the quicker Mac while its sessions think between turns, and the
+-- slower Macs idle once they are back).
 local function expected(c, cached)
   local m = at[c].n + need(gens, at[c].slots)
   local evicted = evicts[c] and prefill[c] or 0
-  local waits = prefill[c] > 0 and 0 or m * ttft[c]
+  local waits = prefill[c] > 0 and (coming[c] or 0) * ttft[c] or m * ttft[c]
   return backlog[c] + waits + uncached_prefill(c, cached) + evicted
     + decode[c] * (1 + bcost[c] * m)
 end
@@ -323,6 +334,9 @@ local function choose(held_back, owners)
   end
   local weighed = measured
   for _, c in pairs(open) do weighed = weighed and prefill[c] > 0 end
+  if session and session_window > 0 and not owners[1] then
+    for _, c in pairs(open) do coming[c] = other_sessions(at[c]) end
+  end
   local cost, held = {}, weighed and held_shares(open, owners) or {}
   for _, c in pairs(open) do cost[c] = measured and expected(c, held[c] or 0) or 0 end
   local b = nil
@@ -523,6 +537,9 @@ local function main()
     reserve(best.id, rid, tenant, now + lease, lease * 2, best.k, best.t)
     track(req.router, rid, best.id, tenant, best.k)
     if me then dequeue(me) end
+    if session and session_window > 0 and owners[1] and owners[1] ~= best.id and sess_key(owners[1]) then
+      redis.call('ZREM', sess_key(owners[1]), session)  -- it moved: its old node no longer counts it
+    end
     remember(best.id)
     return {'reserved', best.id, best.n + best.k, outcome, best.k, best.t, math.floor(best.cached * 1000)}
   end

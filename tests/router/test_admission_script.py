@@ -361,6 +361,45 @@ def test_a_new_session_goes_where_it_evicts_no_other_sessions_cache(store: Store
     assert store.r.zrange(KEYS.sessions("a"), 0, -1) == ["s-four"]
 
 
+def test_a_new_session_counts_the_turns_the_sessions_already_on_a_node_will_send(store: Store) -> None:
+    window = 300_000
+
+    def ask(rid: str, session: str, enqueue: bool = True) -> Reservation:
+        # a is the faster Mac (this prompt takes 10 s there, 14 s on b); a turn there takes about 3 s to a
+        # first token; both have a slot for every session
+        candidates = [Candidate("a", 10.0, ttft_s=3.0, decode_s=2.0, prefill_s=10.0),
+                      Candidate("b", 10.0, ttft_s=3.0, decode_s=2.0, prefill_s=14.0)]
+        answer = store.ask(rid, candidates, prefixes=(f"s-{session}", f"{session}-1"),
+                           prefix_shares=(-1.0, 1.0), batch_cost=0.175, session_window_ms=window,
+                           enqueue=enqueue)
+        store.release(rid, answer.node_id)  # the turn is over: its session thinks, and comes back
+        store.tick()
+        return answer
+
+    def sessions(node: str) -> list[str]:
+        return sorted(store.r.zrange(KEYS.sessions(node), 0, -1))
+
+    store.node("a", 8, slots=8)
+    store.node("b", 8, slots=8)
+    assert ask("one", "one").node_id == "a"
+    # one session on a: its next turn (3 s) will come while this one's 10 s prompt is processed there, which
+    # still answers sooner than b
+    assert ask("two", "two").node_id == "a"
+    # two sessions on a, 6 s of turns to come: b answers sooner
+    assert ask("three", "three").node_id == "b"
+    # sessions that sent nothing for the window count no more: a again
+    store.tick(window + 1)
+    assert ask("four", "four").node_id == "a"
+    # a session that has a node stays there: the rule is for sessions that open
+    assert ask("one-again", "one").node_id == "a"
+    # a session that moves (its node full) counts where it runs now, no longer where it ran
+    store.node("a", 2, slots=8)
+    store.ask("busy-1", ["a"])
+    store.ask("busy-2", ["a"])
+    assert ask("one-moves", "one", enqueue=False).node_id == "b"
+    assert sessions("a") == ["s-four"] and sessions("b") == ["s-one"]
+
+
 def test_affinity_memory_is_bounded_least_recently_used_first(store: Store) -> None:
     store.node("a", 100)
     for i in range(10):
