@@ -140,24 +140,18 @@ end
 -- prompts sent there that it has not finished processing, in seconds; bcost: how much each request running
 -- there slows its decode)
 local at, tps, rnd, ttft, decode, prefill, backlog, bcost, known = {}, {}, {}, {}, {}, {}, {}, {}, {}
--- evicts[c]: this request opens a session on candidate c, whose slots all hold other live sessions' caches:
--- one of them loses its cache to it (and processes its whole prompt again on its next turn)
-local evicts = {}
--- coming[c]: for a request that opens a session, the other live sessions on candidate c, each expected to send
--- a turn meanwhile (set by choose)
-local coming = {}
+-- others[c]: how many sessions other than this request's sent candidate c a request within the session window
+-- (for a request of a session); evicts[c]: they hold every slot's cache there, so this session would take one
+-- of them (which then processes its whole prompt again on its next turn); opening: this request opens its
+-- session (no node holds it yet: set by choose)
+local others, evicts, opening = {}, {}, false
 
--- how many sessions other than this request's have sent `node` a request within the session window
 local function other_sessions(node)
   local skey, since = sess_key(node.id), now - session_window
-  local others = redis.call('ZCOUNT', skey, since, '+inf')
+  local count = redis.call('ZCOUNT', skey, since, '+inf')
   local mine = tonumber(redis.call('ZSCORE', skey, session))
-  if mine and mine >= since then others = others - 1 end
-  return others
-end
-
-local function other_sessions_fill(node)
-  return other_sessions(node) >= (node.slots > 0 and node.slots or node.cap)
+  if mine and mine >= since then count = count - 1 end
+  return count
 end
 
 local function read_candidates()
@@ -170,7 +164,10 @@ local function read_candidates()
       tps[c], rnd[c], ttft[c], decode[c] = cand.tokens_per_s, cand.tie, cand.ttft, cand.decode
       prefill[c], backlog[c] = cand.prefill or 0, cand.backlog or 0
       bcost[c] = (cand.batch_cost or 0) > 0 and cand.batch_cost or req.batch_cost
-      evicts[c] = session ~= nil and session_window > 0 and other_sessions_fill(at[c])
+      if session ~= nil and session_window > 0 then
+        others[c] = other_sessions(at[c])
+        evicts[c] = others[c] >= (at[c].slots > 0 and at[c].slots or at[c].cap)
+      end
     end
   end
 end
@@ -280,7 +277,7 @@ end
 local function expected(c, cached)
   local m = at[c].n + need(gens, at[c].slots)
   local evicted = evicts[c] and prefill[c] or 0
-  local waits = prefill[c] > 0 and (coming[c] or 0) * ttft[c] or m * ttft[c]
+  local waits = prefill[c] > 0 and (opening and others[c] or 0) * ttft[c] or m * ttft[c]
   return backlog[c] + waits + uncached_prefill(c, cached) + evicted
     + decode[c] * (1 + bcost[c] * m)
 end
@@ -334,9 +331,7 @@ local function choose(held_back, owners)
   end
   local weighed = measured
   for _, c in pairs(open) do weighed = weighed and prefill[c] > 0 end
-  if session and session_window > 0 and not owners[1] then
-    for _, c in pairs(open) do coming[c] = other_sessions(at[c]) end
-  end
+  opening = session ~= nil and session_window > 0 and not owners[1]
   local cost, held = {}, weighed and held_shares(open, owners) or {}
   for _, c in pairs(open) do cost[c] = measured and expected(c, held[c] or 0) or 0 end
   local b = nil
