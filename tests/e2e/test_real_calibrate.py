@@ -97,10 +97,11 @@ def _calibrate(url: str, out: Path) -> dict[str, Any]:
 def test_recommended_cap_is_the_measured_saturation_point(stack: Stack, tmp_path: Path) -> None:
     url = _llama_server(stack)
     # The point is this CPU's at the time: the other alone test finishing between the two sweeps moves it,
-    # and a busy machine flattens the reference sweep. So a cap off the point, or a sweep with no point
-    # inside it, is measured once more, both sweeps again, before it counts.
+    # and a busy machine flattens the reference sweep or lowers a level of calibrate's shorter one. So a cap
+    # off the point, or a sweep with no point inside it, is measured again, both sweeps, up to three times
+    # before it counts.
     misses = []
-    for attempt in (1, 2):
+    for attempt in (1, 2, 3):
         measured = asyncio.run(_sweep(url))
         point = saturation_point(measured)
         table = " ".join(f"{r.concurrency}:{r.throughput_tok_s:.0f}" for r in measured)
@@ -115,4 +116,4 @@ def test_recommended_cap_is_the_measured_saturation_point(stack: Stack, tmp_path
             return
         calibrated = " ".join(f"{r['concurrency']}:{r['throughput_tok_s']:.0f}" for r in rows)
         misses.append(f"measured {table} -> {point}; calibrate {calibrated}: {result['reason']}")
-    raise AssertionError("twice no recommended cap at the saturation point:\n" + "\n".join(misses))
+    raise AssertionError("three times no recommended cap at the saturation point:\n" + "\n".join(misses))
