@@ -119,7 +119,8 @@ class _Serving(CommandSettings):
     session_ttl: float = Field(
         default=300.0, ge=0,
         description="seconds a coding-agent session that sent no turn still counts as holding a slot's "
-        "cache on its Mac: a new session goes where it evicts none if it can (0: not counted)",
+        "cache on its Mac, and as a turn to come there: a new session goes where it evicts none if it can, "
+        "and weighs the turns each Mac's sessions will send (0: not counted)",
     )
 
     # placement (router/placement.py)
