@@ -466,10 +466,10 @@ class Forwarder:
             which = "first-byte" if call.stream else "response"
             return call.error(504, f"the node did not answer within the {which} timeout", "upstream_timeout")
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
-            if upstream is not None:
-                return self._failed_before_first_byte(call, node.node_id, upstream, exc)
-            # the connection died before any answer (typically a keep-alive connection an agent closed as it
-            # shut down): nothing reached the client, so another node may take the request
+            # the connection died before the answer's first byte (typically a keep-alive connection an agent
+            # closed as it shut down, or an agent killed between its answer's head and body): nothing reached
+            # the client, so another node may take the request
+            http.close(upstream)
             self._upstream_error(node.node_id, "reset")
             log.warning("node %s: %s before an answer; trying another node", node.node_id, type(exc).__name__,
                         extra=_ids(node.node_id, call))
