@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from redis.asyncio import Redis as AsyncRedis
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
+from macpool.contract import NodeDoc, now_ms
+from macpool.store import Store
+from tests import stand_in
 from tests.conftest import chat, metric
+from tests.inprocess import LocalStack
 from tests.router.conftest import AGENT_TOKEN, Pool, queued, wait_until
 
 
@@ -152,3 +162,40 @@ def test_an_agent_that_has_not_yet_seen_a_slot_freed_is_asked_again_before_the_r
     assert answers and answers[0].status_code == 200, answers[0].text if answers else answers
     assert answers[0].headers["x-macpool-node"] == "a"
     assert not metric(router.url, 'macpool_upstream_errors_total{kind="node_full",node="a"}')
+
+
+async def _head_then_die(request: Request) -> Response:
+    async def body() -> AsyncIterator[bytes]:
+        raise RuntimeError("the agent is killed here")  # uvicorn has sent the head: it drops the connection
+        yield b""  # (a generator)
+
+    return StreamingResponse(body(), media_type="application/json")
+
+
+@pytest.mark.in_process
+def test_a_node_that_dies_between_its_answers_head_and_body_is_failed_over(
+        pool: Pool, local_stack: LocalStack, redis_url: str) -> None:
+    live = pool.node("live", cap=4, speed=1)
+    router = pool.router("--queue-size", "0", "--placement", "least-utilised")
+    pool.wait_ready(router, nodes=1)
+    model = pool.model(router)
+    # a node whose "agent" answers a status line and headers, then its connection is gone; it looks the
+    # faster of two idle nodes, so it is tried first
+    dying = local_stack.serve("dying", stand_in.app("dying", [
+        Route("/v1/chat/completions", _head_then_die, methods=["POST"])]))
+
+    async def register() -> None:
+        client = AsyncRedis.from_url(redis_url)
+        doc = NodeDoc(node_id="dying", url=dying.url, models=[model], capacity=4, total_slots=4,
+                      state="ready", tokens_per_s=10_000.0, updated_at_ms=now_ms())
+        await Store(client).heartbeat(doc, 600_000)
+        await client.aclose()
+
+    asyncio.run(register())
+    pool.wait_ready(router, nodes=2)
+    with httpx.Client(base_url=router.url, timeout=30) as client:
+        answer = client.post("/v1/chat/completions", json=chat(model, 4, stream=False))
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-macpool-node"] == live.node_id
+    reset = 'macpool_upstream_errors_total{kind="reset",node="dying"}'
+    assert metric(router.url, reset) == 1
